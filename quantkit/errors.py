@@ -1,0 +1,75 @@
+"""Every quantkit error, in one module.
+
+One root, :class:`QuantkitError`; each subclass also inherits the builtin it refines so callers that catch
+``ValueError`` or ``EOFError`` keep working.  Errors carry the fields that locate the problem (path, tensor,
+offset, field) and their message says what was being read, what was expected and what was found.
+The CLI maps these types to one-line messages and exit codes (see ``quantkit.cli``).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+
+class QuantkitError(Exception):
+    """Root of every error quantkit raises on purpose."""
+
+    def __init__(self, message: str, *, path: str | Path | None = None, tensor: str | None = None,
+                 offset: int | None = None, field: str | None = None):
+        self.path = str(path) if path is not None else None
+        self.tensor = tensor
+        self.offset = offset
+        self.field = field
+        self.detail = message
+        super().__init__(self._render(message))
+
+    def _render(self, message: str) -> str:
+        where = []
+        if self.path is not None:
+            where.append(self.path)
+        if self.tensor is not None:
+            where.append(f"tensor {self.tensor!r}")
+        if self.offset is not None:
+            where.append(f"offset {self.offset}")
+        if self.field is not None:
+            where.append(f"field {self.field!r}")
+        return f"{': '.join(where)}: {message}" if where else message
+
+
+class SourceError(QuantkitError, ValueError):
+    """A source checkpoint (safetensors, config, index) is missing, inconsistent or malformed."""
+
+
+class MissingSourceError(SourceError, FileNotFoundError):
+    """A file, shard or tensor that the source refers to does not exist."""
+
+
+class FormatError(QuantkitError, ValueError):
+    """A container or numeric format was violated (bad header, bad type id, bad block)."""
+
+
+class TruncatedFileError(FormatError, EOFError):
+    """A file ended before the structure it declares."""
+
+
+class UnsupportedError(QuantkitError, NotImplementedError):
+    """A valid request quantkit does not implement (an encoder for a type, an architecture)."""
+
+
+class EncodeError(QuantkitError, ValueError):
+    """Input to an encoder is unusable: NaN/Inf, bad imatrix, row length not a multiple of the block."""
+
+
+class RecipeError(QuantkitError, ValueError):
+    """A recipe is malformed or does not resolve to one type per tensor."""
+
+
+class ValidationError(QuantkitError, ValueError):
+    """An artifact does not match its source, recipe or format."""
+
+
+class FixtureError(QuantkitError, ValueError):
+    """A scoring fixture is incomplete, inconsistent or belongs to another checkpoint."""
+
+
+class OutputExistsError(QuantkitError, FileExistsError):
+    """The output file exists and overwriting was not requested."""

@@ -1,0 +1,1 @@
+"""Helpers for tests and benchmarks: the ggml reference through ctypes, tiny model builders."""
