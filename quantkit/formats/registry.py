@@ -10,7 +10,7 @@ fast ones (numba), plus how it uses an importance matrix.  The family modules ar
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Optional
 
 import numpy as np
@@ -77,8 +77,19 @@ def _family_formats() -> dict[GGMLType, QuantFormat]:
             if fmt.qtype in declared:
                 raise RuntimeError(f"GGML type {fmt.qtype.name} declared twice (second in {family.__name__})")
             declared[fmt.qtype] = fmt
+    # Fast decoders live in one numba module for every type; a family may still name its own.
+    from ..kernels.dequant import FAST_DECODERS
+
+    formats = {}
     # Every type gguf-py knows is listed; the ones no family implements can still be decoded through gguf-py.
-    return {t: declared.get(t, QuantFormat(t)) for t in GGMLType if t in GGML_QUANT_SIZES}
+    for t in GGMLType:
+        if t not in GGML_QUANT_SIZES:
+            continue
+        fmt = declared.get(t, QuantFormat(t))
+        if fmt.decode_fast is None and t in FAST_DECODERS:
+            fmt = replace(fmt, decode_fast=FAST_DECODERS[t])
+        formats[t] = fmt
+    return formats
 
 
 _FORMATS: dict[GGMLType, QuantFormat] | None = None

@@ -1,0 +1,2 @@
+"""placeholder: numba decoders, filled by the decoder work."""
+FAST_DECODERS = {}
