@@ -73,3 +73,7 @@ class FixtureError(QuantkitError, ValueError):
 
 class OutputExistsError(QuantkitError, FileExistsError):
     """The output file exists and overwriting was not requested."""
+
+
+class StateError(QuantkitError, RuntimeError):
+    """An object was used out of order (e.g. a writer asked for payloads before its header was written)."""
