@@ -377,7 +377,7 @@ def test_writer_states_are_enforced_and_named(tmp_path):
     w.write_header()
     with pytest.raises(StateError, match=r"write_header\(\) needs the writer in state 'layout"):
         w.write_header()
-    with pytest.raises(FormatError, match=r"resume\(\) needs"):
+    with pytest.raises(StateError, match=r"resume\(\) needs"):
         w.resume()
     for name, payload in PAYLOADS.items():
         w.write_tensor(name, payload)
