@@ -385,7 +385,7 @@ def test_writer_states_are_enforced_and_named(tmp_path):
         w.write_tensor("f32.weight", PAYLOADS["f32.weight"])
     w.finish()
     assert w.state is WriterState.FINISHED
-    with pytest.raises(FormatError, match="but it is 'finished'"):
+    with pytest.raises(StateError, match="but it is 'finished'"):
         w.write_tensor("f32.weight", PAYLOADS["f32.weight"])
 
 
