@@ -102,15 +102,22 @@ def all_formats() -> dict[GGMLType, QuantFormat]:
     return _FORMATS
 
 
+def _lookup(qtype: "GGMLType | int | str") -> GGMLType:
+    try:
+        key = GGMLType[qtype.upper()] if isinstance(qtype, str) else GGMLType(int(qtype))
+        if key in GGML_QUANT_SIZES:
+            return key
+    except (KeyError, ValueError):
+        pass
+    known = ", ".join(t.name for t in GGMLType if t in GGML_QUANT_SIZES)
+    raise UnsupportedError(f"unknown GGML type {qtype!r}; known types: {known}")
+
+
 def get_format(qtype: "GGMLType | int | str") -> QuantFormat:
     """Look a type up by enum, wire id or name (case-insensitive); a miss lists what exists."""
-    formats = all_formats()
-    try:
-        if isinstance(qtype, str):
-            key = GGMLType[qtype.upper()]
-        else:
-            key = GGMLType(int(qtype))
-        return formats[key]
-    except (KeyError, ValueError):
-        known = ", ".join(t.name for t in formats)
-        raise UnsupportedError(f"unknown GGML type {qtype!r}; known types: {known}") from None
+    return all_formats()[_lookup(qtype)]
+
+
+def layout(qtype: "GGMLType | int | str") -> QuantFormat:
+    """A type's block geometry without its codecs: cheap, and independent of the kernels (readers use this)."""
+    return QuantFormat(_lookup(qtype))

@@ -347,4 +347,9 @@ def open_checkpoint(path: str | os.PathLike, *, max_header_bytes: int = DEFAULT_
         found = sorted(p.name for p in path.glob("*.safetensors"))
         raise MissingSourceError(f"neither {INDEX_NAME} nor {SINGLE_NAME} in the directory (safetensors files "
                                  f"present: {found or 'none'})", path=path)
-    return Checkpoint(path, config, hf_quant, config_path.is_file(), files, where)
+    try:
+        return Checkpoint(path, config, hf_quant, config_path.is_file(), files, where)
+    except BaseException:
+        for f in files:  # a rejected checkpoint must not keep its shards mapped
+            f.close()
+        raise

@@ -19,7 +19,7 @@ Layout (little-endian throughout; quantkit neither reads nor writes the big-endi
                      u32 n_dims        1..4
                      u64 dims[n_dims]  ggml order: dims[0] is the row length, so the numpy shape is dims reversed;
                                        dims[0] MUST be a multiple of the type's block size
-                     u32 type          a ggml type id (``quantkit.formats.get_format``)
+                     u32 type          a ggml type id (``quantkit.formats.registry.layout``)
                      u64 offset        relative to the data section; a multiple of the alignment
     pad            zero bytes up to the next multiple of the alignment
     data           the data section: tensor payloads at their offsets
@@ -49,7 +49,7 @@ import numpy as np
 from gguf.constants import GGUF_DEFAULT_ALIGNMENT, GGUFValueType
 
 from ..errors import FormatError, UnsupportedError
-from ..formats.registry import GGMLType, QuantFormat, get_format
+from ..formats.registry import GGMLType, QuantFormat, layout
 
 MAGIC = b"GGUF"
 WRITE_VERSION = 3
@@ -165,7 +165,7 @@ class GGUFTensor:
 
     @property
     def row_bytes(self) -> int:
-        return get_format(self.type).row_bytes(self.shape[-1])
+        return layout(self.type).row_bytes(self.shape[-1])
 
 
 def check_tensor_name(raw: bytes, **where) -> str:
@@ -206,7 +206,7 @@ def check_tensor_geometry(name: str, shape: tuple[int, ...], type_id: int, **whe
 def _type_format(type_id: int, **where) -> QuantFormat:
     """The format of a ggml type id; an unknown id is a :class:`FormatError` (the file is not one we can read)."""
     try:
-        return get_format(int(type_id))
+        return layout(int(type_id))
     except UnsupportedError as exc:
         raise FormatError(exc.detail, **where) from None
 

@@ -45,7 +45,7 @@ import numpy as np
 from gguf.constants import GGUFValueType
 
 from ..errors import FormatError, MissingSourceError, OutputExistsError, StateError, ValidationError
-from ..formats.registry import GGMLType, get_format
+from ..formats.registry import GGMLType, layout
 from .atomic import HASH_CHUNK_BYTES, fsync_path
 from .gguf import (ALIGNMENT_KEY, KV, MAGIC, SCALAR_DTYPES, WRITE_VERSION, ArrayOf, GGUFTensor, align,
                    check_alignment, check_tensor_geometry, check_tensor_name, type_name)
@@ -242,7 +242,7 @@ def plan_layout(metadata: Mapping[str, Any] | Iterable[tuple[str, Any]],
             shape = tuple(operator.index(d) for d in shape)
         except TypeError:
             raise FormatError(f"shape {shape!r} must be a sequence of integers", tensor=name) from None
-        qtype, nbytes = check_tensor_geometry(name, shape, get_format(qtype).qtype)
+        qtype, nbytes = check_tensor_geometry(name, shape, layout(qtype).qtype)
         planned[name] = GGUFTensor(name, shape, qtype, offset, nbytes)
         info_bytes.append(_U64.pack(len(raw_name)) + raw_name + _U32.pack(len(shape))
                           + struct.pack(f"<{len(shape)}Q", *reversed(shape)) + _U32.pack(qtype) + _U64.pack(offset))
