@@ -9,15 +9,16 @@ from __future__ import annotations
 import numpy as np
 
 from ..errors import EncodeError, FormatError, UnsupportedError
-from .registry import GGMLType, ImatrixUse, QuantFormat, get_format
+from .registry import GGMLType, ImatrixUse, QuantFormat, get_format, layout
 
 
-def tensor_nbytes(qtype: "GGMLType | int | str", shape: tuple[int, ...]) -> int:
-    """Bytes of a tensor of numpy ``shape`` (last axis = row) stored as ``qtype``."""
-    fmt = get_format(qtype)
+def tensor_nbytes(qtype: "GGMLType | int | str", shape: tuple[int, ...], *, error=EncodeError) -> int:
+    """Bytes of a tensor of numpy ``shape`` (last axis = row) stored as ``qtype``; ``error`` is raised for a row
+    length that is not a multiple of the block (an EncodeError when planning, a FormatError when reading)."""
+    fmt = layout(qtype)
     n_per_row = int(shape[-1]) if shape else 1
     if n_per_row % fmt.block_size:
-        raise EncodeError(f"row length {n_per_row} is not a multiple of {fmt.name}'s block size {fmt.block_size}")
+        raise error(f"row length {n_per_row} is not a multiple of {fmt.name}'s block size {fmt.block_size}")
     rows = int(np.prod(shape[:-1], dtype=np.int64)) if len(shape) > 1 else 1
     return rows * fmt.row_bytes(n_per_row)
 
@@ -100,7 +101,7 @@ def decode(data, qtype: "GGMLType | int | str", shape: tuple[int, ...], *, refer
     """Decode raw bytes of a tensor of numpy ``shape`` stored as ``qtype`` into float32 of that shape."""
     fmt = get_format(qtype)
     shape = tuple(int(s) for s in shape)
-    nbytes = tensor_nbytes(fmt.qtype, shape)
+    nbytes = tensor_nbytes(fmt.qtype, shape, error=FormatError)
     raw = np.frombuffer(memoryview(data).cast("B"), dtype=np.uint8) if not isinstance(data, np.ndarray) \
         else data.reshape(-1).view(np.uint8)
     if raw.size != nbytes:
