@@ -1,5 +1,8 @@
 """The ``quantkit`` command: thin.  Parse arguments, call the library, print, map errors to exit codes.
 
+Each command group lives in its own module of this package (``quantkit.cli.<name>``) and is attached to
+:func:`main` in :data:`COMMAND_MODULES`, listed explicitly.
+
 Exit codes: 0 success; 1 a check failed (validation found a difference); 2 unreadable or malformed input, or a
 usage error; 3 a requested capability is not implemented.  Library errors print as one line; set
 ``QUANTKIT_DEBUG=1`` to see the traceback.
@@ -12,8 +15,8 @@ import sys
 
 import click
 
-from . import __version__
-from .errors import (FixtureError, FormatError, OutputExistsError, QuantkitError, RecipeError, SourceError,
+from .. import __version__
+from ..errors import (FixtureError, FormatError, OutputExistsError, QuantkitError, RecipeError, SourceError,
                      UnsupportedError, ValidationError)
 
 # One table: exception type -> (exit code, hint).  First match wins, so subclasses come first.
@@ -70,7 +73,7 @@ def main():
 @click.option("--all", "show_all", is_flag=True, help="list every tensor (default: summarize long tables)")
 def inspect(path, as_json, show_all):
     """Show what is inside a GGUF file or a safetensors checkpoint."""
-    from .inspect import describe, render
+    from ..inspect import describe, render
 
     report = describe(path)
     if as_json:
@@ -82,13 +85,27 @@ def inspect(path, as_json, show_all):
 @main.command()
 def demo():
     """Run the main job on the bundled example model."""
-    from .examples import example_model_dir
-    from .inspect import describe, render
+    from ..examples import example_model_dir
+    from ..inspect import describe, render
 
     path = example_model_dir()
     click.echo(f"bundled example: {path}")
     click.echo(render(describe(path)))
 
+
+# Modules that define extra commands, each exporting ``COMMANDS`` (a list of click commands or groups).
+COMMAND_MODULES: tuple[str, ...] = ()
+
+
+def _attach_commands() -> None:
+    import importlib
+
+    for module_name in COMMAND_MODULES:
+        for command in importlib.import_module(f"{__name__}.{module_name}").COMMANDS:
+            main.add_command(command)
+
+
+_attach_commands()
 
 if __name__ == "__main__":
     main()

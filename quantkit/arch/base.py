@@ -1,0 +1,634 @@
+"""The machinery behind the architecture tables: rules, mappings, output plans and GGUF metadata entries.
+
+An architecture module (``deepseek_v4``, ``glm5_next``, ...) is data: an :class:`Arch` whose ``rules`` map
+Hugging Face tensor names to GGUF tensor names, a tensor class and the transform steps of
+:mod:`quantkit.arch.transforms`, plus the functions that normalize its ``config.json``, check its constraints and
+derive its GGUF metadata.  This module interprets those tables.
+
+Name resolution (:meth:`ArchMap.resolve`)
+    1. ``aliases`` (regex, replacement) rewrite layout variants onto the names the rules are written for (e.g. the
+       ``model.language_model.`` prefix of vision-language checkpoints, or transformers' renamed DeepSeek V4 keys).
+    2. The first rule whose pattern matches the whole name, and whose ``when`` condition holds, claims it.
+       Patterns are literal names with placeholders: ``{L}`` layer, ``{E}`` expert, ``{S}`` shard, ``{*}`` anything.
+    3. A name no rule claims may be a quantization companion of a claimed weight (``.scale``,
+       ``.weight_scale_inv``, NVFP4 scales, ...): it resolves like its weight, with ``role`` naming the companion.
+    4. Anything else is a :class:`~quantkit.errors.SourceError`.
+
+A rule has zero or more targets.  Zero targets means the tensor is claimed but not written (vision towers, MTP
+blocks llama.cpp does not load, hash constants that become metadata); the rule says why.  Several targets mean one
+source tensor feeds several GGUF tensors (MLA ``kv_b`` -> ``attn_k_b`` and ``attn_v_b``; a fused 3-D ``gate_up``
+-> ``ffn_gate_exps`` and ``ffn_up_exps``), each with its own transform.
+
+A GGUF tensor is built from one source, or from one source per expert (stacked on a new leading axis, expert
+order), or from one source per shard (concatenated along rows, shard order): :meth:`ArchMap.outputs` groups,
+checks and sizes them; :meth:`ArchMap.assemble` builds one.
+
+Metadata entries are ``(key, KV(value, type))`` pairs with the types of :mod:`quantkit.io.gguf`.  A key set twice
+keeps its first position and takes the last value, as gguf-py's writer does.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable, Iterable, Mapping, Sequence
+
+import numpy as np
+from gguf.constants import GGUFValueType
+
+from ..errors import QuantkitError, SourceError
+from ..io.gguf import KV, ArrayOf
+from . import transforms
+
+Shape = tuple[int, ...]
+Hparams = dict[str, Any]
+
+#: Every tensor class a rule may name, with what it covers.  Recipes select tensors by these names.
+TENSOR_CLASSES: Mapping[str, str] = {
+    "token_embd": "input token embedding table",
+    "output": "output head (lm_head)",
+    "norm": "RMS/layer norm weights and biases",
+    "routed_gate": "routed experts' gate projection (w1), stacked [experts, ff, embd]",
+    "routed_up": "routed experts' up projection (w3), stacked [experts, ff, embd]",
+    "routed_down": "routed experts' down projection (w2), stacked [experts, embd, ff]",
+    "shared_expert": "shared experts' gate/up/down projections",
+    "dense_ffn": "dense (non-MoE) layers' gate/up/down projections",
+    "router": "expert router (gate) weights and the shared-expert gate",
+    "bias": "expert score-correction (routing) biases and projection biases",
+    "hash_routing": "token id -> expert id tables of hash-routed layers (I32)",
+    "attn_q": "attention query projections (q, q_a, q_b)",
+    "attn_kv": "attention key/value projections (k, v, kv_a, k_b, v_b, wkv)",
+    "attn_output": "attention output projections (o, wo_a, wo_b)",
+    "sinks": "attention sink logits",
+    "compressor": "compressed-attention key/value and gate projections",
+    "ape": "learned absolute position biases of compressors and k-pools",
+    "indexer": "sparse-attention indexer projections",
+    "kda_qk": "KDA linear attention q and k projections",
+    "kda_v": "KDA linear attention v projection",
+    "kda_output": "KDA linear attention output projection",
+    "kda_gate": "KDA forget/output gate low-rank projections and beta projection",
+    "gdn_qkv": "gated delta net fused q/k/v input projection",
+    "gdn_gate": "gated delta net output gate (z) projection",
+    "gdn_ab": "gated delta net alpha/beta projections",
+    "gdn_output": "gated delta net output projection",
+    "conv": "short (causal) convolution kernels",
+    "ssm_param": "recurrent decay parameters (A, dt bias)",
+    "hc": "hyper-connection (mHC) mixing weights, biases, scales and norms",
+    "ple": "per-layer n-gram embedding key/value projections",
+    "ngram_table": "per-layer n-gram (PLE) embedding table",
+    "mtp": "multi-token-prediction (NextN) block tensors",
+    "vision": "vision tower and projector (not part of the text GGUF)",
+    "metadata": "tensors whose values are written as GGUF metadata",
+    "quant_aux": "quantization side tensors no GGUF tensor needs (kv-cache scales)",
+}
+
+#: Names recipes may use for several classes at once.
+CLASS_GROUPS: Mapping[str, frozenset[str]] = {
+    "routed_experts": frozenset({"routed_gate", "routed_up", "routed_down"}),
+    "attn_proj": frozenset({"attn_q", "attn_kv", "attn_output"}),
+    "kda": frozenset({"kda_qk", "kda_v", "kda_output", "kda_gate"}),
+    "gdn": frozenset({"gdn_qkv", "gdn_gate", "gdn_ab", "gdn_output"}),
+    "linear_attn": frozenset({"kda_qk", "kda_v", "kda_output", "kda_gate",
+                              "gdn_qkv", "gdn_gate", "gdn_ab", "gdn_output"}),
+    "ffn": frozenset({"dense_ffn", "shared_expert", "routed_gate", "routed_up", "routed_down"}),
+}
+
+#: Quantization companions: (suffix, suffix of the weight it belongs to, role).  Tried only for names no rule
+#: claims, longest suffix first.  The two NVFP4 global-scale conventions get different roles on purpose: ModelOpt's
+#: ``weight_scale_2`` multiplies, compressed-tensors' ``weight_global_scale`` divides.
+COMPANIONS: tuple[tuple[str, str, str], ...] = (
+    (".weight_global_scale", ".weight", "global_scale_divisor"),
+    (".input_global_scale", ".weight", "input_scale_divisor"),
+    (".weight_scale_inv", ".weight", "block_scale"),
+    (".weight_scale_2", ".weight", "global_scale"),
+    (".weight_packed", ".weight", "weight"),          # compressed-tensors names the packed weight itself so
+    (".weight_shape", ".weight", "packed_shape"),
+    (".weight_scale", ".weight", "block_scale"),
+    (".input_scale", ".weight", "input_scale"),
+    (".scale", ".weight", "block_scale"),
+)
+
+_PLACEHOLDERS = {"{L}": r"(?P<layer>\d+)", "{E}": r"(?P<expert>\d+)", "{S}": r"(?P<shard>\d+)", "{*}": r".+"}
+_PLACEHOLDER_SPLIT = re.compile(r"(\{L\}|\{E\}|\{S\}|\{\*\})")
+
+
+def compile_pattern(pattern: str) -> re.Pattern:
+    """A literal tensor-name template with placeholders -> an anchored regex."""
+    parts = _PLACEHOLDER_SPLIT.split(pattern)
+    return re.compile("".join(_PLACEHOLDERS.get(p, re.escape(p)) for p in parts))
+
+
+@dataclass(frozen=True)
+class Target:
+    """One GGUF tensor a source feeds: name template (``{layer}``), class and transform steps."""
+
+    gguf: str
+    tensor_class: str
+    steps: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Rule:
+    """Source names matching ``pattern`` (and ``when``) feed ``targets``; no targets: claimed, not written."""
+
+    pattern: str
+    targets: tuple[Target, ...]
+    tensor_class: str
+    when: str | None = None
+    dropped: str | None = None
+    regex: re.Pattern = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        # a malformed table is a bug in quantkit, reported when the architecture module is imported
+        if self.tensor_class not in TENSOR_CLASSES:
+            raise QuantkitError(f"rule {self.pattern!r}: unknown tensor class {self.tensor_class!r}")
+        for target in self.targets:
+            if target.tensor_class not in TENSOR_CLASSES:
+                raise QuantkitError(f"rule {self.pattern!r}: unknown tensor class {target.tensor_class!r}")
+            for step in target.steps:
+                transforms.get_step(step)
+        if bool(self.targets) == bool(self.dropped):
+            raise QuantkitError(f"rule {self.pattern!r}: give targets or a drop reason, not both")
+        object.__setattr__(self, "regex", compile_pattern(self.pattern))
+
+
+def rule(pattern: str, gguf: str, tensor_class: str, *steps: str, when: str | None = None) -> Rule:
+    """One source -> one GGUF tensor."""
+    return Rule(pattern, (Target(gguf, tensor_class, tuple(steps)),), tensor_class, when)
+
+
+def split(pattern: str, *targets: Target, when: str | None = None) -> Rule:
+    """One source -> several GGUF tensors, each with its own transform."""
+    return Rule(pattern, tuple(targets), targets[0].tensor_class, when)
+
+
+def drop(pattern: str, tensor_class: str, reason: str, when: str | None = None) -> Rule:
+    """A source tensor that is claimed but not written, and why."""
+    return Rule(pattern, (), tensor_class, when, reason)
+
+
+#: Tensors llama.cpp's converter discards for every architecture (buffers recomputed at load).
+COMMON_DROPS: tuple[Rule, ...] = (
+    drop("{*}.rotary_emb.inv_freq", "metadata", "recomputed from the rope metadata"),
+    drop("{*}.attention.masked_bias", "metadata", "attention mask buffer"),
+    drop("{*}.k_scale", "quant_aux", "kv-cache quantization scale, unused in GGUF"),
+    drop("{*}.v_scale", "quant_aux", "kv-cache quantization scale, unused in GGUF"),
+)
+
+
+@dataclass(frozen=True)
+class TensorMapping:
+    """Where one source tensor goes: a GGUF tensor (``gguf_name`` None: claimed but not written)."""
+
+    hf_name: str
+    gguf_name: str | None
+    tensor_class: str
+    layer: int | None
+    expert: int | None
+    shard: int | None
+    transform: tuple[str, ...]
+    role: str = "weight"
+    """``weight``, or the companion role (``block_scale``, ``global_scale``, ...) decoded together with it."""
+    dropped: str | None = None
+    """Why a claimed tensor is not written."""
+
+
+@dataclass(frozen=True)
+class OutputTensor:
+    """One GGUF tensor of the plan: name, class, numpy-order shape, dtype and the sources that build it."""
+
+    gguf_name: str
+    tensor_class: str
+    layer: int | None
+    shape: Shape
+    dtype: str
+    sources: tuple[TensorMapping, ...]
+    """One mapping, or one per expert (expert order), or one per shard (shard order)."""
+    assembly: str
+    """``single``, ``stack_experts`` or ``concat_shards``."""
+
+
+Condition = Callable[[Hparams, Mapping[str, int]], bool]
+
+
+@dataclass(frozen=True)
+class Arch:
+    """One architecture's tables and functions; :meth:`bind` a config to use them."""
+
+    model_type: str
+    gguf_arch: str
+    rules: tuple[Rule, ...]
+    normalize: Callable[[Mapping[str, Any]], Hparams]
+    """config.json (as a dict) -> hyperparameters with transformers' defaults and the derived keys."""
+    check: Callable[[Hparams], None]
+    """Raise SourceError naming the config key when llama.cpp cannot run this configuration."""
+    metadata: Callable[["MetadataBuilder", Hparams, "MetadataInputs"], None]
+    block_count: Callable[[Hparams], int]
+    expert_count: Callable[[Hparams], int]
+    aliases: tuple[tuple[str, str], ...] = ()
+    conditions: Mapping[str, Condition] = field(default_factory=dict)
+    special_token_fallbacks: tuple[tuple[str, str], ...] = ()
+    """(type, token content) set from the tokenizer's added tokens when the tokenizer files leave them unset."""
+    shard_count_key: str | None = None
+    """Hyperparameter giving how many shards a sharded source tensor has."""
+
+    def bind(self, config: Mapping[str, Any]) -> "ArchMap":
+        """Normalize and check ``config``; the result resolves names and derives metadata."""
+        model_type = config.get("model_type")
+        if model_type != self.model_type:
+            raise SourceError(f"config is for model_type {model_type!r}, this map is for {self.model_type!r}",
+                              field="model_type")
+        hp = self.normalize(config)
+        self.check(hp)
+        return ArchMap(self, hp, config)
+
+
+@dataclass(frozen=True)
+class MetadataInputs:
+    """What metadata needs besides the config."""
+
+    tensor_values: Callable[[str], np.ndarray] | None = None
+    """Reads a source tensor by HF name (values some architectures store as metadata)."""
+    tensor_shapes: Mapping[str, Shape] | None = None
+    """Source tensor shapes by HF name (decoded, numpy order)."""
+
+
+class MetadataBuilder:
+    """Ordered GGUF metadata; ``{arch}`` in keys is the GGUF architecture name."""
+
+    def __init__(self, arch: str):
+        self.arch = arch
+        self.entries: dict[str, KV] = {}
+
+    def put(self, key: str, value: Any, vtype: GGUFValueType | ArrayOf) -> None:
+        self.entries[key.format(arch=self.arch)] = KV(value, vtype)
+
+    def u32(self, key: str, value: int) -> None:
+        self.put(key, _as_int(value, key.format(arch=self.arch)), GGUFValueType.UINT32)
+
+    def f32(self, key: str, value: float) -> None:
+        self.put(key, float(value), GGUFValueType.FLOAT32)
+
+    def boolean(self, key: str, value: bool) -> None:
+        self.put(key, bool(value), GGUFValueType.BOOL)
+
+    def string(self, key: str, value: str) -> None:
+        self.put(key, str(value), GGUFValueType.STRING)
+
+    def array(self, key: str, values: Sequence[Any], item: GGUFValueType) -> None:
+        if len(values) == 0:
+            return  # gguf-py writes no key for an empty array
+        self.put(key, list(values), ArrayOf(item))
+
+    def u32_or_array(self, key: str, value: int | Sequence[int]) -> None:
+        """gguf-py's ``add_head_count`` & co.: an int is UINT32, a per-layer list an INT32 array."""
+        if isinstance(value, (list, tuple)):
+            self.array(key, [_as_int(v, key.format(arch=self.arch)) for v in value], GGUFValueType.INT32)
+        else:
+            self.u32(key, value)
+
+    def items(self) -> list[tuple[str, KV]]:
+        return list(self.entries.items())
+
+
+def _as_int(value: Any, key: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise SourceError(f"expected an integer, found {value!r}", field=key)
+    return int(value)
+
+
+class ArchMap:
+    """An :class:`Arch` bound to one normalized config."""
+
+    def __init__(self, arch: Arch, hp: Hparams, config: Mapping[str, Any]):
+        self.arch = arch
+        self.hp = hp
+        self.config = config
+        self.block_count = arch.block_count(hp)
+        self.expert_count = arch.expert_count(hp)
+        self._aliases = tuple((re.compile(p), r) for p, r in arch.aliases)
+
+    # -- names -------------------------------------------------------------------------------------------------
+
+    def canonical_name(self, hf_name: str) -> str:
+        name = hf_name
+        for regex, replacement in self._aliases:
+            name = regex.sub(replacement, name, count=1)
+        return name
+
+    def _match(self, name: str, hf_name: str) -> tuple[TensorMapping, ...] | None:
+        for r in self.arch.rules + COMMON_DROPS:
+            m = r.regex.fullmatch(name)
+            if m is None:
+                continue
+            groups = {k: int(v) for k, v in m.groupdict().items() if v is not None}
+            if r.when is not None and not self.arch.conditions[r.when](self.hp, groups):
+                continue
+            layer, expert, shard = groups.get("layer"), groups.get("expert"), groups.get("shard")
+            self._check_indices(hf_name, layer, expert, r)
+            if not r.targets:
+                return (TensorMapping(hf_name, None, r.tensor_class, layer, expert, shard, (), dropped=r.dropped),)
+            # a GGUF tensor without a block index (e.g. the PLE table) belongs to no layer
+            return tuple(TensorMapping(hf_name, t.gguf.format(layer=layer), t.tensor_class,
+                                       layer if "{layer}" in t.gguf else None, expert, shard, t.steps)
+                         for t in r.targets)
+        return None
+
+    def _check_indices(self, hf_name: str, layer: int | None, expert: int | None, r: Rule) -> None:
+        if r.dropped:
+            return
+        if layer is not None and layer >= self.block_count:
+            raise SourceError(f"layer {layer} is outside the model's {self.block_count} blocks "
+                              f"(num_hidden_layers and MTP layers of the config)", tensor=hf_name)
+        if expert is not None and expert >= self.expert_count:
+            raise SourceError(f"expert {expert} is outside the config's {self.expert_count} routed experts",
+                              tensor=hf_name)
+
+    def resolve(self, hf_name: str) -> tuple[TensorMapping, ...]:
+        """The GGUF tensor(s) a source tensor feeds; SourceError for a name no rule claims."""
+        name = self.canonical_name(hf_name)
+        found = self._match(name, hf_name)
+        if found is not None:
+            return found
+        for suffix, weight_suffix, role in COMPANIONS:
+            if name.endswith(suffix):
+                base = self._match(name[: -len(suffix)] + weight_suffix, hf_name)
+                if base is not None:
+                    return tuple(replace(m, role=role) for m in base)
+        raise SourceError(f"no {self.arch.model_type} rule claims this tensor (unknown layout or a tensor of "
+                          f"another model)", tensor=hf_name)
+
+    # -- plan --------------------------------------------------------------------------------------------------
+
+    def outputs(self, source_shapes: Mapping[str, Shape]) -> list[OutputTensor]:
+        """Group every source into GGUF tensors, check completeness and compute each GGUF shape.
+
+        ``source_shapes`` holds every tensor of the checkpoint (decoded weight shapes, numpy order); companions
+        and dropped tensors are resolved (so unknown names still fail) but produce no output.
+        """
+        groups: dict[str, list[tuple[TensorMapping, Shape]]] = {}
+        for hf_name, shape in source_shapes.items():
+            for m in self.resolve(hf_name):
+                if m.role == "weight" and m.gguf_name is not None:
+                    groups.setdefault(m.gguf_name, []).append((m, tuple(int(d) for d in shape)))
+        outputs = [self._output(name, members) for name, members in groups.items()]
+        self._check_blocks(outputs)
+        return outputs
+
+    def _output(self, gguf_name: str, members: list[tuple[TensorMapping, Shape]]) -> OutputTensor:
+        first = members[0][0]
+        for m, _ in members:
+            if (m.tensor_class, m.layer, m.transform) != (first.tensor_class, first.layer, first.transform):
+                raise SourceError(f"sources {first.hf_name!r} and {m.hf_name!r} both map to {gguf_name!r} with "
+                                  f"different classes, layers or transforms")
+        dtype = "int32" if "to_int32" in first.transform else "float32"
+        if first.expert is not None:
+            return self._stacked(gguf_name, members, dtype)
+        if first.shard is not None:
+            return self._concatenated(gguf_name, members, dtype)
+        if len(members) > 1:
+            names = ", ".join(repr(m.hf_name) for m, _ in members)
+            raise SourceError(f"several source tensors map to {gguf_name!r}: {names} (a checkpoint holding two "
+                              f"layouts of the same weight?)")
+        shape = transforms.output_shape(first.transform, members[0][1], self.hp)
+        return OutputTensor(gguf_name, first.tensor_class, first.layer, shape, dtype, (first,), "single")
+
+    def _slots(self, gguf_name: str, members: list[tuple[TensorMapping, Shape]], key: str, expected: int | None
+               ) -> list[tuple[TensorMapping, Shape]]:
+        by_slot: dict[int, tuple[TensorMapping, Shape]] = {}
+        for m, shape in members:
+            slot = getattr(m, key)
+            if slot is None:
+                raise SourceError(f"{gguf_name!r} mixes per-{key} sources with {m.hf_name!r}")
+            if slot in by_slot:
+                raise SourceError(f"{key} {slot} of {gguf_name!r} comes from both {by_slot[slot][0].hf_name!r} and "
+                                  f"{m.hf_name!r}")
+            by_slot[slot] = (m, shape)
+        count = len(by_slot) if expected is None else expected
+        missing = sorted(set(range(count)) - set(by_slot))
+        extra = sorted(set(by_slot) - set(range(count)))
+        if missing or extra:
+            raise SourceError(f"{gguf_name!r} needs {key}s 0..{count - 1}: missing {missing[:8]}, unexpected "
+                              f"{extra[:8]} (the config declares {count})")
+        return [by_slot[i] for i in range(count)]
+
+    def _stacked(self, gguf_name: str, members, dtype: str) -> OutputTensor:
+        ordered = self._slots(gguf_name, members, "expert", self.expert_count)
+        shapes = {transforms.output_shape(m.transform, s, self.hp) for m, s in ordered}
+        if len(shapes) != 1:
+            raise SourceError(f"experts of {gguf_name!r} have different shapes: {sorted(shapes)}")
+        m0 = ordered[0][0]
+        return OutputTensor(gguf_name, m0.tensor_class, m0.layer, (len(ordered), *shapes.pop()), dtype,
+                            tuple(m for m, _ in ordered), "stack_experts")
+
+    def _concatenated(self, gguf_name: str, members, dtype: str) -> OutputTensor:
+        count = self.hp.get(self.arch.shard_count_key) if self.arch.shard_count_key else None
+        ordered = self._slots(gguf_name, members, "shard", count)
+        shapes = [transforms.output_shape(m.transform, s, self.hp) for m, s in ordered]
+        tails = {s[1:] for s in shapes}
+        if len(tails) != 1:
+            raise SourceError(f"shards of {gguf_name!r} have different row shapes: {sorted(tails)}")
+        m0 = ordered[0][0]
+        return OutputTensor(gguf_name, m0.tensor_class, m0.layer, (sum(s[0] for s in shapes), *tails.pop()), dtype,
+                            tuple(m for m, _ in ordered), "concat_shards")
+
+    def _check_blocks(self, outputs: Iterable[OutputTensor]) -> None:
+        seen = {o.layer for o in outputs if o.layer is not None}
+        missing = sorted(set(range(self.block_count)) - seen)
+        if missing:
+            raise SourceError(f"the config declares {self.block_count} blocks but no tensor maps to blocks "
+                              f"{missing[:8]}", field="num_hidden_layers")
+
+    def assemble(self, output: OutputTensor, load: Callable[[str], np.ndarray]) -> np.ndarray:
+        """Build one GGUF tensor from its sources; ``load(hf_name)`` returns a decoded source array."""
+        parts = [transforms.apply(m.transform, load(m.hf_name), self.hp) for m in output.sources]
+        if output.assembly == "stack_experts":
+            data = np.stack(parts, axis=0)
+        elif output.assembly == "concat_shards":
+            data = np.concatenate(parts, axis=0)
+        else:
+            data = parts[0]
+        if tuple(data.shape) != tuple(output.shape) or data.dtype != np.dtype(output.dtype):
+            raise SourceError(f"{output.gguf_name!r}: sources gave {data.dtype}{list(data.shape)}, the plan says "
+                              f"{output.dtype}{list(output.shape)} (source shapes differ from the planned ones)")
+        return data
+
+    # -- metadata ----------------------------------------------------------------------------------------------
+
+    def metadata(self, tokenizer_dir=None, *, tensor_values: Callable[[str], np.ndarray] | None = None,
+                 tensor_shapes: Mapping[str, Shape] | None = None, pre_tokenizer: str | None = None,
+                 chat_template: str | None = None) -> list[tuple[str, KV]]:
+        """GGUF metadata: ``general.architecture``, the hyperparameters and (with ``tokenizer_dir``) the
+        tokenizer.  ``general.file_type``, ``general.quantization_version``, names and provenance are the
+        writer's."""
+        from .tokenizer import tokenizer_metadata
+
+        meta = MetadataBuilder(self.arch.gguf_arch)
+        meta.string("general.architecture", self.arch.gguf_arch)
+        self.arch.metadata(meta, self.hp, MetadataInputs(tensor_values, tensor_shapes))
+        if tokenizer_dir is not None:
+            for key, kv in tokenizer_metadata(tokenizer_dir, self.hp, config=self.config, pre_tokenizer=pre_tokenizer,
+                                              chat_template=chat_template,
+                                              fallbacks=self.arch.special_token_fallbacks):
+                meta.entries[key] = kv
+        return meta.items()
+
+
+# -- hyperparameters ----------------------------------------------------------------------------------------------
+
+def text_hparams(config: Mapping[str, Any], defaults: Mapping[str, Any],
+                 root_defaults: Mapping[str, Any] | None = None) -> Hparams:
+    """The converter's view of a config: transformers' ``to_dict()`` (every field, defaults filled in) with the
+    ``text_config`` keys moved over the root ones.  ``defaults`` are the text model's field defaults (they live
+    in ``text_config`` when there is one), ``root_defaults`` those of a vision-language wrapper config."""
+    text = config.get("text_config")
+    root = {**(root_defaults or {}), **config}
+    if text is None:
+        return {**defaults, **root}
+    if not isinstance(text, Mapping):
+        raise SourceError(f"expected an object, found {type(text).__name__}", field="text_config")
+    return {**root, **defaults, **text}
+
+
+def require(hp: Mapping[str, Any], key: str, kind: type | tuple[type, ...] = int) -> Any:
+    """A hyperparameter that must be present with the given type."""
+    if key not in hp or hp[key] is None:
+        raise SourceError("required by the GGUF conversion but missing from config.json", field=key)
+    value = hp[key]
+    if isinstance(value, bool) and bool not in (kind if isinstance(kind, tuple) else (kind,)):
+        raise SourceError(f"expected {kind}, found {value!r}", field=key)
+    if not isinstance(value, kind):
+        raise SourceError(f"expected {getattr(kind, '__name__', kind)}, found {value!r}", field=key)
+    return value
+
+
+def first_present(hp: Mapping[str, Any], keys: Sequence[str]) -> Any:
+    """gguf-py's ``find_hparam(..., optional=True)``: the value of the first key present (which may be None)."""
+    for key in keys:
+        if key in hp:
+            return hp[key]
+    return None
+
+
+# Mirrors of the converter's ExpertGatingFuncType and RopeScalingType values.
+GATING_FUNCS = {"softmax": 1, "sigmoid": 2, "sqrtsoftplus": 4}
+ROPE_SCALING = {"linear": "linear", "yarn": "yarn", "su": "longrope", "longrope": "longrope"}
+
+
+def rope_parameters(hp: Mapping[str, Any]) -> dict[str, Any]:
+    """The converter's ``TextModel.rope_parameters``: ``rope_parameters`` (or ``rope_scaling``) with the global
+    rope keys mirrored into it."""
+    rp = dict(hp.get("rope_parameters", hp.get("rope_scaling")) or {})
+    rope_theta = first_present(hp, ["global_rope_theta", "rope_global_theta", "rope_theta_global", "rope_theta",
+                                    "rotary_emb_base"])
+    local_theta = first_present(hp, ["local_rope_theta", "rope_local_theta", "rope_theta_local", "swa_rope_theta",
+                                     "rope_local_base_freq"])
+    partial = first_present(hp, ["partial_rotary_factor", "rope_pct", "rope_percent"])
+    original = first_present(hp, ["original_max_position_embeddings"])
+    if "full_attention" not in rp and "sliding_attention" not in rp:
+        if local_theta is not None:
+            rp["sliding_attention"] = {"rope_theta": local_theta}
+        if "rope_theta" not in rp and rope_theta is not None:
+            rp["rope_theta"] = rope_theta
+        if "rope_type" not in rp and rp.get("type") is not None:
+            rp["rope_type"] = rp["type"]
+        if "partial_rotary_factor" not in rp and partial is not None:
+            rp["partial_rotary_factor"] = partial
+        if "original_max_position_embeddings" not in rp and original is not None:
+            rp["original_max_position_embeddings"] = original
+    return rp
+
+
+def text_model_metadata(meta: MetadataBuilder, hp: Mapping[str, Any], block_count: int,
+                        rp: Mapping[str, Any]) -> None:
+    """The keys every text model gets (the converter's ``TextModel.set_gguf_parameters``), from ``hp`` and the
+    rope parameters ``rp``."""
+    meta.u32("{arch}.block_count", block_count)
+    for key, names in (
+        ("{arch}.context_length", ["max_position_embeddings", "n_ctx", "n_positions", "max_length",
+                                   "max_sequence_length", "model_max_length"]),
+        ("{arch}.embedding_length", ["hidden_size", "n_embd", "dim"]),
+    ):
+        if (value := first_present(hp, names)) is not None:
+            meta.u32(key, value)
+    for key, names in (
+        ("{arch}.feed_forward_length", ["prefix_dense_intermediate_size", "dense_intermediate_size",
+                                        "intermediate_size", "n_inner", "hidden_dim"]),
+        ("{arch}.attention.head_count", ["num_attention_heads", "n_head", "n_heads"]),
+        ("{arch}.attention.head_count_kv", ["num_key_value_heads", "n_kv_heads"]),
+    ):
+        if (value := first_present(hp, names)) is not None:
+            meta.u32_or_array(key, value)
+    if hp.get("is_causal") is False:
+        meta.boolean("{arch}.attention.causal", False)
+
+    params = rp.get("full_attention", rp)
+    rope_type = params.get("rope_type")
+    if rope_type is not None:
+        factor = params.get("factor")
+        if rope_type in ("linear", "yarn") and factor is not None:
+            meta.string("{arch}.rope.scaling.type", rope_type)
+            meta.f32("{arch}.rope.scaling.factor", factor)
+            if rope_type == "yarn":
+                meta.u32("{arch}.rope.scaling.original_context_length", require(params,
+                                                                                "original_max_position_embeddings"))
+                for key, names in (("yarn_ext_factor", ["extrapolation_factor"]),
+                                   ("yarn_attn_factor", ["attention_factor", "attn_factor"]),
+                                   ("yarn_beta_fast", ["beta_fast"]), ("yarn_beta_slow", ["beta_slow"])):
+                    value = params.get(names[0], params.get(names[1])) if len(names) == 2 else params.get(names[0])
+                    if value is not None:
+                        meta.f32("{arch}.rope.scaling." + key, value)
+        elif rope_type in ("su", "longrope"):
+            meta.string("{arch}.rope.scaling.type", "longrope")
+    if "mrope_section" in rp:
+        sections = list(rp["mrope_section"]) + [0] * max(0, 4 - len(rp["mrope_section"]))
+        meta.array("{arch}.rope.dimension_sections", sections[:4], GGUFValueType.INT32)
+    if (theta := params.get("rope_theta")) is not None:
+        meta.f32("{arch}.rope.freq_base", theta)
+    if (local := (rp.get("sliding_attention") or {}).get("rope_theta")) is not None:
+        meta.f32("{arch}.rope.freq_base_swa", local)
+    if (eps := first_present(hp, ["rms_norm_eps", "norm_eps"])) is not None:
+        meta.f32("{arch}.attention.layer_norm_rms_epsilon", eps)
+    if (eps := first_present(hp, ["layer_norm_eps", "layer_norm_epsilon", "norm_epsilon"])) is not None:
+        meta.f32("{arch}.attention.layer_norm_epsilon", eps)
+    for key, names in (("{arch}.expert_count", ["num_local_experts", "num_experts", "n_routed_experts"]),
+                       ("{arch}.expert_used_count", ["num_experts_per_tok", "num_experts_per_token", "top_k_experts"]),
+                       ("{arch}.expert_group_count", ["n_group"]),
+                       ("{arch}.expert_group_used_count", ["topk_group"])):
+        if (value := first_present(hp, names)) is not None:
+            meta.u32_or_array(key, value)
+    score = first_present(hp, ["score_function", "scoring_func", "score_func", "moe_router_activation",
+                               "moe_router_activation_func", "expert_selection_fn"])
+    if score is not None:
+        if score not in GATING_FUNCS:
+            raise SourceError(f"unsupported expert gating function {score!r}; llama.cpp knows "
+                              f"{sorted(GATING_FUNCS)}", field="scoring_func")
+        meta.u32("{arch}.expert_gating_func", GATING_FUNCS[score])
+    if (head_dim := hp.get("head_dim")) is not None:
+        meta.u32("{arch}.attention.key_length", head_dim)
+        meta.u32("{arch}.attention.value_length", head_dim)
+
+
+def expert_rules(prefix: str, gate: str = "gate_proj", up: str = "up_proj", down: str = "down_proj"
+                 ) -> tuple[Rule, ...]:
+    """Routed experts under ``prefix`` (``...experts``): per-expert 2-D weights stacked into 3-D GGUF tensors, and
+    transformers' fused 3-D ``gate_up_proj`` [E, 2*ff, embd] (gate first) and ``down_proj`` [E, embd, ff]."""
+    out = []
+    for name, gguf, cls in ((gate, "ffn_gate_exps", "routed_gate"), (up, "ffn_up_exps", "routed_up"),
+                            (down, "ffn_down_exps", "routed_down")):
+        out.append(rule(f"{prefix}.{{E}}.{name}.weight", f"blk.{{layer}}.{gguf}.weight", cls))
+    for suffix in ("", ".weight"):
+        out.append(split(f"{prefix}.gate_up_proj{suffix}",
+                         Target("blk.{layer}.ffn_gate_exps.weight", "routed_gate", ("gate_half",)),
+                         Target("blk.{layer}.ffn_up_exps.weight", "routed_up", ("up_half",))))
+        out.append(rule(f"{prefix}.down_proj{suffix}", "blk.{layer}.ffn_down_exps.weight", "routed_down"))
+    return tuple(out)
+
+
+def tied(hp: Hparams, groups: Mapping[str, int]) -> bool:
+    """Condition: the output head is tied to the token embedding."""
+    return bool(hp.get("tie_word_embeddings", False))
+
+
+def mtp_layer(hp: Hparams, groups: Mapping[str, int]) -> bool:
+    """Condition: the block index is past the main layers (a NextN/MTP block)."""
+    return groups.get("layer", -1) >= hp["num_hidden_layers"]
