@@ -7,8 +7,8 @@ sign never beat code 0 (their error is ``fl(|x| + m·d) ≥ |x|``) and code 8 (-
 the first of the 8 magnitudes with the smallest ``|m·d - |x||`` (float32 rounding is symmetric), moved to the
 negative half (code + 8) when x < 0 and the magnitude is not 0.
 
-Kernels take ``x: float32[rows, n]`` and write ``out: uint8[rows, ...]``, parallel
-over rows with ``prange``; rows are independent, so the bytes do not depend on the thread count.
+Kernels take ``x: float32[rows, n]`` and write ``out: uint8[rows, ...]``, parallel over rows with ``prange``;
+rows are independent, so the bytes do not depend on the thread count.
 """
 from __future__ import annotations
 

@@ -3,9 +3,8 @@
 Layouts, rounding and the two ggml paths (``quantize_row_<t>_ref`` without an importance matrix,
 ``quantize_row_<t>_impl`` with one) are documented in :mod:`quantkit.formats.legacy`; this module mirrors them
 operation by operation in float32 (the exactness rules are those of :mod:`quantkit.kernels.kq_primitives`,
-whose ``nearest_int`` and f16 conversion are used here).  make_qx_quants evaluates its independent trial
-scales side by side; make_qkx3_quants runs ggml's trials one after another, as it must: an accepted trial
-moves ``min``, which the later trials use.
+whose f16 conversion and scale searches — make_qx_quants, make_qkx3_quants, over many blocks at once — are
+shared with the K-quants).
 
 Each public kernel takes ``x: float32[rows, n]`` (C-contiguous, finite), ``qw: float32[n]`` where it uses one,
 and writes ``out: uint8[rows, n/32 * type_size]``, parallel over rows with ``prange``.  Rows are independent, so
@@ -16,11 +15,11 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from .kq_primitives import F32, GROUP_MAX_EPS, ONE, ZERO, fp32_to_fp16, jit, nearest_int, put_u16
+from .kq_primitives import (F32, ONE, QKX_STATE_ROWS, QX_STATE_ROWS, ZERO, fp32_to_fp16, jit,
+                            make_qkx_quants_lanes, make_qx_quants_lanes, put_u16)
 
 QK = 32
 _HALF = F32(0.5)
-_TENTH = F32(0.1)
 _TWO_POW_31 = F32(2.0 ** 31)
 _INT32_MIN = np.int64(-2147483648)
 _FLT_MAX = F32(3.4028234663852886e38)
@@ -28,7 +27,6 @@ _FLT_MAX = F32(3.4028234663852886e38)
 _QKX3_RMIN = F32(-0.9)
 _QKX3_RDELTA = F32(0.05)
 _QKX3_NSTEP = 36
-QX_TRIALS = 19  # make_qx_quants: the starting scale and 18 more
 
 
 @njit(inline="always")
@@ -120,135 +118,12 @@ def _ref_quants(x, o, nmax, affine, idd, mn, L):
 
 
 @jit
-def make_qx_quants(nmax, x, L, w, lanes):
-    """ggml make_qx_quants(32, nmax, x, L, rmse_type=1, w): L[i] = l + nmax, l in [-nmax, nmax-1]; the scale.
-
-    The 19 trial scales (the start -nmax/max, then -(nmax + 0.1·is)/max for is = -9..-1, 1..9) do not depend
-    on each other, only ggml's "strictly better" choice does: their sums are accumulated side by side
-    (``lanes``: 3 rows of QX_TRIALS, each sum adding its terms in ggml's order) and the choice is replayed.
-    """
-    n = x.shape[0]
-    amax = ZERO
-    mx = ZERO
-    for i in range(n):
-        bigger = abs(x[i]) > amax
-        mx = x[i] if bigger else mx
-        amax = abs(x[i]) if bigger else amax
-    if amax < GROUP_MAX_EPS:
-        for i in range(n):
-            L[i] = 0
-        return ZERO
-    fnmax = F32(nmax)
-    iscale, sumlx, suml2 = lanes[0], lanes[1], lanes[2]
-    iscale[0] = -fnmax / mx
-    for t in range(1, QX_TRIALS):
-        step = t - 10 if t < 10 else t - 9
-        iscale[t] = -(fnmax + _TENTH * F32(step)) / mx
-    for t in range(QX_TRIALS):
-        sumlx[t] = ZERO
-        suml2[t] = ZERO
-    for i in range(n):
-        xi = x[i]
-        wi = w[i]
-        wx = wi * xi
-        for t in range(QX_TRIALS):
-            fl = F32(max(-nmax, min(nmax - 1, nearest_int(iscale[t] * xi))))
-            sumlx[t] += wx * fl
-            suml2[t] += wi * fl * fl
-    scale = sumlx[0] / suml2[0] if suml2[0] != ZERO else ZERO
-    best = scale * sumlx[0]
-    chosen = 0
-    for t in range(1, QX_TRIALS):
-        if suml2[t] > ZERO and sumlx[t] * sumlx[t] > best * suml2[t]:
-            scale = sumlx[t] / suml2[t]
-            best = scale * sumlx[t]
-            chosen = t
-    for i in range(n):
-        L[i] = nmax + max(-nmax, min(nmax - 1, nearest_int(iscale[chosen] * x[i])))
-    return scale
-
-
-@jit
-def make_qkx3_quants(nmax, x, w, L, Laux):
-    """ggml make_qkx3_quants(32, nmax, x, w, L, &the_min, Laux, -0.9, 0.05, 36, use_mad=false), in ggml's order.
-
-    Returns (scale, the_min).  The trials run one after another because an accepted trial moves ``min``,
-    which every later trial's iscale and levels use.
-    """
-    n = x.shape[0]
-    mn = x[0]
-    mx = x[0]
-    sum_w = w[0]
-    sum_x = sum_w * x[0]
-    for i in range(1, n):
-        if x[i] < mn:
-            mn = x[i]
-        if x[i] > mx:
-            mx = x[i]
-        sum_w += w[i]
-        sum_x += w[i] * x[i]
-    if mn > ZERO:
-        mn = ZERO
-    if mx <= mn:
-        for i in range(n):
-            L[i] = 0
-        return ZERO, -mn
-    fnmax = F32(nmax)
-    iscale = fnmax / (mx - mn)
-    scale = ONE / iscale
-    best_error = ZERO
-    for i in range(n):
-        l = max(0, min(nmax, nearest_int(iscale * (x[i] - mn))))
-        L[i] = l
-        diff = scale * F32(l) + mn - x[i]
-        best_error += w[i] * (diff * diff)
-    for step in range(_QKX3_NSTEP + 1):
-        iscale = (_QKX3_RMIN + _QKX3_RDELTA * F32(step) + fnmax) / (mx - mn)
-        sum_l = ZERO
-        sum_l2 = ZERO
-        sum_xl = ZERO
-        for i in range(n):
-            l = max(0, min(nmax, nearest_int(iscale * (x[i] - mn))))
-            Laux[i] = l
-            wl = w[i] * F32(l)
-            sum_l += wl
-            sum_l2 += wl * F32(l)
-            sum_xl += wl * x[i]
-        D = sum_w * sum_l2 - sum_l * sum_l
-        if D > ZERO:
-            this_scale = (sum_w * sum_xl - sum_x * sum_l) / D
-            this_min = (sum_l2 * sum_x - sum_l * sum_xl) / D
-            if this_min > ZERO:
-                this_min = ZERO
-                this_scale = sum_xl / sum_l2
-            err = ZERO
-            for i in range(n):
-                diff = this_scale * F32(Laux[i]) + this_min - x[i]
-                err += w[i] * (diff * diff)
-            if err < best_error:
-                for i in range(n):
-                    L[i] = Laux[i]
-                best_error = err
-                scale = this_scale
-                mn = this_min
-    return scale, -mn
-
-
-@jit
 def _row_sigma2(x):
     """Σx²/n over the whole row, summed in order (quantize_row_<t>_impl)."""
     s = ZERO
     for j in range(x.shape[0]):
         s += x[j] * x[j]
     return s / F32(x.shape[0])
-
-
-@jit
-def _block_weights(x, o, qw, sigma2, w):
-    """w[j] = qw[j] * sqrtf(sigma2 + x[j]²) over one block."""
-    for j in range(QK):
-        v = x[o + j]
-        w[j] = qw[o + j] * np.sqrt(sigma2 + v * v)
 
 
 @njit(parallel=True, cache=True, error_model="numpy")
@@ -313,41 +188,42 @@ def affine(x, out, nmax, type_size):
 
 
 @njit(parallel=True, cache=True, error_model="numpy")
-def symmetric_imatrix(x, qw, out, nmax, type_size):
-    """Q4_0 / Q5_0 with an importance matrix: make_qx_quants(32, nmax, x, L, 1, qw·sqrt(σ²+x²)) per block."""
+def with_imatrix(x, qw, out, nmax, type_size, affine):
+    """Q4_0/Q5_0 (``affine`` false) and Q4_1/Q5_1 with an importance matrix (quantize_row_<t>_impl).
+
+    Per row σ² = Σx²/n; per weight w = qw·sqrtf(σ² + x²); the row's blocks then run through ggml's scale
+    search side by side (block k = column k): make_qx_quants(32, nmax, x, L, 1, w) for the symmetric types,
+    make_qkx3_quants(32, nmax, x, w, L, &the_min, Laux, -0.9, 0.05, 36, false) with m = -the_min for the
+    affine ones.
+    """
     nb = x.shape[1] // QK
+    five_bit = nmax == 16 or nmax == 31
     for r in prange(x.shape[0]):
         xr = x[r]
         orow = out[r]
-        L = np.empty(QK, np.int64)
-        w = np.empty(QK, np.float32)
-        lanes = np.empty((3, QX_TRIALS), np.float32)
+        xt = np.empty((QK, nb), np.float32)
+        wt = np.empty((QK, nb), np.float32)
+        Lt = np.empty((QK, nb), np.int32)
+        scale = np.empty(nb, np.float32)
+        the_min = np.empty(nb, np.float32)
+        st = np.empty((max(QX_STATE_ROWS, QKX_STATE_ROWS), nb), np.float32)
+        L = np.empty(QK, np.int32)
         sigma2 = _row_sigma2(xr)
         for ib in range(nb):
-            o = ib * QK
-            pos = ib * type_size
-            _block_weights(xr, o, qw, sigma2, w)
-            d = make_qx_quants(nmax, xr[o:o + QK], L, w, lanes)
-            put_u16(orow, pos, fp32_to_fp16(d))
-            _pack(orow, pos + 2, L, nmax == 16)
-
-
-@njit(parallel=True, cache=True, error_model="numpy")
-def affine_imatrix(x, qw, out, nmax, type_size):
-    """Q4_1 / Q5_1 with an importance matrix: make_qkx3_quants(32, nmax, x, w, L, &min, Laux, -0.9, 0.05, 36)."""
-    nb = x.shape[1] // QK
-    for r in prange(x.shape[0]):
-        xr = x[r]
-        orow = out[r]
-        L = np.empty(QK, np.int64)
-        Laux = np.empty(QK, np.int64)
-        w = np.empty(QK, np.float32)
-        sigma2 = _row_sigma2(xr)
+            for j in range(QK):
+                v = xr[ib * QK + j]
+                xt[j, ib] = v
+                wt[j, ib] = qw[ib * QK + j] * np.sqrt(sigma2 + v * v)
+        if affine:
+            make_qkx_quants_lanes(nb, QK, nmax, xt, wt, Lt, _QKX3_RMIN, _QKX3_RDELTA, _QKX3_NSTEP, False, scale,
+                                  the_min, st)
+        else:
+            make_qx_quants_lanes(nb, QK, nmax, xt, wt, Lt, scale, st)
         for ib in range(nb):
-            o = ib * QK
             pos = ib * type_size
-            _block_weights(xr, o, qw, sigma2, w)
-            d, the_min = make_qkx3_quants(nmax, xr[o:o + QK], w, L, Laux)
-            put_u16(orow, pos, fp32_to_fp16(d))
-            put_u16(orow, pos + 2, fp32_to_fp16(-the_min))
-            _pack(orow, pos + 4, L, nmax == 31)
+            put_u16(orow, pos, fp32_to_fp16(scale[ib]))
+            if affine:
+                put_u16(orow, pos + 2, fp32_to_fp16(-the_min[ib]))
+            for j in range(QK):
+                L[j] = Lt[j, ib]
+            _pack(orow, pos + (4 if affine else 2), L, five_bit)

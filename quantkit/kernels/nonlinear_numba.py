@@ -2,17 +2,16 @@
 
 Layouts and rounding are documented in :mod:`quantkit.formats.nonlinear`; this module mirrors ggml operation by
 operation in float32 (rules as in :mod:`quantkit.kernels.kq_primitives`).  Kernels take ``x: float32[rows, n]``,
-``qw: float32[n]`` (ignored unless ``use_qw``) and write ``out: uint8[rows, ...]``,
-parallel over rows with ``prange``; rows are independent, so the bytes do not depend on the thread count.
+``qw: float32[n]`` (ignored unless ``use_qw``) and write ``out: uint8[rows, ...]``, parallel over rows with
+``prange``; rows are independent, so the bytes do not depend on the thread count.
 """
 from __future__ import annotations
 
 import numpy as np
+from gguf.quants import IQ4_NL as _GGUF_IQ4_NL
 from numba import njit, prange
 
-from gguf.quants import IQ4_NL as _GGUF_IQ4_NL
-
-from .kq_primitives import GROUP_MAX_EPS, ONE, ZERO, F32, fp32_to_fp16, jit, nearest_int, put_u16
+from .kq_primitives import F32, GROUP_MAX_EPS, ONE, ZERO, fp32_to_fp16, jit, nearest_int, put_u16
 
 BLOCK = 32
 NTRY = 7          # quantize_iq4_nl / quantize_iq4_xs search 2*7+1 scales around -max/values[0]
@@ -51,10 +50,9 @@ def _block_scale(x, o, w, lanes):
     amax = ZERO
     mx = ZERO
     for j in range(BLOCK):
-        ax = abs(x[o + j])
-        if ax > amax:
-            amax = ax
-            mx = x[o + j]
+        bigger = abs(x[o + j]) > amax
+        mx = x[o + j] if bigger else mx
+        amax = abs(x[o + j]) if bigger else amax
     if amax < GROUP_MAX_EPS:
         return ZERO, False
     iscale, sumqx, sumq2 = lanes[0], lanes[1], lanes[2]
