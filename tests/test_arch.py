@@ -20,13 +20,13 @@ from gguf.constants import GGUFValueType
 from quantkit.arch import ARCHITECTURES, CLASS_GROUPS, TENSOR_CLASSES, get_arch
 from quantkit.arch import transforms
 from quantkit.arch.tokenizer import detect_pre_tokenizer, tokenizer_metadata
+from quantkit.testing import llama_src
 from quantkit.errors import SourceError, UnsupportedError
 from quantkit.io.checkpoint import open_checkpoint
 from quantkit.io.gguf import ArrayOf
 from quantkit.testing.tiny_models import TinyCheckpointCache
 
-LLAMA_CPP_SRC = Path(os.environ.get("QUANTKIT_LLAMA_CPP_SRC",
-                                    "/work/ref/llama_cpp_python-0.3.36/vendor/llama.cpp"))
+LLAMA_CPP_SRC = llama_src.source_dir()
 ARCHS = ("qwen3_moe", "deepseek_v3", "glm5_next", "qwen4_exp", "deepseek_v4")
 
 #: Every checkpoint variant the maps must read: (arch, layout, encoding).
@@ -466,7 +466,7 @@ def compare_with_converter(arch: str, model_dir: Path, gguf_path: Path) -> list[
 def converted(tiny, tmp_path_factory):
     """Lazily converts each architecture's tiny checkpoint with llama.cpp's converter (once per module)."""
     if not (LLAMA_CPP_SRC / "convert_hf_to_gguf.py").is_file():
-        pytest.fail(f"llama.cpp's converter not found under {LLAMA_CPP_SRC} (set QUANTKIT_LLAMA_CPP_SRC)")
+        pytest.fail(f"llama.cpp's converter not found under {LLAMA_CPP_SRC}: run python -m quantkit.testing.llama_src")
     out_dir = tmp_path_factory.mktemp("converted")
     done: dict[str, tuple[Path, Path]] = {}
 
