@@ -193,6 +193,10 @@ class Checkpoint:
 
     # -- decoding -----------------------------------------------------------------------------------------------
 
+    def scheme(self, name: str) -> tuple[str, tuple[str, ...]]:
+        """How tensor ``name`` decodes: (scheme, companion roles it reads), e.g. ``("plain", ())``."""
+        return self._scheme(self.tensor_info(name), self.companions(name))
+
     def _scheme(self, info: TensorInfo, comps: dict[str, str]) -> tuple[str, tuple[str, ...]]:
         """(decoding scheme, companion roles it reads) for one tensor."""
         if info.dtype in _PLAIN_DTYPES:

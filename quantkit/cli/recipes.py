@@ -1,0 +1,37 @@
+"""``quantkit recipes``: the shipped recipes, with their architectures and name tags."""
+from __future__ import annotations
+
+import json
+import textwrap
+
+import click
+
+#: Width of the wrapped recipe descriptions.
+DESCRIPTION_WIDTH = 100
+
+
+@click.command("recipes")
+@click.argument("name", required=False)
+@click.option("--json", "as_json", is_flag=True, help="print as JSON")
+def recipes(name, as_json):
+    """List the shipped recipes; with NAME (a shipped name or a recipe file), show that recipe."""
+    from ..recipes import load_recipe, shipped_recipes
+
+    if name is not None:
+        recipe = load_recipe(name)
+        click.echo(json.dumps(recipe.to_dict(), indent=1) if as_json else recipe.text.rstrip("\n"))
+        return
+    listed = shipped_recipes()
+    if as_json:
+        keys = ("name", "architectures", "name_tag", "description", "path", "sha256")
+        click.echo(json.dumps([{k: r.to_dict()[k] for k in keys} for r in listed], indent=1))
+        return
+    for r in listed:
+        click.echo(r.name)
+        click.echo(f"    architectures  {', '.join(r.architectures)}")
+        click.echo(f"    name tag       {r.name_tag}")
+        for line in textwrap.wrap(r.description, DESCRIPTION_WIDTH):
+            click.echo(f"    {line}")
+
+
+COMMANDS = [recipes]

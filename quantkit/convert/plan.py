@@ -1,0 +1,362 @@
+"""The conversion plan: what ``quantkit convert`` will write, decided before anything is encoded.
+
+:func:`build_plan` reads the checkpoint's headers and ``config.json`` (and the few small tensors some
+architectures turn into metadata), maps every source tensor to its GGUF tensor (:mod:`quantkit.arch`), resolves
+the recipe (:mod:`quantkit.recipes`) and sizes every tensor.  The result is data: printable
+(:meth:`Plan.summary`, what ``--dry-run`` shows), JSON-serializable (:meth:`Plan.to_json`), and the input of the
+executor, which adds the provenance keys, lays the file out (:meth:`Plan.layout`) and encodes each tensor.
+
+Per tensor (:class:`PlannedTensor`): the GGUF tensor and its sources, the GGML type, the deciding rule, the type
+it fell back from (row length), where its importance comes from, whether its bytes carry the source values
+unchanged, and its byte size ``rows * get_format(qtype).row_bytes(row length)``.
+
+Importance (``importance``):
+
+* ``none``: the type ignores importance (Q8_0, the float types, and MXFP4/NVFP4, the lossless targets), or the
+  type uses importance optionally and neither an imatrix entry nor bootstrap importance exists for the tensor;
+* ``imatrix``: the imatrix has an entry for the tensor and the type uses importance;
+* ``bootstrap``: no imatrix entry, ``bootstrap=True``: weight energy (sum of w^2 per column) stands in.
+
+A type that requires importance (IQ2_XXS, IQ2_XS) without an imatrix entry and without bootstrap is an error at
+plan time, listing the tensors.  An imatrix entry naming a tensor the model does not have, or holding a number of
+values other than the row length (or the row length times the leading dimension of a 3-D tensor: one vector per
+expert, or per head of MLA's ``attn_k_b``/``attn_v_b``), is an error too: it was made for another model.
+
+Lossless carry-over (``lossless``): ``copy`` (float source written as the same float type, values unchanged),
+``mxfp4-repack`` (packed FP4 + E8M0 per 32 -> MXFP4), ``nvfp4-repack`` (NVFP4 -> GGUF NVFP4) and
+``nvfp4-scale``: the F32 ``<name>.scale`` tensor planned right after an NVFP4 tensor, holding its global scale
+as a multiplier (shape ``[1]``, or ``[experts]`` for stacked experts).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections import Counter
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Iterable, Mapping
+
+import numpy as np
+
+from ..arch import OutputTensor, get_arch
+from ..errors import RecipeError, SourceError
+from ..formats.api import tensor_nbytes
+from ..formats.registry import GGMLType, ImatrixUse, get_format
+from ..io.checkpoint import Checkpoint, open_checkpoint
+from ..io.gguf import KV, type_name
+from ..io.gguf_writer import Layout, TensorSpec, plan_layout
+from ..recipes import Recipe, load_recipe, resolve
+
+#: Version of :meth:`Plan.to_json`'s layout (independent of the package version).
+PLAN_FORMAT_VERSION = 1
+IMPORTANCE_KINDS = ("imatrix", "bootstrap", "none")
+#: Source encodings whose weights are packed FP4 (two values per byte unless stored as ``F4``).
+PACKED_FP4_ENCODINGS = frozenset({"fp4-e8m0", "nvfp4-modelopt", "nvfp4-compressed-tensors"})
+_PLAIN_DTYPES = frozenset({"F64", "F32", "F16", "BF16"})
+_INTEGER_DTYPES = frozenset({"I64", "I32", "I16", "I8", "U64", "U32", "U16", "U8", "BOOL"})
+#: Metadata arrays longer than this are summarized in JSON by count and SHA-256 (vocabularies, merges).
+JSON_ARRAY_LIMIT = 64
+#: Tensors listed by name in one error message.
+MAX_NAMED_TENSORS = 8
+NVFP4_SCALE_SUFFIX = ".scale"
+
+
+@dataclass(frozen=True)
+class PlannedTensor:
+    """One GGUF tensor of the plan."""
+
+    output: OutputTensor
+    qtype: GGMLType
+    rule: str
+    fallback_from: GGMLType | None
+    importance: str
+    lossless: str | None
+    nbytes: int
+
+    @property
+    def name(self) -> str:
+        return self.output.gguf_name
+
+    @property
+    def n_elements(self) -> int:
+        return int(np.prod(self.output.shape, dtype=np.int64))
+
+    def to_json(self) -> dict[str, Any]:
+        o = self.output
+        return {"name": o.gguf_name, "class": o.tensor_class, "layer": o.layer, "shape": list(o.shape),
+                "type": self.qtype.name, "rule": self.rule,
+                "fallback_from": self.fallback_from.name if self.fallback_from is not None else None,
+                "importance": self.importance, "lossless": self.lossless, "nbytes": self.nbytes,
+                "assembly": o.assembly,
+                "sources": [{"name": m.hf_name, "expert": m.expert, "shard": m.shard, "transform": list(m.transform)}
+                            for m in o.sources]}
+
+
+@dataclass
+class Plan:
+    """What a conversion writes: tensors with types and sizes, and the GGUF metadata (before provenance)."""
+
+    source: Path
+    model_type: str
+    recipe: Recipe
+    tensors: list[PlannedTensor]
+    metadata: list[tuple[str, KV]]
+    label: str | None = None
+    """Checkpoint label (e.g. ``0731``), recorded by the executor."""
+    bootstrap: bool = False
+    imatrix_entries: int | None = None
+    """Entries of the imatrix given (None: no imatrix)."""
+    skipped: list[OutputTensor] = field(default_factory=list)
+    unused_rules: list[str] = field(default_factory=list)
+
+    @property
+    def name_tag(self) -> str:
+        return self.recipe.name_tag
+
+    @property
+    def tensor_bytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors)
+
+    def layout(self, extra_metadata: Iterable[tuple[str, Any]] = ()) -> Layout:
+        """The GGUF layout of the planned file (plus ``extra_metadata``, e.g. provenance keys)."""
+        return plan_layout([*self.metadata, *extra_metadata],
+                           [TensorSpec(t.name, t.output.shape, t.qtype) for t in self.tensors])
+
+    def class_totals(self) -> dict[str, dict[str, Any]]:
+        """Per tensor class: tensors, elements, bytes, bits per weight and tensors per type."""
+        totals: dict[str, dict[str, Any]] = {}
+        for t in self.tensors:
+            entry = totals.setdefault(t.output.tensor_class, {"tensors": 0, "elements": 0, "bytes": 0,
+                                                              "types": Counter()})
+            entry["tensors"] += 1
+            entry["elements"] += t.n_elements
+            entry["bytes"] += t.nbytes
+            entry["types"][t.qtype.name] += 1
+        for entry in totals.values():
+            entry["bpw"] = _bpw(entry["bytes"], entry["elements"])
+            entry["types"] = dict(sorted(entry["types"].items()))
+        return totals
+
+    def to_json(self) -> dict[str, Any]:
+        layout = self.layout()
+        elements = sum(t.n_elements for t in self.tensors)
+        return {
+            "format": "quantkit-plan", "version": PLAN_FORMAT_VERSION,
+            "source": str(self.source), "model_type": self.model_type, "label": self.label,
+            "recipe": self.recipe.to_dict(), "name_tag": self.name_tag,
+            "importance": {"imatrix_entries": self.imatrix_entries, "bootstrap": self.bootstrap},
+            "totals": {"tensors": len(self.tensors), "elements": elements, "tensor_bytes": self.tensor_bytes,
+                       "bpw": _bpw(self.tensor_bytes, elements), "file_bytes": layout.file_size},
+            "classes": self.class_totals(),
+            "tensors": [t.to_json() for t in self.tensors],
+            "skipped": [o.gguf_name for o in self.skipped],
+            "unused_rules": list(self.unused_rules),
+            "metadata": [{"key": key, "type": type_name(kv.type), "value": _json_value(kv.value)}
+                         for key, kv in self.metadata],
+        }
+
+    def summary(self) -> str:
+        """The dry-run report: per class and in total tensors, types, bytes and bits per weight; the name tag."""
+        layout = self.layout()
+        lines = [f"source      {self.source} ({self.model_type})",
+                 f"recipe      {self.recipe.name} ({self.recipe.where()}, sha256 {self.recipe.sha256[:16]})",
+                 f"name tag    {self.name_tag}" + (f"  label {self.label}" if self.label else ""),
+                 "", f"{'class':<16}{'tensors':>8}  {'bytes':>12}  {'bpw':>7}  types"]
+        totals = self.class_totals()
+        for cls, e in sorted(totals.items(), key=lambda kv: (-kv[1]["bytes"], kv[0])):
+            types = ", ".join(f"{name} x{n}" for name, n in e["types"].items())
+            lines.append(f"{cls:<16}{e['tensors']:>8}  {_human(e['bytes']):>12}  {e['bpw']:>7.3f}  {types}")
+        elements = sum(e["elements"] for e in totals.values())
+        by_type = Counter()
+        for t in self.tensors:
+            by_type[t.qtype.name] += t.nbytes
+        lines.append(f"{'total':<16}{len(self.tensors):>8}  {_human(self.tensor_bytes):>12}  "
+                     f"{_bpw(self.tensor_bytes, elements):>7.3f}  "
+                     + ", ".join(f"{name} {_human(n)}" for name, n in by_type.most_common()))
+        lines.append(f"file        {layout.file_size:,} bytes ({_human(layout.file_size)}) before provenance keys; "
+                     f"{len(self.metadata)} metadata keys")
+        importance = Counter(t.importance for t in self.tensors)
+        source = (f"imatrix with {self.imatrix_entries} entries" if self.imatrix_entries is not None
+                  else "no imatrix") + (", bootstrap importance" if self.bootstrap else "")
+        lines.append("importance  " + ", ".join(f"{k} {importance[k]}" for k in IMPORTANCE_KINDS) + f" ({source})")
+        lossless = Counter(t.lossless for t in self.tensors if t.lossless)
+        if lossless:
+            lines.append("lossless    " + ", ".join(f"{k} {n}" for k, n in sorted(lossless.items())))
+        fallbacks = [t for t in self.tensors if t.fallback_from is not None]
+        if fallbacks:
+            lines.append(f"fallbacks   {len(fallbacks)}: " + ", ".join(
+                f"{t.name} {t.fallback_from.name}->{t.qtype.name}" for t in fallbacks[:MAX_NAMED_TENSORS])
+                + (" ..." if len(fallbacks) > MAX_NAMED_TENSORS else ""))
+        if self.skipped:
+            lines.append(f"skipped     {len(self.skipped)}: " + ", ".join(
+                sorted({o.tensor_class for o in self.skipped})))
+        if self.unused_rules:
+            lines.append("unused      " + "; ".join(self.unused_rules) + " (matched no tensor of this model)")
+        return "\n".join(lines)
+
+
+def _bpw(nbytes: int, elements: int) -> float:
+    return 8.0 * nbytes / elements if elements else 0.0
+
+
+def _human(n: int) -> str:
+    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if n >= 1 << shift:
+            return f"{n / (1 << shift):.2f} {unit}"
+    return f"{n} B"
+
+
+def _json_value(value: Any) -> Any:
+    if isinstance(value, KV):
+        return {"type": type_name(value.type), "value": _json_value(value.value)}
+    if isinstance(value, np.ndarray):
+        value = value.tolist()
+    elif isinstance(value, np.generic):
+        return value.item()
+    if isinstance(value, (list, tuple)):
+        items = [_json_value(v) for v in value]
+        if len(items) > JSON_ARRAY_LIMIT:
+            digest = hashlib.sha256(json.dumps(items, ensure_ascii=False).encode("utf-8",
+                                                                                  "surrogateescape")).hexdigest()
+            return {"count": len(items), "sha256": digest, "first": items[:JSON_ARRAY_LIMIT // 8]}
+        return items
+    return value
+
+
+# -- sources -----------------------------------------------------------------------------------------------------
+
+def source_encoding(ckpt: Checkpoint, name: str) -> str:
+    """How a checkpoint weight is stored: ``F32``/``F16``/``BF16``/``F64``, ``int``, or the checkpoint's decoding
+    scheme (``fp8-block``, ``fp8-block-e8m0``, ``fp4-e8m0``, ``nvfp4-modelopt``, ``nvfp4-compressed-tensors``)."""
+    info = ckpt.tensor_info(name)
+    if info.dtype in _PLAIN_DTYPES:
+        return info.dtype
+    companions = ckpt.companions(name)
+    if info.dtype in _INTEGER_DTYPES and not companions:
+        return "int"
+    return ckpt.scheme(info.name)[0]
+
+
+def inspect_sources(ckpt: Checkpoint) -> tuple[dict[str, tuple[int, ...]], dict[str, str]]:
+    """From headers only: every tensor's decoded shape (numpy order; companions as stored) and every weight's
+    encoding (:func:`source_encoding`)."""
+    names = ckpt.tensor_names()
+    companions = {c for n in names for c in ckpt.companions(n).values()}
+    shapes, encodings = {}, {}
+    for name in names:
+        info = ckpt.tensor_info(name)
+        shape = tuple(int(d) for d in info.shape)
+        if name not in companions:
+            encodings[name] = encoding = source_encoding(ckpt, name)
+            if encoding in PACKED_FP4_ENCODINGS and info.dtype != "F4":  # F4 headers give the logical shape
+                shape = shape[:-1] + (2 * shape[-1],)
+        shapes[name] = shape
+    return shapes, encodings
+
+
+def _output_encoding(output: OutputTensor, encodings: Mapping[str, str]) -> str:
+    found = {encodings[m.hf_name] for m in output.sources}
+    return found.pop() if len(found) == 1 else "mixed"
+
+
+def _tensor_values(ckpt: Checkpoint):
+    def load(name: str) -> np.ndarray:
+        info = ckpt.tensor_info(name)
+        return np.asarray(ckpt.raw(name)) if info.dtype in _INTEGER_DTYPES else ckpt.tensor_f32(name)
+    return load
+
+
+# -- importance --------------------------------------------------------------------------------------------------
+
+def _check_imatrix(imatrix: Mapping[str, Any], outputs: Mapping[str, OutputTensor], model_type: str) -> None:
+    for name, values in imatrix.items():
+        o = outputs.get(name)
+        if o is None:
+            raise SourceError(f"imatrix entry {name!r} names no tensor of this {model_type} model (an imatrix made "
+                              f"for another model?)", field="imatrix")
+        row = o.shape[-1]
+        matrices = o.shape[0] if len(o.shape) == 3 else 1   # stacked experts, MLA's per-head attn_k_b/v_b
+        count = int(np.size(values))
+        if count not in (row, row * matrices):
+            expected = f"{row}" + (f" or {row * matrices} ({matrices} matrices)" if matrices > 1 else "")
+            raise SourceError(f"imatrix entry {name!r} has {count} values; the tensor needs {expected} (an imatrix "
+                              f"made for another model?)", field="imatrix")
+
+
+def _importance(qtype: GGMLType, name: str, imatrix: Mapping[str, Any] | None, bootstrap: bool) -> str | None:
+    """The importance kind, or None where the type requires importance and none is available."""
+    use = get_format(qtype).imatrix
+    if use is ImatrixUse.IGNORED:
+        return "none"
+    if imatrix is not None and name in imatrix:
+        return "imatrix"
+    if bootstrap:
+        return "bootstrap"
+    return None if use is ImatrixUse.REQUIRED else "none"
+
+
+# -- building ----------------------------------------------------------------------------------------------------
+
+def _nvfp4_scale(weight: PlannedTensor) -> PlannedTensor:
+    o = weight.output
+    shape = (o.shape[0],) if o.assembly == "stack_experts" else (1,)
+    scale = replace(o, gguf_name=o.gguf_name.removesuffix(".weight") + NVFP4_SCALE_SUFFIX, shape=shape)
+    return PlannedTensor(scale, GGMLType.F32, weight.rule, None, "none", "nvfp4-scale",
+                         tensor_nbytes(GGMLType.F32, shape))
+
+
+def build_plan(source: str | os.PathLike, recipe: Recipe | str | os.PathLike, *,
+               imatrix: Mapping[str, Any] | None = None, bootstrap: bool = False, label: str | None = None,
+               pre_tokenizer: str | None = None) -> Plan:
+    """Plan the conversion of checkpoint ``source`` with ``recipe`` (a Recipe, a file, or a shipped name).
+
+    ``imatrix``: GGUF tensor name -> importance values (any array-like; only names and sizes are read here).
+    ``bootstrap``: use weight energy where the imatrix has no entry.  ``label``: the checkpoint label.
+    ``pre_tokenizer``: llama.cpp's pre-tokenizer name, for tokenizers its hash table does not know.
+    """
+    if not isinstance(recipe, Recipe):
+        recipe = load_recipe(recipe)
+    with open_checkpoint(source) as ckpt:
+        model_type = ckpt.config.get("model_type")
+        if not isinstance(model_type, str):
+            raise SourceError(f"config.json gives no model_type (found {model_type!r})", path=ckpt.path,
+                              field="model_type")
+        arch = get_arch(model_type)
+        recipe.check_architecture(model_type)
+        amap = arch.bind(ckpt.config)
+        shapes, encodings = inspect_sources(ckpt)
+        outputs = amap.outputs(shapes)
+        by_name = {o.gguf_name: o for o in outputs}
+        if imatrix is not None:
+            _check_imatrix(imatrix, by_name, model_type)
+        resolution = resolve(recipe, outputs, {o.gguf_name: _output_encoding(o, encodings) for o in outputs})
+        metadata = amap.metadata(ckpt.path if ckpt.path.is_dir() else None, tensor_values=_tensor_values(ckpt),
+                                 tensor_shapes=shapes, pre_tokenizer=pre_tokenizer)
+
+    tensors: list[PlannedTensor] = []
+    skipped: list[OutputTensor] = []
+    lacking: list[str] = []
+    for o in outputs:
+        choice = resolution.choices[o.gguf_name]
+        if choice is None:
+            skipped.append(o)
+            continue
+        importance = _importance(choice.qtype, o.gguf_name, imatrix, bootstrap)
+        if importance is None:
+            lacking.append(f"{o.gguf_name} ({choice.qtype.name}, {choice.rule})")
+            continue
+        planned = PlannedTensor(o, choice.qtype, choice.rule, choice.fallback_from, importance, choice.lossless,
+                                tensor_nbytes(choice.qtype, o.shape))
+        tensors.append(planned)
+        if choice.lossless == "nvfp4-repack":
+            tensors.append(_nvfp4_scale(planned))
+    if lacking:
+        more = f" and {len(lacking) - MAX_NAMED_TENSORS} more" if len(lacking) > MAX_NAMED_TENSORS else ""
+        raise RecipeError(f"{len(lacking)} tensors get a type that requires importance, and there is "
+                          f"{'no imatrix entry for them' if imatrix is not None else 'no imatrix'}: "
+                          f"{', '.join(lacking[:MAX_NAMED_TENSORS])}{more}; pass an imatrix that covers them or "
+                          f"bootstrap importance (--bootstrap-importance)", path=recipe.where())
+    return Plan(Path(source), model_type, recipe, tensors, metadata, label=label, bootstrap=bootstrap,
+                imatrix_entries=len(imatrix) if imatrix is not None else None, skipped=skipped,
+                unused_rules=[r.describe() for r in resolution.unused_rules])

@@ -1,0 +1,93 @@
+"""Name tags: the part of a published GGUF file name that says what its recipe does (rules: package docstring)."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Mapping
+
+from ..formats.registry import GGMLType
+from .model import SOURCE, Layers, layers_text
+
+if TYPE_CHECKING:
+    from .model import Recipe, Rule
+
+#: The label of each class and class group in a name tag.
+CLASS_LABELS: Mapping[str, str] = {
+    "token_embd": "Embd", "output": "Out", "norm": "Norm", "routed_gate": "Gate", "routed_up": "Up",
+    "routed_down": "Down", "shared_expert": "SExp", "dense_ffn": "Dense", "router": "Router", "bias": "Bias",
+    "hash_routing": "Hash", "attn_q": "AQ", "attn_kv": "AKV", "attn_output": "AOut", "sinks": "Sinks",
+    "compressor": "Comp", "ape": "APE", "indexer": "Idx", "kda_qk": "KDAqk", "kda_v": "KDAv",
+    "kda_output": "KDAOut", "kda_gate": "KDAGate", "gdn_qkv": "GDNqkv", "gdn_gate": "GDNGate", "gdn_ab": "GDNab",
+    "gdn_output": "GDNOut", "conv": "Conv", "ssm_param": "SSM", "hc": "HC", "ple": "PLE", "ngram_table": "NGram",
+    "mtp": "MTP", "vision": "Vision", "metadata": "Meta", "quant_aux": "QAux",
+    # groups
+    "routed_experts": "Experts", "attn_proj": "AProj", "kda": "KDA", "gdn": "GDN", "linear_attn": "LinAttn",
+    "ffn": "FFN",
+}
+ROUTED = ("routed_gate", "routed_up", "routed_down")
+#: Types that keep a tensor in floating point: choosing them is not a quantization choice, so no fragment.
+FLOAT_TYPES = frozenset({GGMLType.F32, GGMLType.F16, GGMLType.BF16})
+#: Shown for a routed class no rule and no default type covers (such a recipe fails to plan anyway).
+UNSET = "Unset"
+
+
+def type_abbreviation(type_name: str | None) -> str:
+    """``Q8_0`` -> ``Q8``, ``Q4_K`` -> ``Q4K``, ``IQ2_XXS`` -> ``IQ2XXS``, ``source`` -> ``Native``."""
+    if type_name is None:
+        return UNSET
+    if type_name == SOURCE:
+        return "Native"
+    return type_name.removesuffix("_0").replace("_", "")
+
+
+def _is_expert_rule(r: "Rule") -> bool:
+    return r.name is None and r.tag is None and r.classes <= frozenset(ROUTED)
+
+
+def _expert_types(recipe: "Recipe", layers: Layers | None) -> tuple[str | None, ...]:
+    """The type names that unnamed rules for ``layers`` exactly (or for all layers) give gate, up and down."""
+    types = []
+    for cls in ROUTED:
+        candidates = [r for r in recipe.rules
+                      if r.name is None and cls in r.classes and r.layers in (None, layers)]
+        if candidates:
+            best = max(r.specificity for r in candidates)
+            types.append(next(r for r in candidates if r.specificity == best).type_name)
+        else:
+            types.append(recipe.defaults.type_name)
+    return tuple(types)
+
+
+def _experts(types: tuple[str | None, ...], beside_ranges: bool) -> str:
+    gate, up, down = (type_abbreviation(t) for t in types)
+    if gate == up == down:
+        return f"{gate}Experts"
+    head = [gate] if gate == up else [f"{gate}Gate", f"{up}Up"]
+    if beside_ranges:
+        if gate == up:
+            head = [f"{gate}GateUp"]
+        return "-".join(head + [f"{down}Down"])
+    return "-".join(head + [f"w2{down}"])
+
+
+def name_tag(recipe: "Recipe") -> str:
+    """The file-name tag ``recipe`` implies, e.g. ``IQ2XXS-w2Q2K-AProjQ8-SExpQ8-OutQ8``."""
+    expert_rules = [r for r in recipe.rules if _is_expert_rule(r)]
+    fragments: list[str] = []
+    if not expert_rules:
+        if recipe.defaults.given:
+            fragments.append(type_abbreviation(recipe.defaults.type_name))
+    else:
+        ranges: list[Layers] = []
+        for r in expert_rules:
+            if r.layers is not None and r.layers not in ranges:
+                ranges.append(r.layers)
+        ranges.sort()
+        for layers in ranges:
+            fragments.append(f"Layers{layers_text(layers)}{_experts(_expert_types(recipe, layers), True)}")
+        others = _experts(_expert_types(recipe, None), bool(ranges))
+        fragments.append(f"OtherExpertLayers{others}" if ranges else others)
+    for r in recipe.rules:
+        if _is_expert_rule(r) or r.tag == "" or r.qtype is None or r.qtype in FLOAT_TYPES:
+            continue
+        prefix = f"Layers{layers_text(r.layers)}" if r.layers is not None else ""
+        fragments.append(f"{prefix}{r.tag or CLASS_LABELS[r.class_name]}{type_abbreviation(r.type_name)}")
+    return "-".join(fragments)
