@@ -94,7 +94,7 @@ def demo():
 
 
 # Modules that define extra commands, each exporting ``COMMANDS`` (a list of click commands or groups).
-COMMAND_MODULES: tuple[str, ...] = ("recipes", "convert", "imatrix", "swapset")
+COMMAND_MODULES: tuple[str, ...] = ("recipes", "convert", "imatrix", "swapset", "score", "validate")
 
 
 def _attach_commands() -> None:

@@ -16,6 +16,9 @@ Exactness rules every function here follows (they are what byte-identity with gg
 
 A float64 reaching ``nearest_int`` or ``fp32_to_fp16`` (a forgotten ``F32``) is a compile-time error
 (:func:`require_float32`), not a silent double rounding.
+
+numba's on-disk cache (``cache=True``) keys a kernel on its own source file only: after editing this module,
+delete ``quantkit/kernels/__pycache__/*.nbi`` / ``*.nbc`` or the kernels that use it keep the old code.
 """
 from __future__ import annotations
 
@@ -121,7 +124,7 @@ def put_u16(out, pos, h):
 # their inner loops run across sub-blocks; the others take one sub-block as a 1-D view.
 # --------------------------------------------------------------------------------------------------------------
 
-QX_STATE_ROWS = 8      # scratch rows make_qx_quants_lanes needs
+QX_STATE_ROWS = 7      # scratch rows make_qx_quants_lanes needs
 QX_TRIALS = 9          # make_qx_quants tries iscale = -(nmax + 0.1*is)/max for is = -9..9 after is = 0
 
 
@@ -179,7 +182,7 @@ def make_qx_quants_lanes(nl, n, nmax, xt, wt, Lt, scale, st):
 
 
 Q3_STATE_ROWS = 5      # scratch rows make_q3_quants_lanes needs
-Q3_PASSES = 5          # make_q3_quants refines for at most 5 passes
+REFINE_PASSES = 5      # make_q3_quants and make_qp_quants move single quants for at most 5 passes
 
 
 @jit
@@ -215,7 +218,7 @@ def make_q3_quants_lanes(nl, n, nmax, xt, Lt, scale, st):
             w = v * v
             sumlx[k] += w * v * fl
             suml2[k] += w * fl * fl
-    for _ in range(Q3_PASSES):
+    for _ in range(REFINE_PASSES):
         n_changed = 0
         for i in range(n):
             for k in range(nl):
@@ -246,7 +249,7 @@ def make_q3_quants_lanes(nl, n, nmax, xt, Lt, scale, st):
             Lt[i, k] = Lt[i, k] + nmax if amax[k] == ONE else 0
 
 
-QKX_STATE_ROWS = 16  # scratch rows make_qkx_quants_lanes needs
+QKX_STATE_ROWS = 15  # scratch rows make_qkx_quants_lanes needs
 
 
 @jit
@@ -378,7 +381,7 @@ def make_qp_quants(n, nmax, x, L, qw):
         fl = F32(l)
         sumlx += qw[i] * x[i] * fl
         suml2 += qw[i] * fl * fl
-    for _ in range(5):
+    for _ in range(REFINE_PASSES):
         n_changed = 0
         for i in range(n):
             w = qw[i]

@@ -1,0 +1,138 @@
+"""``quantkit imatrix``: inspect, merge, convert and collect importance matrices (thin: the work is in
+:mod:`quantkit.imatrix`, imported inside each command so ``quantkit --help`` stays fast)."""
+from __future__ import annotations
+
+import json
+
+import click
+
+FORMAT_CHOICE = click.Choice(["gguf", "dat"])
+
+
+@click.group("imatrix")
+def imatrix():
+    """Importance matrices (llama.cpp GGUF imatrix or legacy .dat): info, merge, convert, collect."""
+
+
+@imatrix.command()
+@click.argument("path", type=click.Path(exists=True, dir_okay=False))
+@click.option("--json", "as_json", is_flag=True, help="print the report as JSON")
+@click.option("--all", "show_all", is_flag=True, help="list every tensor (default: summarize long tables)")
+@click.option("--model", "model", type=click.Path(exists=True, dir_okay=False),
+              help="a GGUF model: check that every entry names one of its tensors with the same length and "
+                   "matrix count, and report per matrix (a legacy .dat gets its experts back)")
+def info(path, as_json, show_all, model):
+    """Entries, chunks, datasets, per-tensor statistics and expert coverage of an imatrix."""
+    from ..imatrix import load_imatrix
+    from ..imatrix.report import describe, render
+
+    imx = load_imatrix(path)
+    if model is not None:
+        imx = _conform_to_model(imx, model)
+    report = describe(imx)
+    if as_json:
+        click.echo(json.dumps(report, indent=1))
+    else:
+        click.echo(render(report, show_all=show_all))
+        if model is not None:
+            click.echo(f"matches {model}: every entry names one of its tensors with the same shape")
+
+
+def _conform_to_model(imx, model_path):
+    """The imatrix checked against a GGUF model's tensors and laid out per matrix (legacy files get their
+    experts back)."""
+    from ..imatrix.names import expected_entries
+    from ..io.gguf_reader import GGUFFile
+
+    with GGUFFile(model_path) as f:
+        shapes = {name: t.shape for name, t in f.tensors.items()}
+    return imx.conform(expected_entries(shapes), required=())
+
+
+@imatrix.command()
+@click.argument("inputs", nargs=-1, required=True, type=click.Path(exists=True, dir_okay=False))
+@click.option("-o", "--output", required=True, type=click.Path(dir_okay=False), help="merged imatrix")
+@click.option("--format", "fmt", type=FORMAT_CHOICE, default=None, help="output format (default: by file name)")
+@click.option("--chunk-size", type=int, default=None,
+              help="tokens per chunk of legacy .dat inputs, when merged with GGUF imatrices")
+@click.option("--force", is_flag=True, help="overwrite the output")
+def merge(inputs, output, fmt, chunk_size, force):
+    """Merge imatrices weighted by their counts (like llama-imatrix --in-file)."""
+    from ..imatrix import load_imatrix, merge_imatrices, save_imatrix
+
+    merged = merge_imatrices([load_imatrix(p) for p in inputs], chunk_size=chunk_size)
+    save_imatrix(merged, output, fmt=fmt, overwrite=force)
+    click.echo(f"merged {len(inputs)} imatrices into {output}: {len(merged.entries)} entries, "
+               f"{merged.chunk_count} chunks, {merged.coverage()}")
+
+
+@imatrix.command()
+@click.argument("src", type=click.Path(exists=True, dir_okay=False))
+@click.argument("dst", type=click.Path(dir_okay=False))
+@click.option("--format", "fmt", type=FORMAT_CHOICE, default=None, help="output format (default: by file name)")
+@click.option("--config", "config", type=click.Path(exists=True),
+              help="config.json (or its checkpoint directory) to rename Hugging Face entry names to GGUF names")
+@click.option("--force", is_flag=True, help="overwrite the output")
+def convert(src, dst, fmt, config, force):
+    """Convert between the GGUF imatrix and the legacy .dat (and Hugging Face names to GGUF names)."""
+    from dataclasses import replace
+
+    from ..imatrix import load_imatrix, save_imatrix
+
+    imx = load_imatrix(src)
+    if config is not None:
+        from ..imatrix.names import to_gguf_names
+
+        imx = to_gguf_names(imx, _arch_map(config))
+    converted = replace(imx, provenance={**imx.provenance, "converted_from": imx.sha256 or ""})
+    save_imatrix(converted, dst, fmt=fmt, overwrite=force)
+    click.echo(f"wrote {dst}: {len(converted.entries)} entries, {converted.coverage()}")
+
+
+def _arch_map(config_path):
+    from pathlib import Path
+
+    from ..arch import get_arch
+    from ..errors import SourceError
+
+    path = Path(config_path)
+    path = path / "config.json" if path.is_dir() else path
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise SourceError(f"cannot read the config: {exc}", path=path) from None
+    return get_arch(config.get("model_type", "")).bind(config)
+
+
+@imatrix.command()
+@click.argument("source", type=click.Path(exists=True, file_okay=False))
+@click.option("--text", "text", required=True, type=click.Path(exists=True, dir_okay=False),
+              help="calibration text (UTF-8)")
+@click.option("-o", "--output", required=True, type=click.Path(dir_okay=False), help="imatrix to write (GGUF)")
+@click.option("--ctx", default=512, show_default=True, help="tokens per chunk")
+@click.option("--chunks", type=int, default=None, help="process at most this many chunks")
+@click.option("--all-experts", is_flag=True,
+              help="route every token to every expert for the statistics (the model's output is unchanged)")
+@click.option("--process-output", is_flag=True, help="also collect the output head (output.weight)")
+@click.option("--synthetic", is_flag=True, help="mark the result as made from synthetic or fixture text")
+@click.option("--device", default="cpu", show_default=True, help="torch device (cpu, cuda, cuda:1, ...)")
+@click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default="float32",
+              show_default=True, help="dtype the model runs in")
+@click.option("--save-every", default=10, show_default=True, help="write the resume state every N chunks")
+@click.option("--restart", is_flag=True, help="ignore a resume state left by an interrupted run")
+@click.option("--force", is_flag=True, help="overwrite the output")
+@click.option("--no-progress", is_flag=True, help="no progress bar")
+def collect(source, text, output, ctx, chunks, all_experts, process_output, synthetic, device, dtype, save_every,
+            restart, force, no_progress):
+    """Run SOURCE (a Hugging Face checkpoint) over the text and collect its imatrix, like llama-imatrix."""
+    from ..imatrix.collect import CollectOptions, collect_imatrix
+
+    opts = CollectOptions(ctx=ctx, chunks=chunks, all_experts=all_experts, process_output=process_output,
+                          synthetic=synthetic, device=device, dtype=dtype, save_every=save_every, restart=restart,
+                          overwrite=force, progress=not no_progress)
+    imx = collect_imatrix(source, text, output, opts)
+    click.echo(f"wrote {output}: {len(imx.entries)} entries, {imx.chunk_count} chunks of {ctx} tokens, "
+               f"{imx.coverage()}")
+
+
+COMMANDS = [imatrix]

@@ -1,0 +1,539 @@
+"""Collect an importance matrix by running the source model in transformers, as ``llama-imatrix`` does in llama.cpp.
+
+What is accumulated: for every weight that maps (through the architecture maps) to a GGUF tensor named ``blk.*``
+(and ``output.weight`` with ``process_output``), Σx² over every input vector ``x`` the weight is multiplied with,
+and how many vectors that was; for stacked routed experts, per expert and only over the tokens routed to it.
+
+How: the model runs with transformers' eager experts and attention implementations, under a
+``torch.overrides.TorchFunctionMode`` that sees every ``F.linear`` / ``bmm`` / ``matmul`` call.  A call whose
+second operand is (a view of) a model parameter is attributed to that parameter, and for a stacked expert
+parameter ``[E, out, in]`` the view's storage offset tells which expert (``gate_up_proj[e]`` in the eager expert
+loop).  This needs no per-architecture hook for linear layers, experts or grouped projections (DeepSeek V4's
+``o_a_proj`` multiplies each group's heads through ``bmm``; its GGUF tensor ``attn_output_a`` is one 2-D matrix,
+so its entry has one row-length-sized vector summed over groups, the size llama-quantize checks for; llama-imatrix
+instead writes ``o_groups`` times that length and llama-quantize then refuses it).
+
+Inputs the source model never forms: MLA's ``kv_b_proj`` becomes GGUF ``attn_k_b`` (multiplying each head's
+``q_nope``) and ``attn_v_b`` (multiplying each head's attention-weighted latent) in llama.cpp's absorbed
+attention.  A forward hook on those attention modules (DeepSeek V3, GLM-5) forms both from ``q_b_proj``'s output,
+``kv_b_proj``'s input (the normalized latent) and the eager attention weights, one matrix per head.
+
+``all_experts``: every routed-expert module first runs with every token routed to every expert (weights zero,
+output discarded) to record statistics, then once more with the real routing and recording muted, so the
+model's output, and every later layer's input, is unchanged.
+
+Chunks follow llama-imatrix: the text is tokenized once (with the tokenizer's BOS when it adds one), cut into
+``ctx``-token chunks, and the first token of each chunk is replaced by BOS when the tokenizer adds one.  Each chunk
+runs as its own sequence.  Differences from llama-imatrix: matrix products with fewer than 16 rows are recorded
+too (llama-imatrix skips them), and sums accumulate in float64.
+
+Memory: the accumulators (one float64 row per column per matrix) and one chunk's activations; the model is loaded
+by transformers.  Resume: every ``save_every`` chunks the accumulators go to ``<out>.resume.gguf`` (an imatrix
+GGUF recording the chunks done and the inputs' identity); a later run with the same inputs continues from there.
+"""
+from __future__ import annotations
+
+import json
+import os
+import weakref
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+
+from .. import __version__
+from ..arch import ArchMap, get_arch
+from ..errors import OutputExistsError, SourceError, UnsupportedError, ValidationError
+from ..io.atomic import sha256_file
+from .formats import load_imatrix, save_imatrix
+from .model import Entry, Imatrix, make_imatrix
+from .names import OUTPUT_HEAD, column_map
+from .provenance import EXAMPLE_MARKER
+
+DEFAULT_CTX = 512
+DEFAULT_SAVE_EVERY = 10
+#: Largest calibration text read (bytes); a larger one is cut into several runs and merged.
+MAX_TEXT_BYTES = 1 << 30
+RESUME_SUFFIX = ".resume.gguf"
+#: Provenance fields a resume state must share with the run that continues it.
+RESUME_IDENTITY = ("source_sha256", "text_sha256", "ctx", "all_experts", "process_output", "dtype")
+MLA_STEPS = ("kv_b_k", "kv_b_v")
+ROUTED_CLASSES = frozenset({"routed_gate", "routed_up", "routed_down"})
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+# -- accumulators -------------------------------------------------------------------------------------------------
+
+class Accumulators:
+    """float64 Σx² ``[n_mat, n]`` and counts ``[n_mat]`` per GGUF tensor, created on first use (as llama-imatrix
+    creates an entry at the first product it sees)."""
+
+    def __init__(self, device):
+        self.device = device
+        self.sums: dict[str, Any] = {}
+        self.counts: dict[str, Any] = {}
+
+    def _slot(self, name: str, n_mat: int, n: int):
+        import torch
+
+        if name not in self.sums:
+            self.sums[name] = torch.zeros((n_mat, n), dtype=torch.float64, device=self.device)
+            self.counts[name] = torch.zeros(n_mat, dtype=torch.float64, device=self.device)
+        sums = self.sums[name]
+        if sums.shape != (n_mat, n):
+            raise SourceError(f"inputs of {n_mat} x {n} values, earlier {tuple(sums.shape)}: the model multiplies "
+                              f"this weight in two different ways", tensor=name)
+        return sums, self.counts[name]
+
+    def add(self, name: str, n_mat: int, mat: int | None, sq_sum, rows: int) -> None:
+        """Add one product's Σx² (``[n]``, or ``[n_mat, n]`` with ``mat`` None: every matrix saw ``rows``)."""
+        sums, counts = self._slot(name, n_mat, int(sq_sum.shape[-1]))
+        if mat is None:
+            sums += sq_sum
+            counts += rows
+        else:
+            sums[mat] += sq_sum
+            counts[mat] += rows
+
+    def entries(self) -> dict[str, Entry]:
+        out = {}
+        for name in sorted(self.sums):
+            sums = self.sums[name].cpu().numpy()
+            if not np.isfinite(sums).all():
+                raise SourceError("non-finite input activations (the model produced NaN or Inf)", tensor=name)
+            out[name] = Entry(sums.astype(np.float32), self.counts[name].cpu().numpy().astype(np.float32))
+        return out
+
+    def load(self, imatrix: Imatrix) -> None:
+        import torch
+
+        for name, e in imatrix.entries.items():
+            self.sums[name] = torch.as_tensor(e.in_sum2, dtype=torch.float64, device=self.device).clone()
+            self.counts[name] = torch.as_tensor(e.counts, dtype=torch.float64, device=self.device).clone()
+
+
+# -- what each parameter feeds --------------------------------------------------------------------------------------
+
+@dataclass
+class _Target:
+    name: str
+    n_mat: int
+    mat: int | None
+    """The matrix a per-expert parameter fills; None: a stacked parameter's view tells, or a single matrix."""
+    order: Any = None
+    """Source column of each GGUF column (torch LongTensor), None for the identity."""
+
+
+@dataclass
+class _Param:
+    name: str
+    param: Any
+    targets: list[_Target]
+    observers: list[Callable] = field(default_factory=list)
+    stacked: bool = False
+    unsupported: str | None = None
+
+
+class _MLA:
+    """Statistics of MLA's absorbed ``attn_k_b`` / ``attn_v_b``, formed from one attention module's pieces."""
+
+    def __init__(self, module, k_name: str, v_name: str, acc: Accumulators):
+        self.heads = int(module.num_heads)
+        self.nope = int(module.qk_nope_head_dim)
+        self.qk_head = int(module.qk_head_dim)
+        self.rank = int(module.kv_lora_rank)
+        self.k_name, self.v_name, self.acc = k_name, v_name, acc
+        self.q = self.latent = None
+
+    def on_query(self, x, out) -> None:
+        self.q = out.detach()
+
+    def on_latent(self, x, out) -> None:
+        self.latent = x.detach()
+
+    def after_attention(self, module, args, output) -> None:
+        import torch
+
+        weights = output[1] if isinstance(output, tuple) and len(output) > 1 else None
+        if weights is None or self.q is None or self.latent is None:
+            raise UnsupportedError("MLA statistics need the eager attention weights, the query and the latent of "
+                                   "the same forward pass", tensor=self.v_name)
+        batch, tokens = self.q.shape[:2]
+        q_nope = self.q.reshape(batch, tokens, self.heads, self.qk_head)[..., : self.nope].to(torch.float64)
+        self.acc.add(self.k_name, self.heads, None, q_nope.square().sum(dim=(0, 1)), batch * tokens)
+        latent = self.latent.reshape(batch, -1, self.rank).to(torch.float32)
+        v_sums = torch.stack([torch.matmul(weights[:, h].to(torch.float32), latent).to(torch.float64)
+                              .square().sum(dim=(0, 1)) for h in range(self.heads)])
+        self.acc.add(self.v_name, self.heads, None, v_sums, batch * tokens)
+        self.q = self.latent = None
+
+
+class _Recorder:
+    """Attributes matrix products to model parameters (see the module docstring); use :meth:`active`."""
+
+    def __init__(self, params: list[_Param], acc: Accumulators):
+        # storage data pointer -> parameters in it (several when a loader sliced them out of one buffer)
+        self.params: dict[int, list[_Param]] = {}
+        for p in params:
+            self.params.setdefault(p.param.untyped_storage().data_ptr(), []).append(p)
+        self.acc = acc
+        self.mute_experts = False
+        self._aliases: dict[int, tuple[weakref.ref, tuple[_Param, int | None]]] = {}
+
+    def lookup(self, w) -> tuple[_Param, int | None] | None:
+        """The parameter (and expert) a tensor is a view of, or None."""
+        import torch
+
+        if not isinstance(w, torch.Tensor):
+            return None
+        alias = self._aliases.get(id(w))
+        if alias is not None and alias[0]() is w:
+            return alias[1]
+        try:
+            candidates = self.params.get(w.untyped_storage().data_ptr())
+        except (RuntimeError, NotImplementedError):
+            return None
+        offset = w.storage_offset()
+        for p in candidates or ():
+            start = p.param.storage_offset()
+            if not start <= offset < start + p.param.numel():
+                continue
+            if not p.stacked:
+                return p, None
+            expert = (offset - start) // p.param.stride(0)
+            return (p, int(expert)) if w.dim() == 2 else None
+        return None
+
+    def observe(self, hit: tuple[_Param, int | None], x, out) -> None:
+        import torch
+
+        p, expert = hit
+        n = p.param.shape[-1]
+        if not isinstance(x, torch.Tensor) or x.shape[-1] != n:
+            return  # the parameter is not the weight of this product (e.g. used as the left operand)
+        if p.unsupported is not None:
+            raise UnsupportedError(f"multiplied as a weight, but {p.unsupported}", tensor=p.name)
+        for observer in p.observers:
+            observer(x, out)
+        if not p.targets or (expert is not None and self.mute_experts):
+            return
+        rows = x.detach().reshape(-1, n)
+        if rows.shape[0] == 0:
+            return
+        sq_sum = rows.to(torch.float64).square().sum(dim=0)
+        for t in p.targets:
+            self.acc.add(t.name, t.n_mat, t.mat if t.mat is not None else (expert or 0),
+                         sq_sum if t.order is None else sq_sum[t.order], rows.shape[0])
+
+    @contextmanager
+    def active(self):
+        import torch
+        import torch.nn.functional as F
+        from torch.overrides import TorchFunctionMode
+
+        recorder = self
+        # product -> keyword names of its (input, weight) operands
+        products = {F.linear: ("input", "weight"), torch.bmm: ("input", "mat2"), torch.Tensor.bmm: ("self", "mat2"),
+                    torch.matmul: ("input", "other"), torch.Tensor.matmul: ("self", "other"),
+                    torch.Tensor.__matmul__: ("self", "other")}
+        casts = {torch.Tensor.float, torch.Tensor.to, torch.Tensor.type, torch.Tensor.contiguous}
+
+        class Mode(TorchFunctionMode):
+            def __torch_function__(self, func, types, args=(), kwargs=None):
+                kwargs = kwargs or {}
+                out = func(*args, **kwargs)
+                operands = products.get(func)
+                if operands is not None:
+                    x, w = (list(args) + [kwargs.get(k) for k in operands[len(args):]])[:2]
+                    hit = recorder.lookup(w)
+                    if hit is not None:
+                        recorder.observe(hit, x, out)
+                elif func in casts and args and isinstance(out, torch.Tensor) and out is not args[0]:
+                    hit = recorder.lookup(args[0])
+                    if hit is not None:  # a weight cast for the product (``self.fn.float()``) is still that weight
+                        recorder._aliases[id(out)] = (weakref.ref(out), hit)
+                return out
+
+        with Mode():
+            yield
+        self._aliases.clear()
+
+
+# -- the collector ------------------------------------------------------------------------------------------------
+
+class Collector:
+    """Accumulates statistics over chunks run through ``model`` (a transformers model whose parameter names
+    ``amap`` resolves).  Sets the model's experts and attention implementations to eager.  :meth:`close` removes
+    every hook."""
+
+    def __init__(self, model, amap: ArchMap, *, all_experts: bool = False, process_output: bool = False):
+        import torch
+
+        self.model = model
+        self.amap = amap
+        self._implementations = (model.config._experts_implementation, model.config._attn_implementation)
+        model.set_experts_implementation("eager")
+        model.set_attn_implementation("eager")
+        self.device = next(model.parameters()).device
+        self.acc = Accumulators(self.device)
+        self._hooks: list[Any] = []
+        self._patched: list[Any] = []
+        self.process_output = process_output
+        by_name: dict[str, _Param] = {}
+        mla_parts: dict[str, dict[str, str]] = {}
+        for name, param in model.named_parameters():
+            targets, mla, unsupported = self._targets(name, param)
+            entry = _Param(name, param, targets, stacked=any(t.mat is None and t.n_mat > 1 for t in targets),
+                           unsupported=unsupported)
+            by_name[name] = entry
+            for step, gguf_name in mla.items():
+                mla_parts.setdefault(name, {})[step] = gguf_name
+        self._attach_mla(mla_parts, by_name)
+        watched = [p for p in by_name.values() if p.targets or p.observers or p.unsupported]
+        self.recorder = _Recorder(watched, self.acc)
+        if all_experts:
+            self._route_all_experts()
+        self._torch = torch
+
+    def _targets(self, name: str, param) -> tuple[list[_Target], dict[str, str], str | None]:
+        """What a parameter feeds: statistics targets, MLA parts, and why its products cannot be recorded (a
+        transform that changes the columns, e.g. a convolution kernel; an error only if it is multiplied)."""
+        import torch
+
+        targets, mla, unsupported = [], {}, None
+        for m in self.amap.resolve(name):
+            if m.gguf_name is None or m.role != "weight" or param.dim() < 2:
+                continue
+            if not (m.gguf_name.startswith("blk.") or (self.process_output and m.gguf_name == OUTPUT_HEAD)):
+                continue
+            step = next((s for s in m.transform if s in MLA_STEPS), None)
+            if step is not None:
+                mla[step] = m.gguf_name
+                continue
+            stacked = param.dim() == 3 and m.tensor_class in ROUTED_CLASSES and m.expert is None
+            order = column_map(m, int(param.shape[-1]), self.amap.hp)
+            if order is None or (param.dim() > 2 and not stacked):
+                unsupported = f"its transform {m.transform} or shape {tuple(param.shape)} does not say what " \
+                              f"{m.gguf_name!r} multiplies"
+                continue
+            identity = bool((order == np.arange(order.size)).all())
+            order_t = None if identity else torch.as_tensor(order, device=param.device)
+            if stacked:
+                targets.append(_Target(m.gguf_name, int(param.shape[0]), None, order_t))
+            else:
+                n_mat = self.amap.expert_count if m.expert is not None else 1
+                targets.append(_Target(m.gguf_name, n_mat, m.expert, order_t))
+        return targets, mla, unsupported
+
+    def _attach_mla(self, mla_parts: dict[str, dict[str, str]], by_name: dict[str, _Param]) -> None:
+        modules = dict(self.model.named_modules())
+        for pname, parts in mla_parts.items():
+            if set(parts) != set(MLA_STEPS):
+                raise UnsupportedError(f"MLA split incomplete: {sorted(parts)}", tensor=pname)
+            attn_name = pname.rsplit(".", 2)[0]          # <attn>.kv_b_proj.weight
+            attn = modules.get(attn_name)
+            q_proj = getattr(attn, "q_b_proj", None) or getattr(attn, "q_proj", None)
+            if attn is None or q_proj is None:
+                raise UnsupportedError("an MLA kv_b projection outside an attention module with a query "
+                                       "projection", tensor=pname)
+            handler = _MLA(attn, parts["kv_b_k"], parts["kv_b_v"], self.acc)
+            by_name[pname].observers.append(handler.on_latent)
+            q_name = next(n for n, p in self.model.named_parameters() if p is q_proj.weight)
+            by_name[q_name].observers.append(handler.on_query)
+            self._hooks.append(attn.register_forward_hook(handler.after_attention))
+
+    def _route_all_experts(self) -> None:
+        import torch
+
+        owners = {}
+        for module_name, module in self.model.named_modules():
+            for pname, param in module.named_parameters(recurse=False):
+                full = f"{module_name}.{pname}" if module_name else pname
+                if param.dim() == 3 and any(m.tensor_class in ROUTED_CLASSES for m in self.amap.resolve(full)):
+                    owners[module_name] = (module, int(param.shape[0]))
+        recorder = self.recorder
+
+        for module, n_experts in owners.values():
+            original = module.forward
+
+            def forward(hidden_states, top_k_index, top_k_weights, _original=original, _n=n_experts):
+                tokens = hidden_states.shape[0]
+                every = torch.arange(_n, device=hidden_states.device).expand(tokens, _n)
+                _original(hidden_states, every, torch.zeros((tokens, _n), dtype=top_k_weights.dtype,
+                                                           device=top_k_weights.device))
+                recorder.mute_experts = True
+                try:
+                    return _original(hidden_states, top_k_index, top_k_weights)
+                finally:
+                    recorder.mute_experts = False
+
+            module.forward = forward
+            self._patched.append(module)
+
+    def run_chunk(self, input_ids) -> None:
+        """Run one chunk (``LongTensor[1, ctx]``) and accumulate its statistics."""
+        torch = self._torch
+        keep = 0 if self.process_output else 1  # the head's product is needed only for its statistics
+        with torch.no_grad(), self.recorder.active():
+            self.model(input_ids=input_ids.to(self.device), use_cache=False, logits_to_keep=keep)
+
+    def close(self) -> None:
+        for hook in self._hooks:
+            hook.remove()
+        for module in self._patched:
+            del module.forward
+        self._hooks, self._patched = [], []
+        experts, attention = self._implementations
+        self.model.set_experts_implementation(experts)
+        self.model.set_attn_implementation(attention)
+
+
+# -- calibration text ---------------------------------------------------------------------------------------------
+
+def read_text(path: str | os.PathLike) -> str:
+    path = Path(path)
+    size = path.stat().st_size
+    if size > MAX_TEXT_BYTES:
+        raise SourceError(f"calibration text is {size} bytes, over the {MAX_TEXT_BYTES}-byte limit: split it and "
+                          f"merge the imatrices", path=path)
+    try:
+        text = path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise SourceError(f"calibration text is not UTF-8 ({exc.reason} at byte {exc.start})", path=path) from None
+    if not text.strip():
+        raise SourceError("calibration text is empty", path=path)
+    return text.removesuffix("\n")  # llama-imatrix drops one trailing newline of the file
+
+
+def calibration_chunks(tokenizer, text: str, ctx: int, n_chunks: int | None = None) -> list[list[int]]:
+    """Token chunks as llama-imatrix forms them from ``text`` (see the module docstring)."""
+    bos = tokenizer.bos_token_id
+    probe = tokenizer("a", add_special_tokens=True)["input_ids"]
+    add_bos = bos is not None and probe[:1] == [bos]
+    tokens = ([bos] if add_bos else []) + list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    return chunk_tokens(tokens, ctx, n_chunks, bos if add_bos else None)
+
+
+def chunk_tokens(tokens: list[int], ctx: int, n_chunks: int | None, bos: int | None) -> list[list[int]]:
+    """``ctx``-token chunks of ``tokens`` (at most ``n_chunks``), each starting with ``bos`` when given."""
+    if ctx < 1:
+        raise SourceError(f"context length must be positive, got {ctx}")
+    if n_chunks is not None and n_chunks < 1:
+        raise SourceError(f"the chunk count must be positive, got {n_chunks}")
+    available = len(tokens) // ctx
+    if available < 1:
+        raise SourceError(f"calibration text tokenizes to {len(tokens)} tokens, fewer than one chunk of {ctx}")
+    count = available if n_chunks is None else min(n_chunks, available)
+    chunks = [list(tokens[i * ctx:(i + 1) * ctx]) for i in range(count)]
+    if bos is not None:
+        for chunk in chunks:
+            chunk[0] = bos
+    return chunks
+
+
+# -- the command --------------------------------------------------------------------------------------------------
+
+@dataclass
+class CollectOptions:
+    ctx: int = DEFAULT_CTX
+    chunks: int | None = None
+    all_experts: bool = False
+    process_output: bool = False
+    synthetic: bool = False
+    device: str = "cpu"
+    dtype: str = "float32"
+    save_every: int = DEFAULT_SAVE_EVERY
+    restart: bool = False
+    overwrite: bool = False
+    progress: bool = True
+
+
+def _read_config(source: Path) -> dict:
+    path = source / "config.json"
+    if not path.is_file():
+        raise SourceError("no config.json: collection needs a Hugging Face checkpoint directory", path=source)
+    try:
+        return json.loads(path.read_text())
+    except ValueError as exc:
+        raise SourceError(f"config.json is not valid JSON: {exc}", path=path) from None
+
+
+def load_source_model(source: Path, config: dict, dtype: str, device: str, *, progress: bool = True):
+    """The transformers model of a checkpoint directory (the class its config names), in eval mode."""
+    import torch
+    import transformers
+
+    if dtype not in DTYPES:
+        raise SourceError(f"dtype {dtype!r} is not one of {DTYPES}")
+    names = config.get("architectures") or []
+    model_class = getattr(transformers, names[0], None) if names else None
+    if model_class is None:
+        raise UnsupportedError(f"config.json names architectures {names!r}; transformers "
+                               f"{transformers.__version__} has no such class", path=source)
+    if not progress:
+        transformers.utils.logging.disable_progress_bar()
+    model = model_class.from_pretrained(source, dtype=getattr(torch, dtype), experts_implementation="eager",
+                                        attn_implementation="eager")
+    return model.to(device).eval()
+
+
+def collect_imatrix(source: str | os.PathLike, text_path: str | os.PathLike, out: str | os.PathLike,
+                    options: CollectOptions | None = None) -> Imatrix:
+    """Run ``source`` over the text, write the imatrix to ``out`` (atomically), and return it."""
+    import torch
+    from tqdm import tqdm
+
+    opts = options or CollectOptions()
+    source, out = Path(source), Path(out)
+    if out.exists() and not opts.overwrite:
+        raise OutputExistsError("output exists; refusing to replace it", path=out)
+    text = read_text(text_path)
+    config = _read_config(source)
+    amap = get_arch(config.get("model_type", "")).bind(config)
+    identity = {"source_sha256": sha256_file(source / "config.json"), "text_sha256": sha256_file(text_path),
+                "ctx": str(opts.ctx), "all_experts": str(opts.all_experts).lower(),
+                "process_output": str(opts.process_output).lower(), "dtype": opts.dtype}
+    import transformers
+
+    chunks = calibration_chunks(transformers.AutoTokenizer.from_pretrained(source), text, opts.ctx, opts.chunks)
+    model = load_source_model(source, config, opts.dtype, opts.device, progress=opts.progress)
+    collector = Collector(model, amap, all_experts=opts.all_experts, process_output=opts.process_output)
+    state = out.with_name(out.name + RESUME_SUFFIX)
+    done = _resume(collector, state, identity, len(chunks)) if state.exists() and not opts.restart else 0
+    synthetic = opts.synthetic or (source / EXAMPLE_MARKER).is_file()
+    provenance = {**identity, "source": str(source), "source_model_type": amap.arch.model_type,
+                  "quantkit_version": __version__}
+
+    def snapshot(n_done: int, **extra) -> Imatrix:
+        return make_imatrix(collector.acc.entries(), datasets=[str(text_path)], chunk_count=n_done,
+                            chunk_size=opts.ctx, synthetic=synthetic, provenance={**provenance, **extra})
+
+    try:
+        for i in tqdm(range(done, len(chunks)), initial=done, total=len(chunks), unit="chunk",
+                      disable=not opts.progress, desc="imatrix"):
+            collector.run_chunk(torch.tensor([chunks[i]], dtype=torch.long))
+            if opts.save_every > 0 and (i + 1) % opts.save_every == 0 and i + 1 < len(chunks):
+                save_imatrix(snapshot(i + 1, chunks_done=str(i + 1)), state, fmt="gguf", overwrite=True)
+    finally:
+        collector.close()
+    imatrix = snapshot(len(chunks))
+    save_imatrix(imatrix, out, fmt="gguf", overwrite=opts.overwrite)
+    state.unlink(missing_ok=True)
+    imatrix.path = out
+    imatrix.sha256 = sha256_file(out)
+    return imatrix
+
+
+def _resume(collector: Collector, state: Path, identity: dict[str, str], n_chunks: int) -> int:
+    saved = load_imatrix(state)
+    for key in RESUME_IDENTITY:
+        if saved.provenance.get(key) != identity[key]:
+            raise ValidationError(f"resume state was made with other inputs ({key}: {saved.provenance.get(key)!r}, "
+                                  f"now {identity[key]!r}); delete it or pass --restart", path=state)
+    done = int(saved.provenance.get("chunks_done", "0"))
+    if not 0 < done <= n_chunks:
+        raise ValidationError(f"resume state records {done} chunks done of {n_chunks}", path=state)
+    collector.acc.load(saved)
+    return done

@@ -1,0 +1,266 @@
+"""Collecting an imatrix with transformers: agreement with llama.cpp's llama-imatrix on the same F32 model and text
+(committed reference files, see tests/data/imatrix/README.md), every architecture's statistics checked against
+module hooks and the GGUF shapes, --all-experts, the command with resume and bad input, and what it is for:
+IQ2_XXS with the collected importance beats the weight-energy bootstrap on imatrix-weighted error."""
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from click.testing import CliRunner
+
+import quantkit
+from quantkit.arch import get_arch
+from quantkit.cli import main
+from quantkit.examples import example_model_dir
+from quantkit.imatrix import bootstrap_importance, load_imatrix, make_imatrix
+from quantkit.imatrix.collect import (RESUME_SUFFIX, CollectOptions, Collector, calibration_chunks, chunk_tokens,
+                                      collect_imatrix)
+from quantkit.imatrix.names import expected_entries
+from quantkit.testing.tiny_models import build_tiny_model, get_arch as tiny_arch
+
+DATA = Path(__file__).parent / "data" / "imatrix"
+MANIFEST = json.loads((DATA / "manifest.json").read_text())
+CTX = MANIFEST["ctx"]
+#: Relative difference allowed between our Σx² (float64 sums of a float32 forward) and llama-imatrix's (float32
+#: sums of ggml's float32 forward); measured worst case 5.5e-6.
+REL_TOL = 2e-5
+#: The script that made the references (its weights_sha256 ties them to the tiny model).
+_spec = importlib.util.spec_from_file_location("make_references", DATA / "make_references.py")
+make_references = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(make_references)
+#: GGUF tensor classes that are not matrix products (no importance is collected for them).
+NOT_PRODUCTS = frozenset({"norm", "conv", "ape", "ngram_table", "hash_routing", "ssm_param", "sinks", "bias",
+                          "metadata", "mtp", "vision", "token_embd", "output", "quant_aux"})
+
+
+def tiny(arch: str):
+    """The float32 tiny model, its tokenizer and its architecture map."""
+    model, tokenizer = build_tiny_model(arch, dtype="f32")
+    spec = tiny_arch(arch)
+    config = model.config.to_dict()
+    (config["text_config"] if spec.nested else config).update(spec.converter_keys(model.config))
+    return model, tokenizer, get_arch(arch).bind(config)
+
+
+def collect(model, amap, chunks, **options):
+    collector = Collector(model, amap, **options)
+    try:
+        for chunk in chunks:
+            collector.run_chunk(torch.tensor([chunk]))
+    finally:
+        collector.close()
+    return make_imatrix(collector.acc.entries(), chunk_count=len(chunks), chunk_size=len(chunks[0]))
+
+
+def relative_difference(ours: np.ndarray, ref: np.ndarray) -> float:
+    both_zero = (ours == 0) & (ref == 0)
+    rel = np.abs(ours.astype(np.float64) - ref) / np.where(both_zero, 1, np.abs(ref.astype(np.float64)))
+    return float(rel.max())
+
+
+# -- agreement with llama-imatrix ------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v3"])
+def test_agrees_with_llama_imatrix(arch):
+    model, tokenizer, amap = tiny(arch)
+    record = MANIFEST["archs"][arch]
+    assert make_references.weights_sha256(model) == record["weights_sha256"], \
+        "the tiny model changed since the references were made: run tests/data/imatrix/make_references.py"
+    tokens = record["tokens"]["a"]
+    text = (DATA / "calibration-a.txt").read_text().removesuffix("\n")
+    assert sum(calibration_chunks(tokenizer, text, CTX, MANIFEST["chunks"]["a"]), []) == tokens
+    ours = collect(model, amap, chunk_tokens(tokens, CTX, None, None))
+    ref = load_imatrix(DATA / f"{arch}-a.imatrix.gguf")
+    assert sorted(ours.entries) == sorted(ref.entries)
+    ref = ref.conform({n: (e.n_per_row, e.n_mat) for n, e in ours.entries.items()})
+    worst = {}
+    for name, e in ref.entries.items():
+        assert np.array_equal(ours.entries[name].counts, e.counts), name
+        worst[name] = relative_difference(ours.entries[name].in_sum2, e.in_sum2)
+    assert max(worst.values()) < REL_TOL, worst
+    assert str(ours.coverage()) == str(ref.coverage())
+
+
+# -- every architecture, checked against module hooks -----------------------------------------------------------------
+
+class HookSums:
+    """Σx² of every nn.Linear input and of every routed expert's input, from forward pre-hooks (independent of the
+    collector's attribution by storage)."""
+
+    def __init__(self, model):
+        self.linear: dict[str, tuple[torch.Tensor, int]] = {}
+        self.experts: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.handles = []
+        for name, module in model.named_modules():
+            if isinstance(module, torch.nn.Linear):
+                self.handles.append(module.register_forward_pre_hook(self._linear(name + ".weight")))
+            elif hasattr(module, "gate_up_proj") and hasattr(module, "num_experts"):
+                self.handles.append(module.register_forward_pre_hook(self._experts(name, module.num_experts)))
+
+    def _linear(self, name):
+        def hook(module, args):
+            x = args[0].detach().reshape(-1, args[0].shape[-1]).double()
+            sums, rows = self.linear.get(name, (0, 0))
+            self.linear[name] = (sums + x.square().sum(0), rows + x.shape[0])
+        return hook
+
+    def _experts(self, name, n_experts):
+        def hook(module, args):
+            hidden, top_k_index = args[0].detach().double(), args[1]
+            sums = torch.stack([hidden[(top_k_index == e).any(-1)].square().sum(0) for e in range(n_experts)])
+            counts = torch.stack([(top_k_index == e).any(-1).sum() for e in range(n_experts)]).double()
+            old = self.experts.get(name, (0, 0))
+            self.experts[name] = (old[0] + sums, old[1] + counts)
+        return hook
+
+    def remove(self):
+        for handle in self.handles:
+            handle.remove()
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v3", "deepseek_v4", "glm5_next", "qwen4_exp"])
+def test_every_architecture(arch):
+    model, _, amap = tiny(arch)
+    tokens = 96
+    chunk = torch.randint(0, 500, (tokens,), generator=torch.Generator().manual_seed(1)).tolist()
+    hooks = HookSums(model)
+    try:
+        imx = collect(model, amap, [chunk])
+    finally:
+        hooks.remove()
+    outputs = amap.outputs({n: tuple(p.shape) for n, p in model.state_dict().items()})
+    expected = expected_entries({o.gguf_name: o.shape for o in outputs})
+    required = {o.gguf_name for o in outputs if o.gguf_name in expected and o.tensor_class not in NOT_PRODUCTS}
+    imx.check_against(expected, required=required)     # every product has an entry with the GGUF tensor's shape
+    checked = 0
+    for hf_name, (sums, rows) in hooks.linear.items():
+        for m in [m for m in amap.resolve(hf_name) if m.gguf_name in imx.entries and not m.transform]:
+            e = imx.entries[m.gguf_name]
+            assert e.counts.tolist() == [rows] and rows >= tokens, m.gguf_name
+            assert np.allclose(e.in_sum2[0], sums.numpy().astype(np.float32), rtol=1e-6, atol=0), m.gguf_name
+            checked += 1
+    for module_name, (sums, counts) in hooks.experts.items():
+        for m in amap.resolve(module_name + ".gate_up_proj"):
+            e = imx.entries[m.gguf_name]
+            assert np.array_equal(e.counts, counts.numpy().astype(np.float32)), m.gguf_name
+            assert np.allclose(e.in_sum2, sums.numpy().astype(np.float32), rtol=1e-6, atol=0), m.gguf_name
+            checked += 1
+    assert checked >= 6
+    top_k = amap.hp["num_experts_per_tok"]
+    for name, e in imx.entries.items():
+        if name.endswith("_exps.weight"):
+            assert e.counts.sum() == tokens * top_k, name      # each token reaches top_k experts
+
+
+def test_all_experts_keeps_the_output_and_observes_every_expert():
+    model, _, amap = tiny("deepseek_v3")        # group-limited routing leaves experts unobserved on short text
+    chunk = torch.randint(0, 500, (64,), generator=torch.Generator().manual_seed(2)).tolist()
+    routed = collect(model, amap, [chunk])
+    assert routed.coverage().observed < routed.coverage().total
+    logits = {}
+    for all_experts in (False, True):
+        collector = Collector(model, amap, all_experts=all_experts)
+        try:
+            with torch.no_grad(), collector.recorder.active():
+                logits[all_experts] = model(input_ids=torch.tensor([chunk])).logits
+        finally:
+            collector.close()
+    plain, every = logits[False], logits[True]
+    assert torch.equal(plain, every)
+    imx = make_imatrix(collector.acc.entries())
+    assert str(imx.coverage()) == "observed 8 of 8 experts (100.00%)"
+    up, router = imx.entries["blk.1.ffn_up_exps.weight"], imx.entries["blk.1.ffn_gate_inp.weight"]
+    assert up.counts.tolist() == [64] * 8
+    assert np.array_equal(up.in_sum2, np.repeat(router.in_sum2, 8, axis=0))   # every expert saw every token
+    for name in routed.entries:    # non-expert statistics are those of the normal routing
+        if "_exps" not in name:
+            assert np.array_equal(imx.entries[name].in_sum2, routed.entries[name].in_sum2), name
+
+
+# -- the command --------------------------------------------------------------------------------------------------
+
+def test_cli_collect_and_bad_input(tmp_path):
+    runner = CliRunner()
+    out = tmp_path / "out.gguf"
+    args = ["imatrix", "collect", str(example_model_dir()), "--text", str(DATA / "calibration-a.txt"), "--ctx", "64",
+            "--chunks", "2", "--no-progress", "-o", str(out)]
+    result = runner.invoke(main, args)
+    assert result.exit_code == 0, result.output
+    imx = load_imatrix(out)
+    assert "observed 4 of 4 experts (100.00%)" in result.output
+    assert imx.synthetic                      # the bundled example is an untrained test model
+    assert (imx.chunk_count, imx.chunk_size, imx.datasets) == (2, 64, [str(DATA / "calibration-a.txt")])
+    assert imx.entries["blk.0.attn_q.weight"].counts.tolist() == [128]
+    assert imx.provenance["source_model_type"] == "qwen3_moe" and imx.provenance["ctx"] == "64"
+    assert runner.invoke(main, args).exit_code == 2            # the output exists
+    (tmp_path / "empty.txt").write_text(" \n")
+    (tmp_path / "short.txt").write_text("too short")
+    for text in ("empty.txt", "short.txt"):
+        bad = tmp_path / f"{text}.gguf"
+        result = runner.invoke(main, [*args[:3], "--text", str(tmp_path / text), *args[5:-1], str(bad)])
+        assert result.exit_code == 2 and result.output.count("\n") == 1, result.output
+        assert not bad.exists() and not list(tmp_path.glob(f"{text}.gguf*"))
+
+
+def test_collect_resumes_by_chunks(tmp_path, monkeypatch):
+    opts = dict(ctx=64, chunks=3, save_every=1, progress=False)
+    text = DATA / "calibration-b.txt"
+    whole = collect_imatrix(example_model_dir(), text, tmp_path / "whole.gguf", CollectOptions(**opts))
+
+    out = tmp_path / "out.gguf"
+    calls = []
+    original = Collector.run_chunk
+
+    def interrupted(self, input_ids):
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("killed")
+        return original(self, input_ids)
+
+    monkeypatch.setattr(Collector, "run_chunk", interrupted)
+    with pytest.raises(RuntimeError, match="killed"):
+        collect_imatrix(example_model_dir(), text, out, CollectOptions(**opts))
+    state = out.with_name(out.name + RESUME_SUFFIX)
+    assert not out.exists() and load_imatrix(state).provenance["chunks_done"] == "2"
+    monkeypatch.setattr(Collector, "run_chunk", original)
+    calls.clear()
+    resumed = collect_imatrix(example_model_dir(), text, out, CollectOptions(**opts))
+    assert not state.exists() and resumed.chunk_count == 3
+    for name, e in whole.entries.items():
+        assert np.array_equal(resumed.entries[name].counts, e.counts)
+        assert np.allclose(resumed.entries[name].in_sum2, e.in_sum2, rtol=1e-6, atol=0), name
+
+
+# -- what the imatrix is for ---------------------------------------------------------------------------------------
+
+#: Rows of each matrix encoded (rows are encoded independently, so a row subset measures the same thing faster).
+IQ2_ROWS = 64
+
+
+def test_iq2_xxs_with_the_imatrix_beats_the_bootstrap():
+    """For every tensor (every expert) of the tiny qwen3_moe, IQ2_XXS encoded with the collected importance has a
+    lower imatrix-weighted squared error than IQ2_XXS encoded with the weight-energy bootstrap."""
+    model, _, amap = tiny("qwen3_moe")
+    imx = collect(model, amap, chunk_tokens(MANIFEST["archs"]["qwen3_moe"]["tokens"]["a"], CTX, None, None),
+                  all_experts=True)
+    state = {n: p.detach().numpy() for n, p in model.state_dict().items()}
+    outputs = {o.gguf_name: o for o in amap.outputs({n: a.shape for n, a in state.items()})}
+    ratios = {}
+    for name in sorted(imx.entries):
+        w = amap.assemble(outputs[name], state.__getitem__)
+        mats = w if w.ndim == 3 else w[None]
+        for m in range(mats.shape[0]):
+            x = np.ascontiguousarray(mats[m, :IQ2_ROWS])
+            importance = imx.importance(name, m if mats.shape[0] > 1 else None)
+            errors = []
+            for im in (importance, bootstrap_importance(mats[m])):
+                decoded = quantkit.decode(quantkit.encode(x, "IQ2_XXS", im), "IQ2_XXS", x.shape)
+                errors.append(float(((x - decoded).astype(np.float64) ** 2 * importance).sum()))
+            ratios[f"{name}[{m}]"] = errors[0] / errors[1]
+    assert len(ratios) == 2 * 5 + 2 * 3 * 8       # per layer: q, k, v, output, router; 3 x 8 experts
+    assert max(ratios.values()) < 1, {k: v for k, v in ratios.items() if v >= 1}
