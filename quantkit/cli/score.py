@@ -1,0 +1,188 @@
+"""``quantkit fixture capture|import|check``, ``quantkit score``, ``quantkit compare``: thin wrappers over
+:mod:`quantkit.fixtures` and :mod:`quantkit.scoring` (formats and rules are documented there)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import click
+
+DEVICES = ("cpu", "cuda")
+
+
+def _template_kwargs(text: str | None) -> dict:
+    if not text:
+        return {}
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise click.BadParameter(f"not JSON: {exc}", param_hint="--chat-template-kwargs") from None
+    if not isinstance(value, dict):
+        raise click.BadParameter("must be a JSON object", param_hint="--chat-template-kwargs")
+    return value
+
+
+def _rendering(mode: str, kwargs: str | None):
+    from ..fixtures.tokens import Rendering
+
+    return Rendering(mode, _template_kwargs(kwargs))
+
+
+_rendering_options = [
+    click.option("--rendering", type=click.Choice(["chat", "raw"]), default="chat", show_default=True,
+                 help="chat: the tokenizer's chat template around one user message; raw: the prompt text as is"),
+    click.option("--chat-template-kwargs",
+                 help='JSON object passed to the chat template, e.g. {"enable_thinking": false}'),
+]
+
+
+def _with(options):
+    def apply(func):
+        for option in reversed(options):
+            func = option(func)
+        return func
+    return apply
+
+
+@click.group("fixture")
+def fixture():
+    """Capture, import and check ds4-style scoring fixtures."""
+
+
+@fixture.command("capture")
+@click.argument("source")
+@click.option("--prompts", required=True, type=click.Path(exists=True, path_type=Path),
+              help="prompts: a .jsonl file, a text file (one prompt per line) or a directory of *.txt")
+@click.option("--tokens", type=click.IntRange(min=1), default=24, show_default=True,
+              help="greedy continuation length per prompt (cut where the text does not round-trip)")
+@click.option("--top-logprobs", type=click.IntRange(1, 64), default=20, show_default=True,
+              help="alternatives recorded per continuation token")
+@click.option("--label", required=True, help="the checkpoint label the fixture belongs to (e.g. 0731)")
+@click.option("-o", "--output", "out", required=True, type=click.Path(path_type=Path), help="fixture directory")
+@_with(_rendering_options)
+@click.option("--device", type=click.Choice(DEVICES), default="cpu", show_default=True)
+@click.option("--tokenizer", type=click.Path(exists=True), help="tokenizer directory (default: the source's)")
+@click.option("--force", is_flag=True, help="replace an existing output directory")
+def capture(source, prompts, tokens, top_logprobs, label, out, rendering, chat_template_kwargs, device, tokenizer,
+            force):
+    """Capture a fixture from SOURCE (safetensors checkpoint or GGUF): greedy continuations and top logprobs."""
+    from ..fixtures.capture import capture_fixture, read_prompts
+    from ..fixtures.directory import check_label
+    from ..scoring.loading import describe_model, load_source
+
+    prompt_list = read_prompts(prompts)
+    codec, identity = describe_model(source, tokenizer=tokenizer)
+    check_label(identity, label)
+    model = load_source(identity, device=device)
+    try:
+        result = capture_fixture(model, codec, prompt_list, out, label=label, tokens=tokens, top_logprobs=top_logprobs,
+                                 rendering=_rendering(rendering, chat_template_kwargs), overwrite=force,
+                                 progress=lambda case: click.echo(f"{case.id} target={len(case.response)}", err=True))
+    finally:
+        model.close()
+    total = sum(len(c.response) for c in result.cases)
+    click.echo(f"fixture {result.path}: {len(result.cases)} cases, {total} target tokens "
+               f"({tokens * len(result.cases) - total} cut by the text round trip), label {label}, "
+               f"content {result.content_sha256[:16]}")
+
+
+@fixture.command("import")
+@click.argument("src", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.option("-o", "--output", "out", required=True, type=click.Path(path_type=Path), help="fixture directory")
+@click.option("--label", required=True, help="the checkpoint label the fixture belongs to (e.g. 0731)")
+@click.option("--source", "source_model",
+              help="the checkpoint (or GGUF) the fixture was captured from, to record its identity")
+@_with(_rendering_options)
+@click.option("--tokenizer", type=click.Path(exists=True), help="tokenizer directory (default: the source's)")
+@click.option("--force", is_flag=True, help="replace an existing output directory")
+def import_(src, out, label, source_model, rendering, chat_template_kwargs, tokenizer, force):
+    """Check a ds4-style fixture directory SRC and write it with a quantkit identity record."""
+    from ..fixtures.directory import import_fixture
+    from ..scoring.loading import describe_model
+    from ..scoring.source import ModelIdentity
+
+    identity = ModelIdentity()
+    if source_model is not None:
+        identity = describe_model(source_model, tokenizer=tokenizer)[1]
+    result = import_fixture(src, out, label=label, source=identity,
+                            rendering=_rendering(rendering, chat_template_kwargs), overwrite=force)
+    click.echo(f"fixture {result.path}: {len(result.cases)} cases imported, label {label}, "
+               f"content {result.content_sha256[:16]}")
+
+
+@fixture.command("check")
+@click.argument("path", type=click.Path(exists=True, file_okay=False, path_type=Path))
+def check(path):
+    """Read fixture PATH with every check scoring applies to it, and describe it."""
+    from ..fixtures.directory import read_fixture
+
+    result = read_fixture(path)
+    with_api = sum(c.response is not None for c in result.cases)
+    positions = sum(len(c.response) for c in result.cases if c.response is not None)
+    identity = result.identity
+    click.echo(f"fixture {result.path}: {len(result.cases)} cases ({with_api} with responses, {positions} "
+               f"reference tokens), content {result.content_sha256[:16]}")
+    click.echo(f"label {result.label!r}, source {identity.source!r}, rendering {result.rendering.mode}"
+               + ("" if result.info is not None else " (no fixture.json: identity unknown)"))
+
+
+@click.command("score")
+@click.argument("model")
+@click.argument("fixture_dir", metavar="FIXTURE", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.argument("out", type=click.Path(dir_okay=False, path_type=Path))
+@click.option("--ctx", required=True, type=click.IntRange(min=2), help="context limit: prompt + continuation tokens "
+              "per case; also the chunk length of --save-logits")
+@click.option("--device", type=click.Choice(DEVICES), default="cpu", show_default=True)
+@click.option("--allow-cross-checkpoint", is_flag=True,
+              help="score even when the fixture belongs to another checkpoint (reported in the table)")
+@click.option("--kld-base", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="llama-perplexity logits file of the base model: add its KLD statistics")
+@click.option("--save-logits", type=click.Path(dir_okay=False, path_type=Path),
+              help="write this model's logits over the fixture tokens in llama-perplexity's format")
+@click.option("--tokenizer", type=click.Path(exists=True), help="tokenizer directory (default: the model's)")
+def score(model, fixture_dir, out, ctx, device, allow_cross_checkpoint, kld_base, save_logits, tokenizer):
+    """Score MODEL (GGUF or checkpoint) on FIXTURE; write the per-case table OUT.tsv."""
+    from ..fixtures.directory import read_fixture
+    from ..scoring.loading import describe_model, load_source
+    from ..scoring.score import plan_scoring, run_scoring
+
+    fx = read_fixture(fixture_dir)
+    codec, identity = describe_model(model, tokenizer=tokenizer)
+    plan = plan_scoring(fx, codec, identity, ctx=ctx, allow_cross_checkpoint=allow_cross_checkpoint)
+    source = load_source(identity, device=device)
+
+    def progress(s):
+        click.echo(f"{s.id} prompt={s.prompt_tokens} target={s.target_tokens} avg_nll={s.avg_nll:.6f} "
+                   f"lcp={s.greedy_lcp}", err=True)
+
+    try:
+        result = run_scoring(source, codec, plan, kld_base=kld_base, save_logits_to=save_logits, progress=progress)
+    finally:
+        source.close()
+    for warning in result.warnings:
+        click.echo(f"warning: {warning}", err=True)
+    result.write(out)
+    for line in result.trailer:
+        click.echo(line)
+    if result.kld is not None:
+        click.echo("\n".join(result.kld.report_lines()))
+    click.echo(f"wrote {out}" + (f" and {save_logits}" if save_logits else ""))
+
+
+@click.command("compare")
+@click.argument("old", type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@click.argument("new", type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@click.option("--resamples", type=click.IntRange(min=10_000), default=10_000, show_default=True,
+              help="bootstrap resamples")
+@click.option("--seed", type=int, default=0, show_default=True, help="bootstrap seed")
+@click.option("--json", "as_json", is_flag=True, help="print the comparison as JSON")
+def compare(old, new, resamples, seed, as_json):
+    """Compare score tables OLD.tsv and NEW.tsv of one fixture: deltas, case wins, bootstrap interval, verdict."""
+    from ..scoring.compare import compare_tables
+    from ..scoring.table import read_table
+
+    result = compare_tables(read_table(old), read_table(new), resamples=resamples, seed=seed)
+    click.echo(json.dumps(result.to_json(), indent=1) if as_json else "\n".join(result.report_lines()))
+
+
+COMMANDS = [fixture, score, compare]

@@ -1,0 +1,106 @@
+"""Open a model for capture or scoring: its logits (through :mod:`quantkit.runtime`), tokenizer and identity.
+
+``path`` is a GGUF file or a safetensors checkpoint (directory, single file, or Hugging Face repo id).  Both run
+through :func:`quantkit.runtime.load_model`, so a source and its quantized artifacts are evaluated by the same
+code.  The tokenizer is, in order: ``tokenizer=`` (a Hugging Face tokenizer directory, e.g. the source
+checkpoint of a GGUF), the checkpoint's own tokenizer files, or the GGUF's ``tokenizer.*`` metadata rebuilt by
+transformers' GGUF tokenizer builder (which knows the pre-tokenizers of :data:`GGUF_PRE_TOKENIZER_SPLITS
+<transformers.integrations.gguf.gguf_tokenizer_mapping.GGUF_PRE_TOKENIZER_SPLITS>` only; for others the
+fingerprint will differ from the fixture's and scoring says so: pass the source's tokenizer).
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+
+from ..errors import SourceError
+from ..fixtures.tokens import TextCodec
+from .source import ModelIdentity, checkpoint_identity, gguf_identity
+
+GGUF_MAGIC = b"GGUF"
+
+
+class RuntimeSource:
+    """A :class:`quantkit.runtime.RuntimeModel` as a :class:`.source.LogitSource`."""
+
+    def __init__(self, model, identity: ModelIdentity):
+        self.model = model
+        self._identity = identity
+
+    def identity(self) -> ModelIdentity:
+        return self._identity
+
+    def logits(self, token_ids: Sequence[int]) -> np.ndarray:
+        from ..runtime import logits
+
+        return logits(self.model, np.asarray(token_ids, np.int64))
+
+    def close(self) -> None:
+        self.model.close()
+
+
+def is_gguf(path: str | os.PathLike) -> bool:
+    path = Path(path)
+    if not path.is_file():
+        return False
+    with open(path, "rb") as f:
+        return f.read(len(GGUF_MAGIC)) == GGUF_MAGIC
+
+
+def _gguf_tokenizer(path: Path):
+    from transformers import PreTrainedTokenizerFast
+    from transformers.integrations.gguf.gguf_tokenizer_mapping import convert_gguf_tokenizer, get_gguf_tokenizer
+
+    try:
+        architecture, tokenizer_dict, tokenizer_config = get_gguf_tokenizer(str(path))
+        backend, _ = convert_gguf_tokenizer(architecture, tokenizer_dict)
+    except (KeyError, ValueError) as exc:
+        raise SourceError(f"cannot rebuild the tokenizer from the GGUF metadata ({exc}); pass --tokenizer with "
+                          "the source checkpoint's tokenizer", path=path) from None
+    specials = {k: v for k, v in tokenizer_config.items() if k.endswith("_token") and v is not None}
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, clean_up_tokenization_spaces=False, **specials)
+    if tokenizer_config.get("chat_template"):
+        tokenizer.chat_template = tokenizer_config["chat_template"]
+    return tokenizer
+
+
+def load_tokenizer(path: str | os.PathLike, tokenizer: str | os.PathLike | None = None):
+    """The Hugging Face tokenizer to score ``path`` with (module doc)."""
+    from transformers import AutoTokenizer
+
+    if tokenizer is not None:
+        return AutoTokenizer.from_pretrained(str(tokenizer))
+    if is_gguf(path):
+        return _gguf_tokenizer(Path(path))
+    from ..convert.source import resolve_source
+
+    resolved = resolve_source(path).path
+    return AutoTokenizer.from_pretrained(str(resolved if resolved.is_dir() else resolved.parent))
+
+
+def model_identity(path: str | os.PathLike, codec: TextCodec) -> ModelIdentity:
+    """The identity of a GGUF (from its metadata) or checkpoint (from its shards' hashes), without loading it."""
+    if is_gguf(path):
+        from ..io.gguf_reader import GGUFFile
+
+        with GGUFFile(path) as f:
+            return gguf_identity(f.metadata, path=path, tokenizer=codec.fingerprint)
+    return checkpoint_identity(path, tokenizer=codec.fingerprint)
+
+
+def describe_model(path: str | os.PathLike, *, tokenizer: str | os.PathLike | None = None
+                   ) -> tuple[TextCodec, ModelIdentity]:
+    """The codec and identity of a GGUF or checkpoint, without loading its weights (so a fixture mismatch is
+    reported before a large model is loaded)."""
+    codec = TextCodec(load_tokenizer(path, tokenizer))
+    return codec, model_identity(path, codec)
+
+
+def load_source(identity: ModelIdentity, *, device: str = "cpu") -> RuntimeSource:
+    """The model :func:`describe_model` described, loaded through :func:`quantkit.runtime.load_model`."""
+    from ..runtime import load_model
+
+    return RuntimeSource(load_model(identity.path, device=device), identity)

@@ -1,0 +1,240 @@
+"""Score a model on a fixture: per-case metrics, summary lines, optional KLD against saved base logits.
+
+Order of work (nothing is written until every check has passed):
+
+1. the model's identity is matched against the fixture's (:func:`.source.check_match`);
+2. every case is tokenized (prompt rendered per the fixture, continuation without special tokens) and checked:
+   a non-empty continuation, prompt + continuation within ``ctx`` tokens, every response alternative's bytes
+   found in the model's vocabulary (an unknown token is an error unless cross-checkpoint scoring was allowed,
+   then it is left unmapped as ds4 does);
+3. each case is run and scored (:func:`.metrics.score_case`); token ids beyond the model's output width and
+   NaN/+inf logits are errors naming the case;
+4. ``save_logits`` / ``kld_base`` (:mod:`.kld`) evaluate the llama-perplexity chunks.
+
+A response whose position count differs from the continuation's token count is *misaligned*: the case is
+scored without API metrics and a warning names it (ds4's behaviour; API fixtures are not always re-tokenized to
+the same count).  The KLD token stream of ``save_logits`` is every case's prompt and continuation ids, in manifest
+order, cut into ``ctx``-token chunks (a trailing partial chunk is dropped, as llama-perplexity drops it).
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import numpy as np
+
+from ..errors import FixtureError, ValidationError
+from ..fixtures.directory import Fixture
+from ..fixtures.tokens import TextCodec
+from .kld import KldAccumulator, KldStats, LogitsFile, chunk_inputs, scored_per_chunk, write_logits_file
+from .logprobs import NonFiniteLogits, check_logits, log_normalizers
+from .metrics import CaseScore, Reference, Totals, score_case
+from .source import LogitSource, ModelIdentity, check_match
+from .table import TABLE_VERSION, write_table
+
+
+@dataclass(frozen=True)
+class PreparedCase:
+    id: str
+    prompt_ids: tuple[int, ...]
+    target_ids: tuple[int, ...]
+    reference: Reference | None
+
+
+@dataclass
+class ScoreResult:
+    header: dict
+    scores: list[CaseScore]
+    warnings: list[str] = field(default_factory=list)
+    kld: KldStats | None = None
+
+    @property
+    def totals(self) -> Totals:
+        return Totals.of(self.scores)
+
+    @property
+    def trailer(self) -> list[str]:
+        totals = self.totals
+        lines = [totals.summary_line(), totals.api_summary_line()]
+        return lines + ([self.kld.summary_line()] if self.kld is not None else [])
+
+    def write(self, path: str | os.PathLike) -> None:
+        write_table(path, self.header, self.scores, self.trailer)
+
+
+def _reference(case, codec: TextCodec, n_targets: int, allow_unmapped: bool,
+               warnings: list[str]) -> Reference | None:
+    if case.response is None:
+        return None
+    if len(case.response) != n_targets:    # kept: its position count still shows in api_ref_tokens
+        warnings.append(f"case {case.id}: the response has {len(case.response)} token positions but the "
+                        f"continuation tokenizes to {n_targets} tokens; API metrics skipped for this case")
+    alternatives = []
+    for i, position in enumerate(case.response):
+        ids = []
+        for alt in position.top:
+            token = codec.token_for_bytes(alt.bytes) if alt.bytes is not None else None
+            if token is None and alt.bytes is not None and not allow_unmapped:
+                raise FixtureError(f"case {case.id}: position {i} lists token {alt.token!r} (bytes "
+                                   f"{alt.bytes!r}) that is not in the model's vocabulary")
+            ids.append(-1 if token is None else token)
+        alternatives.append((np.array(ids, np.int64), np.array([a.logprob for a in position.top], np.float64)))
+    return Reference(np.array([p.logprob for p in case.response], np.float64), tuple(alternatives))
+
+
+def prepare_cases(fixture: Fixture, codec: TextCodec, *, ctx: int, allow_unmapped: bool = False,
+                  warnings: list[str] | None = None) -> list[PreparedCase]:
+    """Tokenize and check every case (module doc, step 2)."""
+    warnings = [] if warnings is None else warnings
+    prepared = []
+    for case in fixture.cases:
+        prompt = codec.render(case.prompt, fixture.rendering)
+        targets = codec.encode_text(case.continuation)
+        if not prompt or not targets:
+            raise FixtureError(f"case {case.id}: the {'prompt' if not prompt else 'continuation'} tokenizes to "
+                               "no tokens", path=fixture.path)
+        if len(prompt) + len(targets) > ctx:
+            raise FixtureError(f"case {case.id}: {len(prompt)} prompt + {len(targets)} continuation tokens exceed "
+                               f"--ctx {ctx}", path=fixture.path)
+        prepared.append(PreparedCase(case.id, tuple(prompt), tuple(targets),
+                                     _reference(case, codec, len(targets), allow_unmapped, warnings)))
+    return prepared
+
+
+def _checked_logits(source: LogitSource, ids: Sequence[int], what: str) -> np.ndarray:
+    try:
+        logits = source.logits([int(i) for i in ids])
+    except ValidationError as exc:       # e.g. the runtime's non-finite logits: say which case
+        raise ValidationError(f"{what}: {exc.detail}", path=exc.path) from None
+    return check_logits(logits, len(ids), what)
+
+
+def _check_vocab(case: PreparedCase, width: int) -> None:
+    ids = list(case.prompt_ids + case.target_ids)
+    if case.reference is not None:
+        ids += [int(i) for alt_ids, _ in case.reference.alternatives for i in alt_ids]
+    outside = [i for i in ids if i >= width]
+    if outside:
+        raise FixtureError(f"case {case.id}: token id {outside[0]} is outside the model's vocabulary of {width}")
+
+
+def run_cases(source: LogitSource, cases: Sequence[PreparedCase],
+              progress: Callable[[CaseScore], None] | None = None) -> tuple[list[CaseScore], int]:
+    """Score prepared cases (module doc, step 3); returns the scores and the model's vocabulary width.
+
+    A one-token probe gives the output width first, so every case's token ids are checked before any runs."""
+    width = _checked_logits(source, cases[0].prompt_ids[:1], "vocabulary probe").shape[1]
+    for case in cases:
+        _check_vocab(case, width)
+    scores = []
+    for case in cases:
+        ids = case.prompt_ids + case.target_ids
+        logits = _checked_logits(source, ids, f"case {case.id}")
+        if logits.shape[1] != width:
+            raise ValidationError(f"case {case.id}: the model returned {logits.shape[1]} logits per token, "
+                                  f"{width} before")
+        p, t = len(case.prompt_ids), len(case.target_ids)
+        try:
+            score = score_case(case.id, p, case.target_ids, logits[p - 1:p + t - 1], case.reference)
+        except NonFiniteLogits as exc:
+            raise ValidationError(f"case {case.id}: the model's logits at target position {exc.row} hold NaN "
+                                  f"or +inf ({exc.detail})") from None
+        scores.append(score)
+        if progress is not None:
+            progress(score)
+    return scores, width
+
+
+def kld_stream(cases: Sequence[PreparedCase]) -> np.ndarray:
+    """The token stream a saved-logits file evaluates: every case's prompt + continuation, in order."""
+    return np.array([t for case in cases for t in case.prompt_ids + case.target_ids], np.int64)
+
+
+def _chunk_rows(source: LogitSource, tokens: np.ndarray, n_ctx: int, n_chunk: int, bos_id: int | None):
+    first = n_ctx // 2
+    for chunk in range(n_chunk):
+        ids, targets = chunk_inputs(tokens, n_ctx, chunk, bos_id)
+        rows = _checked_logits(source, ids, f"chunk {chunk}")[first:n_ctx - 1]
+        try:
+            log_normalizers(rows)
+        except NonFiniteLogits as exc:
+            raise ValidationError(f"chunk {chunk}: the model's logits hold NaN or +inf ({exc.detail})") from None
+        yield rows, targets
+
+
+def save_logits(source: LogitSource, codec: TextCodec, cases: Sequence[PreparedCase], n_ctx: int,
+                path: str | os.PathLike, n_vocab: int) -> int:
+    """Write the base logits file of ``cases`` with ``n_ctx``-token chunks; returns the number of chunks."""
+    tokens = kld_stream(cases)
+    n_chunk = len(tokens) // n_ctx
+    if n_chunk == 0 or scored_per_chunk(n_ctx) < 1:
+        raise FixtureError(f"the fixture's {len(tokens)} tokens do not fill one chunk of --ctx {n_ctx} with a "
+                           "position to score; lower --ctx for --save-logits")
+    bos = codec.bos_id if codec.add_bos else None
+    write_logits_file(path, n_ctx, n_vocab, tokens[:n_chunk * n_ctx],
+                      (rows for rows, _ in _chunk_rows(source, tokens, n_ctx, n_chunk, bos)))
+    return n_chunk
+
+
+def kld_against(source: LogitSource, codec: TextCodec, base_path: str | os.PathLike, n_vocab: int) -> KldStats:
+    """KLD statistics of ``source`` against a saved base logits file (its own token stream and chunking)."""
+    base = LogitsFile(base_path)
+    if base.n_vocab != n_vocab:
+        raise ValidationError(f"the base logits have a vocabulary of {base.n_vocab}, the model {n_vocab}",
+                              path=base_path)
+    acc = KldAccumulator()
+    bos = codec.bos_id if codec.add_bos else None
+    for chunk, (rows, targets) in enumerate(_chunk_rows(source, base.tokens, base.n_ctx, base.n_chunk, bos)):
+        acc.add(rows, base.records[chunk], targets)
+    return acc.stats()
+
+
+@dataclass(frozen=True)
+class ScoringPlan:
+    """Everything checked before the model runs (module doc, steps 1-2)."""
+
+    fixture: Fixture
+    identity: ModelIdentity
+    ctx: int
+    cases: list[PreparedCase]
+    cross_checkpoint: list[str]
+    warnings: list[str]
+
+
+def plan_scoring(fixture: Fixture, codec: TextCodec, identity: ModelIdentity, *, ctx: int,
+                 allow_cross_checkpoint: bool = False) -> ScoringPlan:
+    """Steps 1-2 of the module doc; needs the model's tokenizer and identity, not its weights."""
+    if ctx < 2:
+        raise FixtureError(f"--ctx must be at least 2, found {ctx}")
+    cross = [f"cross-checkpoint: {problem}" for problem in
+             check_match(fixture.identity, identity, allow_cross_checkpoint=allow_cross_checkpoint,
+                         fixture_path=fixture.path)]
+    warnings = list(cross)
+    cases = prepare_cases(fixture, codec, ctx=ctx, allow_unmapped=allow_cross_checkpoint, warnings=warnings)
+    return ScoringPlan(fixture, identity, ctx, cases, cross, warnings)
+
+
+def run_scoring(source: LogitSource, codec: TextCodec, plan: ScoringPlan, *,
+                kld_base: str | os.PathLike | None = None, save_logits_to: str | os.PathLike | None = None,
+                progress: Callable[[CaseScore], None] | None = None) -> ScoreResult:
+    """Steps 3-4 of the module doc.  Raises before any output exists when a check fails."""
+    scores, n_vocab = run_cases(source, plan.cases, progress)
+    kld = kld_against(source, codec, kld_base, n_vocab) if kld_base is not None else None
+    if save_logits_to is not None:
+        save_logits(source, codec, plan.cases, plan.ctx, save_logits_to, n_vocab)
+    fixture = plan.fixture
+    header = {"version": TABLE_VERSION,
+              "fixture": {"content_sha256": fixture.content_sha256, "label": fixture.label,
+                          "cases": len(fixture.cases), "path": str(fixture.path)},
+              "model": plan.identity.to_json(), "ctx": plan.ctx, "cross_checkpoint": plan.cross_checkpoint}
+    return ScoreResult(header, scores, list(plan.warnings), kld)
+
+
+def score_fixture(source: LogitSource, codec: TextCodec, fixture: Fixture, *, ctx: int,
+                  allow_cross_checkpoint: bool = False, kld_base: str | os.PathLike | None = None,
+                  save_logits_to: str | os.PathLike | None = None,
+                  progress: Callable[[CaseScore], None] | None = None) -> ScoreResult:
+    """Score ``source`` on ``fixture``: :func:`plan_scoring` with its identity, then :func:`run_scoring`."""
+    plan = plan_scoring(fixture, codec, source.identity(), ctx=ctx, allow_cross_checkpoint=allow_cross_checkpoint)
+    return run_scoring(source, codec, plan, kld_base=kld_base, save_logits_to=save_logits_to, progress=progress)

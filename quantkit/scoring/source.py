@@ -1,0 +1,169 @@
+"""What the scorer needs from a model: logits for token ids, and who the model is.
+
+:class:`LogitSource` is the protocol every scored model implements (the transformers adapter below, the packed
+runtime of :mod:`quantkit.runtime`, test fakes):
+
+``logits(token_ids)``  float32 ``[len(token_ids), vocab]``; row ``i`` is the distribution of the token after
+                       ``token_ids[:i + 1]`` (causal, teacher forced).  ``vocab`` is the width of the output head,
+                       which may exceed the tokenizer's size (padded vocabularies).
+``identity()``         a :class:`ModelIdentity`.
+
+Identity (the fixture/artifact match, see :func:`check_match`):
+
+``label``     the checkpoint label (``0731``): a quantkit GGUF's ``quantkit.checkpoint_label``; ``None`` for a
+              source checkpoint, which carries no label of its own.
+``source``    :func:`source_digest` of the checkpoint's weight files: SHA-256 over the sorted lines
+              ``"<file name>\\t<file sha256>\\n"`` of its ``*.safetensors`` files.  A source checkpoint hashes its
+              own shards; a quantkit GGUF carries the same pairs in ``quantkit.source.files`` /
+              ``quantkit.source.sha256``, so a GGUF and the checkpoint it was converted from have equal digests.
+``tokenizer`` :meth:`quantkit.fixtures.tokens.TextCodec.fingerprint` of the tokenizer the model is scored with.
+``revision``  the Hugging Face commit, when known (informational; the digest decides).
+"""
+from __future__ import annotations
+
+import hashlib
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Iterable, Mapping, Protocol, Sequence, runtime_checkable
+
+import numpy as np
+
+from ..errors import FixtureError, FormatError
+
+#: GGUF provenance keys written by :mod:`quantkit.convert.provenance`.
+GGUF_LABEL_KEY = "quantkit.checkpoint_label"
+GGUF_SOURCE_FILES_KEY = "quantkit.source.files"
+GGUF_SOURCE_SHA256_KEY = "quantkit.source.sha256"
+GGUF_SOURCE_REVISION_KEY = "quantkit.source.revision"
+WEIGHT_SUFFIX = ".safetensors"
+
+
+@dataclass(frozen=True)
+class ModelIdentity:
+    """Who a model (or the model a fixture was captured from) is; ``None`` fields are unknown."""
+
+    label: str | None = None
+    source: str | None = None
+    tokenizer: str | None = None
+    revision: str | None = None
+    path: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any], *, where: str) -> "ModelIdentity":
+        if not isinstance(data, Mapping):
+            raise FixtureError(f"{where}: expected an object, found {type(data).__name__}")
+        unknown = set(data) - set(cls.__dataclass_fields__)
+        if unknown:
+            raise FixtureError(f"{where}: unknown keys {sorted(unknown)}; known: {sorted(cls.__dataclass_fields__)}")
+        for key, value in data.items():
+            if value is not None and not isinstance(value, str):
+                raise FixtureError(f"{where}.{key}: expected a string or null, found {value!r}")
+        return cls(**dict(data))
+
+
+@runtime_checkable
+class LogitSource(Protocol):
+    def logits(self, token_ids: Sequence[int]) -> np.ndarray: ...
+
+    def identity(self) -> ModelIdentity: ...
+
+
+def source_digest(files: Iterable[tuple[str, str]]) -> str | None:
+    """The ``source`` digest of ``(file name, sha256)`` pairs: only ``*.safetensors`` names count (module doc);
+    ``None`` when there are none."""
+    weights = sorted((name, sha) for name, sha in files if name.endswith(WEIGHT_SUFFIX))
+    if not weights:
+        return None
+    return hashlib.sha256("".join(f"{name}\t{sha}\n" for name, sha in weights).encode()).hexdigest()
+
+
+def checkpoint_identity(path: str | Path, *, tokenizer: str | None = None, label: str | None = None) -> ModelIdentity:
+    """Identity of a safetensors checkpoint directory (hashes its shards; Hugging Face cache blobs are not
+    re-read, their names are their SHA-256)."""
+    from ..convert.source import hash_files, resolve_source
+
+    resolved = resolve_source(path)
+    root = resolved.path if resolved.path.is_dir() else resolved.path.parent
+    shards = sorted(p for p in root.iterdir() if p.is_file() and p.name.endswith(WEIGHT_SUFFIX))
+    hashes = hash_files(shards)
+    return ModelIdentity(label=label, source=source_digest((h.name, h.sha256) for h in hashes),
+                         tokenizer=tokenizer, revision=resolved.revision, path=str(resolved.path))
+
+
+def gguf_identity(metadata: Mapping[str, Any], *, path: str | Path, tokenizer: str | None = None) -> ModelIdentity:
+    """Identity of a GGUF from its metadata (``key -> KV`` as :class:`quantkit.io.gguf_reader.GGUFFile` reads it,
+    or ``key -> value``): the quantkit provenance keys of the module doc."""
+    def value(key: str):
+        entry = metadata.get(key)
+        return getattr(entry, "value", entry)
+
+    names, shas = value(GGUF_SOURCE_FILES_KEY), value(GGUF_SOURCE_SHA256_KEY)
+    digest = None
+    if names is not None and shas is not None:
+        if len(names) != len(shas):
+            raise FormatError(f"{GGUF_SOURCE_FILES_KEY} has {len(names)} entries but {GGUF_SOURCE_SHA256_KEY} has "
+                              f"{len(shas)}", path=path, field=GGUF_SOURCE_FILES_KEY)
+        digest = source_digest(zip(names, shas))
+    return ModelIdentity(label=value(GGUF_LABEL_KEY), source=digest, tokenizer=tokenizer,
+                         revision=value(GGUF_SOURCE_REVISION_KEY), path=str(path))
+
+
+def identity_problems(fixture: ModelIdentity, model: ModelIdentity) -> list[str]:
+    """Why ``model`` cannot be scored on a fixture captured from ``fixture`` (empty: it can).
+
+    Every field known on both sides (label, source digest, tokenizer fingerprint) must be equal, and at least one
+    of label and source digest must be known on both sides: a match that cannot be established is refused too.
+    """
+    problems = []
+    compared = False
+    for field, what in (("label", "checkpoint label"), ("source", "source checkpoint digest")):
+        ours, theirs = getattr(fixture, field), getattr(model, field)
+        if ours is not None and theirs is not None:
+            compared = True
+            if ours != theirs:
+                problems.append(f"{what} differs: fixture {ours!r}, model {theirs!r}")
+    if fixture.tokenizer is not None and model.tokenizer is not None and fixture.tokenizer != model.tokenizer:
+        problems.append(f"tokenizer differs: fixture {fixture.tokenizer[:16]}…, model {model.tokenizer[:16]}…")
+    if not compared and not problems:
+        problems.append("neither the checkpoint label nor the source digest is known on both sides "
+                        f"(fixture label={fixture.label!r} source={_short(fixture.source)}; "
+                        f"model label={model.label!r} source={_short(model.source)})")
+    return problems
+
+
+def _short(digest: str | None) -> str:
+    return "None" if digest is None else digest[:16] + "…"
+
+
+def check_match(fixture: ModelIdentity, model: ModelIdentity, *, allow_cross_checkpoint: bool,
+                fixture_path: str | Path) -> list[str]:
+    """Raise :class:`FixtureError` when the model is not the fixture's checkpoint (:func:`identity_problems`),
+    unless ``allow_cross_checkpoint``; then return the problems (to be reported as warnings)."""
+    problems = identity_problems(fixture, model)
+    if problems and not allow_cross_checkpoint:
+        raise FixtureError("fixture belongs to another checkpoint than the model: " + "; ".join(problems)
+                           + " (pass --allow-cross-checkpoint to score it anyway)", path=fixture_path)
+    return problems
+
+
+class TransformersSource:
+    """A transformers model as a :class:`LogitSource` (one forward pass per call, no cache)."""
+
+    def __init__(self, model, identity: ModelIdentity):
+        self.model = model
+        self._identity = identity
+
+    def identity(self) -> ModelIdentity:
+        return self._identity
+
+    def logits(self, token_ids: Sequence[int]) -> np.ndarray:
+        import torch
+
+        device = next(self.model.parameters()).device
+        ids = torch.tensor([list(token_ids)], dtype=torch.long, device=device)
+        with torch.inference_mode():
+            out = self.model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False)
+        return out.logits[0].float().cpu().numpy()
