@@ -1,0 +1,285 @@
+"""Load a GGUF (or a safetensors checkpoint) into the matching transformers model, weights kept packed.
+
+:func:`load_model`:
+
+1. opens the weights (:mod:`.weights`) and builds the transformers config from the source ``config.json``; the
+   model class is the one the config names (``architectures[0]``), as ``from_pretrained`` would pick;
+2. constructs the model with every parameter on the meta device (no memory, no random init) and buffers real, so
+   values the model computes at construction (rotary frequencies, n-gram hash constants) are transformers' own;
+   routed experts run transformers' eager per-expert loop (``experts_implementation="eager"``), the one that reads
+   one expert at a time;
+3. resolves every parameter and persistent buffer through the architecture map (:meth:`quantkit.arch.ArchMap.resolve`)
+   to the GGUF tensors it comes from and plans its inverse (:mod:`.inverse`).  Matrices become
+   :class:`~quantkit.runtime.packed.PackedTensor` (bytes stay in the file or on the device, decoded per use);
+   vectors, convolutions and integer tables are decoded once.  Parameters of parts the GGUF does not carry (a
+   vision tower, MTP blocks) stay on the meta device; tied parameters share one tensor;
+4. checks the file: every GGUF tensor is used, and every hyperparameter the config implies
+   (:meth:`quantkit.arch.ArchMap.metadata`) equals the file's value, so a wrong config cannot run silently.
+
+:func:`logits` runs one sequence and returns float32 logits, raising on token ids outside the vocabulary, on
+weights that decode to NaN/inf (naming the GGUF tensor) and on non-finite logits (naming the first module whose
+output was not finite).  The compute dtype is float32 unless ``dtype=`` says otherwise.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Mapping, Sequence
+
+import numpy as np
+import torch
+
+from ..arch import ArchMap, get_arch
+from ..errors import FixtureError, FormatError, UnsupportedError, ValidationError
+from ..io.gguf import KV
+from .inverse import TensorPlan, plan_tensor
+from .packed import Assembler, PackedTensor, WeightStore, scale_companion
+from .weights import SOURCE_CONFIG_KEY, open_weights
+
+#: Metadata prefixes the consistency check skips: the writer's own keys and the tokenizer (not the forward pass).
+UNCHECKED_KEY_PREFIXES = ("general.", "tokenizer.", "quantkit.", "quantize.", "GGUF.")
+EXPERTS_IMPLEMENTATION = "eager"
+
+
+@dataclass
+class RuntimeModel:
+    """A transformers model whose weights live in a :class:`~quantkit.runtime.packed.WeightStore`."""
+
+    module: Any
+    """The transformers model (``...ForCausalLM`` / ``...ForConditionalGeneration``), in eval mode."""
+    store: WeightStore
+    config: dict
+    device: torch.device
+    dtype: torch.dtype
+    vocab_size: int
+    packed: dict[str, TensorPlan] = field(default_factory=dict)
+    """Model tensor name -> plan, for every weight kept packed."""
+
+    @property
+    def path(self):
+        return self.store.weights.path
+
+    def close(self) -> None:
+        self.store.weights.close()
+
+
+@contextlib.contextmanager
+def _meta_parameters() -> Iterator[None]:
+    """Construct modules with parameters on the meta device and buffers real (accelerate's init_empty_weights)."""
+    register = torch.nn.Module.register_parameter
+
+    def on_meta(module, name, param):
+        register(module, name, param)
+        if param is not None:
+            module._parameters[name] = torch.nn.Parameter(param.to("meta"), requires_grad=False)
+
+    torch.nn.Module.register_parameter = on_meta
+    try:
+        yield
+    finally:
+        torch.nn.Module.register_parameter = register
+
+
+def model_skeleton(config: Mapping[str, Any], dtype: torch.dtype = torch.float32):
+    """The transformers model ``config`` describes, parameters on the meta device (see the module doc)."""
+    import transformers
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    model_type = config.get("model_type")
+    if model_type not in CONFIG_MAPPING:
+        raise UnsupportedError(f"transformers {transformers.__version__} has no model type {model_type!r}",
+                               field="model_type")
+    hf_config = CONFIG_MAPPING[model_type].from_dict(dict(config))
+    hf_config._experts_implementation = EXPERTS_IMPLEMENTATION
+    names = list(config.get("architectures") or []) or [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type)]
+    cls = getattr(transformers, names[0] or "", None)
+    if cls is None:
+        raise UnsupportedError(f"transformers has no model class {names[0]!r} for {model_type!r}",
+                               field="architectures")
+    with _meta_parameters():
+        model = cls._from_config(hf_config, dtype=dtype)
+    return model.eval()
+
+
+def _named_tensors(model) -> dict[int, list[tuple[Any, str, str, bool]]]:
+    """id -> [(module, attribute, full name, is_parameter)] for parameters and persistent buffers (tied ones
+    share an id)."""
+    found: dict[int, list] = {}
+    for module_name, module in model.named_modules(remove_duplicate=False):
+        prefix = f"{module_name}." if module_name else ""
+        for attr, tensor in module._parameters.items():
+            if tensor is not None:
+                found.setdefault(id(tensor), []).append((module, attr, prefix + attr, True))
+        for attr, tensor in module._buffers.items():
+            if tensor is not None and attr not in module._non_persistent_buffers_set:
+                found.setdefault(id(tensor), []).append((module, attr, prefix + attr, False))
+    return found
+
+
+def _set(module, attr: str, value: torch.Tensor, is_parameter: bool) -> None:
+    if is_parameter and not isinstance(value, PackedTensor):
+        module._parameters[attr] = torch.nn.Parameter(value, requires_grad=False)
+        return
+    module._parameters.pop(attr, None)
+    module._buffers[attr] = value
+    if is_parameter:
+        module._non_persistent_buffers_set.add(attr)
+
+
+def _keep_packed(plan: TensorPlan, tensor: torch.Tensor, stored: Mapping) -> bool:
+    """Matrices stay packed; vectors, convolutions (stored 4-D by the map) and integer tables are decoded."""
+    return (tensor.is_floating_point() and len(plan.shape) >= 2
+            and all(len(stored[name]) in (2, 3) for name in plan.gguf_names))
+
+
+def _compare(key: str, expected: KV, found: KV) -> bool:
+    a, b = expected.value, found.value
+    if isinstance(a, (list, tuple, np.ndarray)) or isinstance(b, (list, tuple, np.ndarray)):
+        a, b = np.asarray(a), np.asarray(b)
+        if a.shape != b.shape:
+            return False
+        if a.dtype.kind == "f" or b.dtype.kind == "f":
+            return np.array_equal(a.astype(np.float32), b.astype(np.float32))
+        return np.array_equal(a, b)
+    if isinstance(a, float) or isinstance(b, float):
+        return np.float32(a) == np.float32(b)
+    return a == b
+
+
+def _check_metadata(weights, amap: ArchMap, model) -> None:
+    """Every hyperparameter the config implies must equal the file's (keys the file lacks are not checked)."""
+    if weights.metadata is None:
+        return
+    state = {name: tensor for name, tensor in model.state_dict(keep_vars=True).items()}
+    shapes = {name: tuple(t.shape) for name, t in state.items()}
+    expected = amap.metadata(None, tensor_values=lambda name: state[name].detach().cpu().numpy(),
+                             tensor_shapes=shapes)
+    for key, kv in expected:
+        if key.startswith(UNCHECKED_KEY_PREFIXES) or key not in weights.metadata:
+            continue
+        if not _compare(key, kv, weights.metadata[key]):
+            found = weights.metadata[key].value
+            raise FormatError(f"the config gives {str(kv.value)[:80]}, the file holds {str(found)[:80]}: the "
+                              f"config does not describe this file (check {SOURCE_CONFIG_KEY} or config=)",
+                              path=weights.path, field=key)
+
+
+def load_model(path: str | os.PathLike, device: str | torch.device = "cpu", *,
+               config: Mapping[str, Any] | None = None, dtype: torch.dtype = torch.float32,
+               stream: bool = False) -> RuntimeModel:
+    """A GGUF file (made by quantkit) or a safetensors checkpoint as a runnable transformers model.
+
+    ``config``: the source ``config.json`` as a dict, overriding the file's.  ``stream=True`` (CUDA) keeps the
+    payloads in host memory (the mapped file) and copies each to the device per use, for models larger than the
+    device.
+    """
+    device = torch.device(device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise UnsupportedError("device cuda requested but torch sees no CUDA device")
+    weights = open_weights(path, config)
+    try:
+        return _load(weights, device, dtype, stream)
+    except BaseException:
+        weights.close()
+        raise
+
+
+def _load(weights, device: torch.device, dtype: torch.dtype, stream: bool) -> RuntimeModel:
+    model_type = weights.config.get("model_type")
+    amap = get_arch(model_type).bind(weights.config)
+    gguf_arch = weights.metadata.get("general.architecture") if weights.metadata is not None else None
+    if gguf_arch is not None and gguf_arch.value != amap.arch.gguf_arch:
+        raise FormatError(f"the file is a {gguf_arch.value!r} model, the config a {model_type!r} one "
+                          f"({amap.arch.gguf_arch!r})", path=weights.path, field="general.architecture")
+    model = model_skeleton(weights.config, dtype)
+    _check_metadata(weights, amap, model)
+    store = WeightStore(weights, device, stream=stream)
+    assembler = Assembler(store)
+    stored = {name: t.shape for name, t in weights.tensors.items()}
+    used: set[str] = set()
+    packed: dict[str, TensorPlan] = {}
+    for owners in _named_tensors(model).values():
+        tensor = getattr(owners[0][0], owners[0][1])
+        source = None
+        for _, _, name, _ in owners:
+            mappings = [m for m in amap.resolve(name) if m.role == "weight"]
+            if mappings and all(m.gguf_name is not None for m in mappings):
+                source = (name, mappings)
+                break
+        if source is None:      # dropped by the map: vision tower, MTP, constants the model computes itself
+            continue
+        plan = plan_tensor(source[0], tuple(tensor.shape), source[1], amap.hp, stored)
+        for name in plan.gguf_names:
+            if name not in used:
+                used.add(name)
+                store.place(name)
+        if _keep_packed(plan, tensor, stored):
+            value = PackedTensor(assembler, plan, dtype)
+            packed[plan.name] = plan
+        else:
+            value = assembler.build(plan, dtype if tensor.is_floating_point() else tensor.dtype)
+        for module, attr, _, is_parameter in owners:
+            _set(module, attr, value, is_parameter)
+    unused = sorted(set(weights.tensors) - used - {scale_companion(n) for n in used})
+    if unused:
+        raise FormatError(f"{len(unused)} GGUF tensors match no parameter of the {model_type} model: "
+                          f"{', '.join(unused[:8])}", path=weights.path)
+    for module in model.modules():
+        for attr, buffer in list(module._buffers.items()):
+            if buffer is not None and not isinstance(buffer, PackedTensor) and buffer.device != device:
+                module._buffers[attr] = buffer.to(device)
+    store.check()
+    return RuntimeModel(model, store, weights.config, device, dtype, _vocab_size(model), packed)
+
+
+def _vocab_size(model) -> int:
+    embeddings = model.get_input_embeddings()
+    return int(embeddings.weight.shape[0])
+
+
+def _first_non_finite(model, input_ids: torch.Tensor) -> str:
+    """The first module (in call order) whose output holds NaN or infinity."""
+    found: list[str] = []
+
+    def hook(name):
+        def check(module, args, output):
+            tensors = [output] if isinstance(output, torch.Tensor) else \
+                [t for t in (output if isinstance(output, (tuple, list)) else getattr(output, "values", lambda: [])())
+                 if isinstance(t, torch.Tensor)]
+            if not found and any(t.is_floating_point() and not bool(torch.isfinite(t).all()) for t in tensors):
+                found.append(name)
+        return check
+
+    handles = [m.register_forward_hook(hook(n)) for n, m in model.named_modules() if n]
+    try:
+        with torch.no_grad():
+            model(input_ids=input_ids, use_cache=False)
+    finally:
+        for h in handles:
+            h.remove()
+    return found[0] if found else "(no module output)"
+
+
+def logits(model: RuntimeModel, token_ids: Sequence[int]) -> np.ndarray:
+    """float32 logits ``[len(token_ids), vocab]`` of one sequence (no cache; the whole sequence in one pass)."""
+    ids = np.asarray(token_ids)
+    if ids.ndim != 1 or ids.size == 0 or ids.dtype.kind not in "iu":
+        raise FixtureError(f"expected a non-empty 1-D sequence of integer token ids, got {ids.dtype}{list(ids.shape)}")
+    bad = np.nonzero((ids < 0) | (ids >= model.vocab_size))[0]
+    if bad.size:
+        raise FixtureError(f"token id {int(ids[bad[0]])} at position {int(bad[0])} is outside the vocabulary "
+                           f"(0..{model.vocab_size - 1})")
+    input_ids = torch.as_tensor(ids.astype(np.int64), device=model.device)[None]
+    # no_grad, not inference_mode: packed weights answer view operations (weight[expert]) with fresh tensors,
+    # which inference mode refuses to register as views
+    with torch.no_grad():
+        out = model.module(input_ids=input_ids, use_cache=False).logits[0]
+    model.store.check()
+    result = out.float().cpu().numpy()
+    if not np.isfinite(result).all():
+        position = int(np.argwhere(~np.isfinite(result))[0][0])
+        raise ValidationError(f"non-finite logits at position {position}; first non-finite output: module "
+                              f"{_first_non_finite(model.module, input_ids)!r}", path=model.path)
+    return result

@@ -1,0 +1,239 @@
+"""Packed weights: GGUF payloads kept as bytes on the runtime device and decoded on use.
+
+:class:`WeightStore` holds every payload once: on the CPU as the memory-mapped file itself (the operating system
+pages weights in and out, so a model larger than memory streams from the file); on CUDA as ``uint8`` device
+tensors, or, with ``stream=True``, as the mapped file again, copied to the device per use.  Its :meth:`~WeightStore
+.decode` turns a payload (whole, one leading-axis slice, or some rows) into float32 with the bit-exact decoders:
+numba on the CPU (:func:`quantkit.formats.api.decode`), Triton on CUDA (:mod:`quantkit.kernels.triton_dequant`;
+types without a kernel decode on the CPU and are copied over).  An NVFP4 tensor's ``<name>.scale`` companion (its
+global scale, one value or one per expert, llama.cpp's convention) multiplies the decoded values.
+
+Every decoded tensor is checked for NaN and infinity.  The check runs on the device without waiting for it
+(:meth:`WeightStore.check`, called by :func:`quantkit.runtime.logits` after each forward pass, and whenever
+:data:`MAX_PENDING_CHECKS` are waiting) and raises a :class:`~quantkit.errors.FormatError` naming the GGUF tensor.
+
+:class:`PackedTensor` is what the transformers model sees in place of a weight: a tensor subclass with the right
+shape, dtype and device and no storage.  Any operation on it rebuilds the weight (every GGUF tensor it comes from,
+decoded and scattered by its :class:`~quantkit.runtime.inverse.TensorPlan`) and runs on the result, so the
+model's own code runs unchanged.  Three operations decode less: ``weight[i]`` on fused 3-D experts (the routed
+expert only), ``embedding(weight, ids)`` (the rows looked up only) and shape queries (nothing).
+"""
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import torch
+from torch.utils._pytree import tree_map
+
+from ..errors import FormatError
+from ..formats.api import decode as cpu_decode
+from ..formats.registry import GGMLType, layout
+from .inverse import VALUE_INVERSES, Part, TensorPlan
+
+#: Decoded tensors whose finiteness is awaited before the store synchronizes and checks them.
+MAX_PENDING_CHECKS = 4096
+_aten = torch.ops.aten
+_INTEGER_TYPES = {GGMLType.I8: np.int8, GGMLType.I16: np.int16, GGMLType.I32: np.int32, GGMLType.I64: np.int64}
+
+
+class WeightStore:
+    """Payloads of a weight source on one device, and their decoding."""
+
+    def __init__(self, weights, device: torch.device, *, stream: bool = False):
+        self.weights = weights
+        self.device = device
+        self.stream = stream
+        self._on_device: dict[str, torch.Tensor] = {}
+        self._scales: dict[str, torch.Tensor] = {}
+        self._pending: list[tuple[str, torch.Tensor]] = []
+        self._triton = None
+        if device.type == "cuda":
+            from ..kernels import triton_dequant
+            self._triton = triton_dequant
+
+    # -- placement ------------------------------------------------------------------------------------------------
+
+    def place(self, name: str) -> None:
+        """Copy a payload to the device now (CUDA without streaming), and its ``.scale`` companion if any."""
+        stored = self.weights.tensors[name]
+        scale_name = scale_companion(name)
+        if scale_name in self.weights.tensors:
+            scale = self._decode_cpu(scale_name, self.weights.data(scale_name)).reshape(-1)
+            self._scales[name] = scale.to(self.device)
+        if self._triton is not None and not self.stream and stored.qtype in self._triton.TRITON_TYPES:
+            data = self.weights.data(name)
+            self._on_device[name] = _host_bytes(data).to(self.device).reshape(data.shape)
+
+    @property
+    def device_bytes(self) -> int:
+        return sum(t.numel() for t in self._on_device.values())
+
+    # -- decoding -------------------------------------------------------------------------------------------------
+
+    def _decode_cpu(self, name: str, raw: np.ndarray) -> torch.Tensor:
+        stored = self.weights.tensors[name]
+        if stored.qtype in _INTEGER_TYPES:
+            return torch.from_numpy(np.ascontiguousarray(raw).reshape(-1).view(_INTEGER_TYPES[stored.qtype]).copy())
+        fmt = layout(stored.qtype)
+        shape = (*raw.shape[:-1], raw.shape[-1] // fmt.type_size * fmt.block_size)
+        return torch.from_numpy(cpu_decode(raw, stored.qtype, shape))
+
+    def decode(self, name: str, index: int | None = None, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """GGUF tensor ``name`` decoded on the device, flattened: float32 (integer types as themselves); whole,
+        its slice ``index`` of the leading axis, or its rows ``rows`` (int64, 2-D tensors)."""
+        stored = self.weights.tensors[name]
+        on_gpu = self._triton is not None and stored.qtype in self._triton.TRITON_TYPES
+        payload = self._on_device.get(name)
+        if payload is not None:
+            part = payload if index is None else payload[index]
+            if rows is not None:
+                part = part.reshape(-1, part.shape[-1])[rows.to(part.device)]
+            values = self._triton.dequantize(part, stored.qtype)
+        else:
+            raw = self.weights.data(name)
+            if index is not None:
+                raw = raw[index]
+            if rows is not None:
+                raw = raw.reshape(-1, raw.shape[-1])[rows.cpu().numpy()]
+            if on_gpu:      # streamed: the packed bytes travel, the device decodes
+                values = self._triton.dequantize(_host_bytes(raw).to(self.device), stored.qtype)
+            else:
+                values = self._decode_cpu(name, raw).reshape(-1).to(self.device)
+        if stored.qtype in _INTEGER_TYPES:
+            return values
+        scale = self._scales.get(name)
+        if scale is not None:
+            if scale.numel() == 1:
+                values = values * scale
+            elif index is not None:
+                values = values * scale[index]
+            else:
+                values = (values.view(scale.numel(), -1) * scale[:, None]).reshape(-1)
+        self._expect_finite(name, values)
+        return values
+
+    # -- finiteness ------------------------------------------------------------------------------------------------
+
+    def _expect_finite(self, name: str, values: torch.Tensor) -> None:
+        self._pending.append((name, torch.isfinite(values).all()))
+        if len(self._pending) >= MAX_PENDING_CHECKS:
+            self.check()
+
+    def check(self) -> None:
+        """Raise FormatError naming the first decoded tensor that held NaN or infinity since the last check."""
+        pending, self._pending = self._pending, []
+        if not pending:
+            return
+        flags = torch.stack([flag for _, flag in pending]).cpu()
+        if not bool(flags.all()):
+            name = pending[int((~flags).nonzero()[0])][0]
+            stored = self.weights.tensors[name]
+            raise FormatError(f"{stored.qtype.name} payload decodes to NaN or infinity (a corrupt block or scale)",
+                              path=getattr(self.weights, "path", None), tensor=name)
+
+
+def _host_bytes(raw: np.ndarray) -> torch.Tensor:
+    """A CPU uint8 tensor over ``raw`` (a read-only file mapping is only read: torch's warning does not apply)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        return torch.from_numpy(np.ascontiguousarray(raw).reshape(-1))
+
+
+def scale_companion(gguf_name: str) -> str:
+    """The name of an NVFP4 weight's global-scale tensor (``blk.0.attn_q.weight`` -> ``blk.0.attn_q.scale``)."""
+    return gguf_name.removesuffix(".weight") + ".scale"
+
+
+# -- rebuilding model tensors ----------------------------------------------------------------------------------------
+
+class Assembler:
+    """Builds model tensors from GGUF tensors by their plans (positions kept on the device)."""
+
+    def __init__(self, store: WeightStore):
+        self.store = store
+        self._maps: dict[tuple[str, str], tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def _scatter(self, plan: TensorPlan, out: torch.Tensor, part: Part, values: torch.Tensor, batch: int) -> None:
+        for step in reversed(part.values):
+            inverse = VALUE_INVERSES[step]
+            if inverse is not None:
+                values = inverse(values)
+        if part.rows is None:
+            out.view(-1).copy_(values.reshape(-1))
+            return
+        key = (plan.name, part.gguf_name)
+        if key not in self._maps:
+            self._maps[key] = (torch.from_numpy(part.rows).to(out.device), torch.from_numpy(part.cols).to(out.device))
+        rows, cols = self._maps[key]
+        positions = (rows[:, None] + cols[None, :]).reshape(-1)
+        out.view(batch, -1)[:, positions] = values.reshape(batch, -1).to(out.dtype)
+
+    def build(self, plan: TensorPlan, dtype: torch.dtype, index: int | None = None) -> torch.Tensor:
+        """The model tensor (or, for a sliced plan, its slice ``index``) in ``dtype`` on the store's device."""
+        if plan.sliced:
+            shape = plan.shape if index is None else plan.shape[1:]
+            batch = plan.shape[0] if index is None else 1
+        else:
+            if index is not None:
+                return self.build(plan, dtype)[index]
+            shape, batch = plan.shape, 1
+        if len(plan.parts) == 1 and plan.parts[0].rows is None and not plan.parts[0].values:
+            return self.store.decode(plan.parts[0].gguf_name, index).reshape(shape).to(dtype)
+        work = torch.float32 if dtype.is_floating_point else dtype
+        out = torch.empty(shape, dtype=work, device=self.store.device)
+        for part in plan.parts:
+            self._scatter(plan, out, part, self.store.decode(part.gguf_name, index), batch)
+        return out.to(dtype)
+
+    def rows(self, plan: TensorPlan, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
+        """Rows ``ids`` of a 2-D model tensor that is one GGUF tensor unchanged; None for other plans."""
+        if plan.sliced or len(plan.shape) != 2 or len(plan.parts) != 1 or plan.parts[0].rows is not None \
+                or plan.parts[0].values:
+            return None
+        unique, inverse = torch.unique(ids.reshape(-1), return_inverse=True)
+        table = self.store.decode(plan.parts[0].gguf_name, rows=unique).reshape(len(unique), plan.shape[1])
+        return table.to(dtype)[inverse.to(table.device)].reshape(*ids.shape, plan.shape[1])
+
+
+class PackedTensor(torch.Tensor):
+    """A weight that exists only as GGUF payloads; operations on it decode what they need (see module doc)."""
+
+    @staticmethod
+    def __new__(cls, assembler: Assembler, plan: TensorPlan, dtype: torch.dtype):
+        return torch.Tensor._make_wrapper_subclass(cls, plan.shape, dtype=dtype, device=assembler.store.device,
+                                                   requires_grad=False)
+
+    def __init__(self, assembler: Assembler, plan: TensorPlan, dtype: torch.dtype):
+        self.assembler = assembler
+        self.plan = plan
+
+    def __repr__(self) -> str:
+        return f"PackedTensor({self.plan.name}, shape={tuple(self.plan.shape)}, from {list(self.plan.gguf_names)})"
+
+    def materialize(self) -> torch.Tensor:
+        return self.assembler.build(self.plan, self.dtype)
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is _aten.select.int and isinstance(args[0], PackedTensor) and args[1] == 0 \
+                    and args[0].plan.sliced:
+            return args[0].assembler.build(args[0].plan, args[0].dtype, _index(args[2], args[0].shape[0]))
+        if func is _aten.embedding.default and isinstance(args[0], PackedTensor):
+            picked = args[0].assembler.rows(args[0].plan, args[1], args[0].dtype)
+            if picked is not None:
+                return picked
+        if func in (_aten.detach.default, _aten.alias.default) and isinstance(args[0], PackedTensor):
+            return args[0]
+        unpacked = tree_map(lambda a: a.materialize() if isinstance(a, PackedTensor) else a, (args, kwargs))
+        return func(*unpacked[0], **unpacked[1])
+
+
+def _index(i, size: int) -> int:
+    i = int(i)
+    if not -size <= i < size:
+        raise IndexError(f"index {i} is out of bounds for dimension 0 with size {size}")
+    return i % size

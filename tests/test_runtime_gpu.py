@@ -1,0 +1,86 @@
+"""CUDA: every Triton dequantization kernel is bit-identical to the numba decoder it stands for, and the runtime on
+CUDA (payloads on the device, and streamed from the file) gives the CPU runtime's logits.  Skipped without a CUDA
+device (CI has none: these run on the H200 whenever GPU code changes; the note records the run)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+from quantkit.formats.registry import GGMLType  # noqa: E402
+from quantkit.kernels.dequant import FAST_DECODERS  # noqa: E402
+from gguf.constants import GGML_QUANT_SIZES  # noqa: E402
+from test_runtime import ggufs  # noqa: E402,F401  (the GGUF fixture of the CPU tests)
+
+KERNEL_TYPES = sorted(("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K",
+                       "Q6_K", "IQ4_NL", "IQ4_XS", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ1_S", "IQ1_M",
+                       "MXFP4", "NVFP4"))
+#: Block counts: one block, a count no tile size divides, and enough random blocks to hit every scale byte value.
+BLOCK_COUNTS = (1, 37, 20000)
+
+
+def same_bits(got: np.ndarray, ref: np.ndarray) -> bool:
+    """Identical bits everywhere except NaN payloads (NaN positions must agree)."""
+    nan = np.isnan(ref)
+    return bool(np.array_equal(nan, np.isnan(got))
+                and np.array_equal(got[~nan].view(np.uint32), ref[~nan].view(np.uint32)))
+
+
+def test_every_kernel_type_is_listed():
+    from quantkit.kernels.triton_dequant import TRITON_TYPES
+
+    assert {t.name for t in TRITON_TYPES} == set(KERNEL_TYPES)
+
+
+@pytest.mark.parametrize("name", KERNEL_TYPES)
+def test_triton_kernel_is_bit_identical_to_the_cpu_decoder(name):
+    from quantkit.kernels.triton_dequant import dequantize
+
+    qtype = GGMLType[name]
+    block, size = GGML_QUANT_SIZES[qtype]
+    rng = np.random.default_rng(int(qtype))
+    for n_blocks in BLOCK_COUNTS:
+        count = n_blocks * (64 if block == 1 else 1)
+        raw = rng.integers(0, 256, size=(count, size), dtype=np.uint8)
+        ref = FAST_DECODERS[qtype](raw).reshape(-1)
+        got = dequantize(torch.from_numpy(raw).cuda(), qtype).cpu().numpy()
+        assert got.shape == ref.shape
+        assert same_bits(got, ref), f"{name}: {n_blocks} blocks differ"
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v3", "deepseek_v4", "glm5_next", "qwen4_exp"])
+def test_cuda_runtime_matches_cpu(ggufs, arch):
+    from quantkit.runtime import load_model, logits
+    from test_runtime import RELATIVE_TOLERANCE, token_ids
+
+    path = ggufs(arch, "mixed")
+    ids = token_ids(arch, 64)
+    cpu = logits(load_model(path), ids)
+    cuda = logits(load_model(path, device="cuda"), ids)
+    streamed = logits(load_model(path, device="cuda", stream=True), ids)
+    scale = float(np.abs(cpu).max())
+    assert float(np.abs(cuda - cpu).max()) <= RELATIVE_TOLERANCE * scale
+    assert np.array_equal(streamed, cuda)
+
+
+def test_cuda_nan_payload_raises_naming_the_tensor(ggufs, tmp_path):
+    import shutil
+
+    from quantkit.errors import FormatError
+    from quantkit.io.gguf_reader import GGUFFile
+    from quantkit.runtime import load_model, logits
+
+    src = ggufs("qwen3_moe", "mixed")
+    bad = tmp_path / "nan.gguf"
+    shutil.copy(src, bad)
+    with GGUFFile(src) as f:
+        offset = f.data_offset + f.tensor("blk.1.ffn_down_exps.weight").offset
+    with open(bad, "r+b") as fh:        # expert 0's first Q4_K block: d = NaN
+        fh.seek(offset)
+        fh.write(np.array([0x7E00], np.uint16).tobytes())
+    model = load_model(bad, device="cuda")
+    with pytest.raises(FormatError, match="blk.1.ffn_down_exps.weight"):
+        for start in range(0, 512, 64):     # until a token routes to expert 0
+            logits(model, list(range(start, start + 64)))
