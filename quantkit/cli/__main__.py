@@ -1,0 +1,4 @@
+"""``python -m quantkit.cli`` runs the ``quantkit`` command."""
+from . import main
+
+main()
