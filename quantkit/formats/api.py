@@ -73,7 +73,12 @@ def encode(x, qtype: "GGMLType | int | str", imatrix=None, *, name: str | None =
     encoder = fmt.encode_reference if (reference or fmt.encode_fast is None) else fmt.encode_fast
     if encoder is None:
         raise UnsupportedError(f"{fmt.name} has no reference encoder", tensor=name)
-    out = encoder(x, im)
+    try:
+        out = encoder(x, im)
+    except EncodeError as exc:
+        if exc.tensor is not None or name is None:
+            raise
+        raise EncodeError(exc.detail, tensor=name) from None  # codecs know rows, the caller knows the tensor
     expected = (x.shape[0], fmt.row_bytes(x.shape[1]))
     if out.shape != expected or out.dtype != np.uint8:
         raise RuntimeError(f"{fmt.name} encoder returned {out.dtype}{out.shape}, expected uint8{expected}")

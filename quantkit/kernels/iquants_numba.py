@@ -1,19 +1,21 @@
 """Fast I-quant encoders (IQ2_XXS, IQ2_XS, IQ3_XXS) in numba, byte-identical to ggml's ``ggml_quantize_chunk``.
 
-The algorithm, layouts and rounding are documented in :mod:`quantkit.formats.iquants` (and its readable
-reference encoders); the tables in :mod:`quantkit.formats.iq_tables`; the float32 exactness rules in
-:mod:`quantkit.kernels.kq_primitives`, whose ``nearest_int``, ``make_qp_quants`` and half conversion are used
-here.  This module does the same float32 operations in the same order, restructured for speed only where
-that cannot change a result:
+The algorithm, layouts and rounding are documented in :mod:`quantkit.formats.iquants` (with its readable
+reference encoders), the search tables in :mod:`quantkit.formats.iq_tables`, the float32 exactness rules in
+:mod:`quantkit.kernels.kq_primitives` (whose ``nearest_int``, ``make_qp_quants`` and half conversion are used
+here).  The kernels do ggml's float32 operations in ggml's order; what differs is only arrangement:
 
-* The neighbour search computes the weighted distance of every listed neighbour in one pass per element
-  (``nb_pos`` is element-major), so the loop over neighbours vectorises; each neighbour's distance is still
-  accumulated element 0..dim-1 in ggml's order, and the argmin is a sequential first-strict-minimum scan.
-* Rows are independent: they run in parallel (``prange``) and the bytes do not depend on the thread count.
+* Neighbour search: the distances of NB_ALIGN listed neighbours are computed together (``nb_pos`` holds their
+  lattice values chunk by chunk, element-major), a loop that vectorises; each distance is still summed over
+  elements 0..dim-1 in ggml's order, and the pick is ggml's sequential first-strict-minimum scan.
+* One trial loop serves the trials and the refinement pass (``_search``), levels of the kept trial and of
+  the trial in progress live in one 2-row array.
+* Rows run in parallel, one contiguous part per thread, each with private copies of everything it reads;
+  a row's bytes do not depend on the thread count.
 
 Where ggml aborts the process (``GGML_ASSERT(grid_index >= 0)`` when every neighbour distance is inf/NaN,
-``GGML_ASSERT(scale >= 0)`` or "point not on grid" when a sub-block scale is NaN — both only reachable when
-weights overflow float32, |x| above ~1e13), the row's status says so and the caller raises.
+``GGML_ASSERT(scale >= 0)`` or "point not on grid" when a sub-block scale is NaN: weights so large that the
+weighted distances overflow float32), the row's status says which and the caller raises.
 """
 from __future__ import annotations
 
@@ -25,12 +27,13 @@ from .kq_primitives import F32, GROUP_MAX_EPS, ONE, ZERO, fp32_to_fp16, jit, mak
 
 QK_K = 256
 
-# The per-group helpers are inlined into the row kernels at numba-IR level: as separate functions every call
-# would increment and decrement the reference counts of its array arguments (atomic operations on the shared
-# tables, which also serialise threads).
-inline = njit(cache=True, error_model="numpy", inline="always")
+# ggml's type ids, the ``qtype`` argument of the kernels.
+IQ2_XXS = 16
+IQ2_XS = 17
+IQ3_XXS = 18
 
-# Row status codes (0: encoded).  Each is a condition on which ggml aborts instead of writing the row.
+# Row status codes (0: encoded).  Each other one is a condition on which ggml aborts instead of writing the row.
+EMPTY = -1           # (sub-block only) all weights below the zero threshold: nothing is stored
 OK = 0
 NO_NEIGHBOUR = 1     # every neighbour's weighted distance is inf or NaN
 NAN_SCALE = 2        # a sub-block scale came out NaN
@@ -42,7 +45,7 @@ _TENTH = F32(0.1)
 _FIFTH = F32(0.2)
 _SCALE_DIV = F32(31.0)                 # super-block scale d = max sub-block scale / 31 (4-bit scales)
 _IQ3_D_FUDGE = F32(1.0125)             # IQ3_XXS stores d * 1.0125 ("small improvement via this fudge factor")
-_GROUP_MAX_EPS_IQ3_XXS = F32(1e-8)
+_EPS_IQ3_XXS = F32(1e-8)               # IQ3_XXS's all-zero threshold (GROUP_MAX_EPS_IQ3_XXS)
 _FQK_K = F32(QK_K)
 _TWO = F32(2.0)
 _SCALE_NIBBLE_MAX = 15
@@ -54,7 +57,7 @@ IQ3_XXS_BYTES = 98    # d f16 | 64 × u8 grid index | 8 × u32 (four 7-bit sign 
 
 # ------------------------------------------------------------------------------------------------ shared steps
 
-@inline
+@jit
 def _sum_sq(x, off, n):
     s = ZERO
     for i in range(n):
@@ -62,7 +65,7 @@ def _sum_sq(x, off, n):
     return s
 
 
-@inline
+@jit
 def _fold_signs(x, off, weight, xval, base):
     """|x| of one group of 8 into xval, and its 7-bit sign code.
 
@@ -92,7 +95,7 @@ def _fold_signs(x, off, weight, xval, base):
     return s & 127
 
 
-@inline
+@jit
 def _max_of(v, n):
     """ggml's running MAX(a, b) = a > b ? a : b, starting from v[0]."""
     m = v[0]
@@ -103,7 +106,7 @@ def _max_of(v, n):
 
 @jit
 def _search(xval, weight, waux, Ls, on_grid, n, dim, bits, kmaxq, base_q, step, n_steps, denom, scale,
-            refine_all, kmap, levels, nb_start, nb_count, nb_pos, nb_index, d2):
+            refine_all, kmap, nb_start, nb_count, nb_pos, d2):
     """ggml's scale search for one sub-block of n weights in groups of dim.  Returns (status, scale).
 
     Trials: for is in -n_steps..n_steps, id = (base_q + is·step)/denom; every group is rounded to levels
@@ -169,9 +172,9 @@ def _search(xval, weight, waux, Ls, on_grid, n, dim, bits, kmaxq, base_q, step, 
                     jbest = j
             if jbest < 0:
                 return NO_NEIGHBOUR, scale
-            g = np.int64(nb_index[start + jbest])
+            chunk = (start + jbest) // NB_ALIGN
             for i in range(dim):
-                Ls[dst, base + i] = levels[g, i]
+                Ls[dst, base + i] = (nb_pos[chunk, i, jbest % NB_ALIGN] - 1) // 2
         sumqx = ZERO
         sumq2 = ZERO
         for i in range(n):
@@ -192,18 +195,65 @@ def _search(xval, weight, waux, Ls, on_grid, n, dim, bits, kmaxq, base_q, step, 
     return OK, scale
 
 
-@inline
+@jit
 def _lookup_groups(L, n_groups, dim, bits, kmap, grid_out):
-    """The final grid index of each group from its levels (ggml aborts if one is off the grid)."""
+    """The final grid index of each group from its levels; False where ggml would abort (off the grid)."""
     for k in range(n_groups):
         u = 0
         for i in range(dim):
-            u |= np.int64(L[k * dim + i]) << (bits * i)
+            u |= L[k * dim + i] << (bits * i)
         g = kmap[u]
         if g < 0:
             return False
         grid_out[k] = g
     return True
+
+
+@jit
+def _sub_block(x, off, qw, use_qw, sigma2, n, dim, bits, kmaxq, base_q, step, n_steps, eps, qp_start,
+               refine_all, weight, waux, xval, Ls, Lqp, on_grid, signs, grid_idx, d2, kmap, nb_start, nb_count,
+               nb_pos):
+    """Steps 1-6 of the module docstring of :mod:`quantkit.formats.iquants` for the n weights at x[off:].
+
+    Returns (status, scale), status EMPTY for an all-zero sub-block (nothing stored).  On success signs holds
+    the sign codes of its groups of 8 and grid_idx the grid index of its groups of dim.
+    """
+    if use_qw:
+        for i in range(n):
+            weight[i] = qw[off + i] * np.sqrt(sigma2 + x[off + i] * x[off + i])
+    else:
+        for i in range(n):
+            weight[i] = x[off + i] * x[off + i]
+    for i in range(n):
+        waux[i] = np.sqrt(weight[i])
+    for k in range(n // 8):
+        signs[k] = _fold_signs(x, off, weight, xval, 8 * k)
+    mx = _max_of(xval, n)
+    if mx < eps:
+        return EMPTY, ZERO
+    if qp_start:                                     # IQ2_XXS
+        scale = make_qp_quants(n, kmaxq + 1, xval, Lqp, weight)
+        denom = scale * F32(kmaxq)
+        if denom <= ZERO:
+            return EMPTY, ZERO
+    else:
+        denom = mx
+        scale = mx / base_q
+    Ls[0, :] = 0
+    on_grid[0, :] = True
+    status, scale = _search(xval, weight, waux, Ls, on_grid, n, dim, bits, kmaxq, base_q, step, n_steps, denom,
+                            scale, refine_all, kmap, nb_start, nb_count, nb_pos, d2)
+    if status != OK:
+        return status, scale
+    if scale != scale:
+        return NAN_SCALE, scale
+    if scale < ZERO:                                 # "should never happen": flip the signs of the first four
+        scale = -scale
+        for k in range(min(4, n // 8)):
+            signs[k] = ~signs[k] & 127
+    if not _lookup_groups(Ls[0], n // dim, dim, bits, kmap, grid_idx):
+        return OFF_GRID, scale
+    return OK, scale
 
 
 @jit
@@ -217,222 +267,106 @@ def _put_u32(out, pos, v):
         out[pos + b] = (v >> (8 * b)) & 0xFF
 
 
-@jit
-def _distance_buffer(nb_count):
-    """Scratch for the distances of the longest neighbour list, padded to whole chunks."""
-    return np.empty(-(-nb_count.max() // NB_ALIGN) * NB_ALIGN, np.float32)
-
+# ------------------------------------------------------------------------------------------------- row kernels
 
 @jit
-def _prepare(x, off, n, qw, use_qw, sigma2, weight, waux, xval, signs):
-    """Weights, their square roots, |x| with the parity fix-up and the sign codes of one sub-block; returns
-    max xval (ggml's MAX chain)."""
-    if use_qw:
-        for i in range(n):
-            weight[i] = qw[off + i] * np.sqrt(sigma2 + x[off + i] * x[off + i])
+def _encode_row(qtype, n, dim, bits, kmaxq, n_steps, x, qw, use_qw, y, kmap, nb_start, nb_count, nb_pos):
+    """quantize_row_<qtype>_impl for one row into y (zeroed by the caller).  Returns a status code.
+
+    n (weights per scale), dim (weights per grid point), bits (per level in a lattice code), kmaxq (levels)
+    and n_steps (trials -n_steps..n_steps) are passed as literals, so that numba compiles one specialisation
+    per type with them constant (and the loops over them unrolled and vectorised)."""
+    if qtype == IQ2_XS:
+        base_q, step, eps, sigma_mul, block_bytes = F32(5), _TENTH, GROUP_MAX_EPS, ONE, IQ2_XS_BYTES
+    elif qtype == IQ3_XXS:
+        base_q, step, eps, sigma_mul, block_bytes = F32(15), _FIFTH, _EPS_IQ3_XXS, _TWO, IQ3_XXS_BYTES
     else:
-        for i in range(n):
-            weight[i] = x[off + i] * x[off + i]
-    for i in range(n):
-        waux[i] = np.sqrt(weight[i])
-    for k in range(n // 8):
-        signs[k] = _fold_signs(x, off, weight, xval, 8 * k)
-    return _max_of(xval, n)
-
-
-@jit
-def _finish_scale(scale, signs, n_signs):
-    """ggml's guard after the search: a NaN scale aborts; a negative one flips the sign codes (it "should
-    never happen").  Returns (status, |scale|)."""
-    if scale != scale:
-        return NAN_SCALE, scale
-    if scale < ZERO:
-        for k in range(n_signs):
-            signs[k] = ~signs[k] & 127
-        return OK, -scale
-    return OK, scale
-
-
-# --------------------------------------------------------------------------------------------------- IQ2_XXS
-
-@jit
-def _iq2_xxs_row(x, qw, y, kmap, levels, nb_start, nb_count, nb_pos, nb_index):
-    """quantize_row_iq2_xxs_impl for one row; y receives the row's blocks.  Returns a status code."""
-    weight = np.empty(32, np.float32)
-    waux = np.empty(32, np.float32)
-    xval = np.empty(32, np.float32)
-    Ls = np.zeros((2, 32), np.int64)
-    Lqp = np.zeros(32, np.uint8)
-    on_grid = np.ones((2, 4), np.bool_)
-    d2 = _distance_buffer(nb_count)
-    grid_idx = np.zeros(4, np.int64)
-    signs = np.zeros(4, np.int64)
-    scales = np.zeros(8, np.float32)
-    q2 = np.zeros(16, np.int64)
+        base_q, step, eps, sigma_mul, block_bytes = F32(5), _TENTH, GROUP_MAX_EPS, ONE, IQ2_XXS_BYTES
+    n_sub = QK_K // n
+    weight = np.empty(n, np.float32)
+    waux = np.empty(n, np.float32)
+    xval = np.empty(n, np.float32)
+    Ls = np.zeros((2, n), np.int64)
+    Lqp = np.zeros(n, np.uint8)
+    on_grid = np.ones((2, n // dim), np.bool_)
+    signs = np.zeros(n // 8, np.int64)
+    grid_idx = np.zeros(n // dim, np.int64)
+    d2 = np.empty(-(-nb_count.max() // NB_ALIGN) * NB_ALIGN, np.float32)
+    scales = np.zeros(n_sub, np.float32)
+    words = np.zeros(n_sub, np.int64)               # IQ2_XXS / IQ3_XXS: sign codes (and later ls) per 32
     for ibl in range(x.shape[0] // QK_K):
         xo = QK_K * ibl
-        q2[:] = 0
+        yo = block_bytes * ibl
+        sigma2 = sigma_mul * _sum_sq(x, xo, QK_K) / _FQK_K
         max_scale = ZERO
-        sigma2 = _sum_sq(x, xo, QK_K) / _FQK_K
-        for ib in range(8):
-            mx = _prepare(x, xo + 32 * ib, 32, qw, True, sigma2, weight, waux, xval, signs)
-            scales[ib] = ZERO
-            if mx < GROUP_MAX_EPS:
+        words[:] = 0
+        for ib in range(n_sub):
+            status, scale = _sub_block(x, xo + n * ib, qw, use_qw, sigma2, n, dim, bits, kmaxq, base_q, step,
+                                       n_steps, eps, qtype == IQ2_XXS, qtype == IQ2_XXS, weight, waux, xval,
+                                       Ls, Lqp, on_grid, signs, grid_idx, d2, kmap, nb_start, nb_count, nb_pos)
+            scales[ib] = scale
+            if status == EMPTY:                      # no grid, signs or scale
                 continue
-            scale = make_qp_quants(32, 4, xval, Lqp, weight)
-            eff_max = scale * F32(3)
-            if eff_max <= ZERO:
-                continue
-            status, scale = _search(xval, weight, waux, Ls, on_grid, 32, 8, 2, 3, F32(5), _TENTH, 6, eff_max,
-                                    scale, True, kmap, levels, nb_start, nb_count, nb_pos, nb_index, d2)
-            if status == OK:
-                status, scale = _finish_scale(scale, signs, 4)
-            if status == OK and not _lookup_groups(Ls[0], 4, 8, 2, kmap, grid_idx):
-                status = OFF_GRID
             if status != OK:
                 return status
-            for k in range(4):
-                q2[2 * ib] |= grid_idx[k] << (8 * k)
-                q2[2 * ib + 1] |= signs[k] << (7 * k)
-            scales[ib] = scale
             max_scale = max_scale if max_scale > scale else scale
-        yo = IQ2_XXS_BYTES * ibl
+            if qtype == IQ2_XS:
+                for k in range(2):
+                    put_u16(y, yo + 2 + 4 * ib + 2 * k, grid_idx[k] | (signs[k] << 9))
+            else:
+                for k in range(4):
+                    words[ib] |= signs[k] << (7 * k)
+                for k in range(n // dim):
+                    y[yo + 2 + 8 * ib + k] = grid_idx[k]          # IQ2_XXS: 4 bytes, then its sign word
         if max_scale == ZERO:
-            for b in range(IQ2_XXS_BYTES):
+            for b in range(block_bytes):
                 y[yo + b] = 0
             continue
         d = max_scale / _SCALE_DIV
-        put_u16(y, yo, fp32_to_fp16(d))
+        put_u16(y, yo, fp32_to_fp16(d * _IQ3_D_FUDGE if qtype == IQ3_XXS else d))
         inv_d = ONE / d
-        for ib in range(8):
-            q2[2 * ib + 1] |= _scale_nibble(inv_d, scales[ib]) << 28
-        for j in range(16):
-            _put_u32(y, yo + 2 + 4 * j, q2[j])
+        for ib in range(n_sub):
+            ls = _scale_nibble(inv_d, scales[ib])
+            if qtype == IQ2_XS:
+                y[yo + 66 + ib // 2] |= ls << (4 * (ib % 2))
+            elif qtype == IQ3_XXS:
+                _put_u32(y, yo + 66 + 4 * ib, words[ib] | (ls << 28))
+            else:
+                _put_u32(y, yo + 6 + 8 * ib, words[ib] | (ls << 28))
     return OK
 
-
-@njit(parallel=True, cache=True, error_model="numpy")
-def encode_iq2_xxs_rows(x, qw, out, status, kmap, levels, nb_start, nb_count, nb_pos, nb_index):
-    for r in prange(x.shape[0]):
-        status[r] = _iq2_xxs_row(x[r], qw, out[r], kmap, levels, nb_start, nb_count, nb_pos, nb_index)
-
-
-# ---------------------------------------------------------------------------------------------------- IQ2_XS
 
 @jit
-def _iq2_xs_row(x, qw, y, kmap, levels, nb_start, nb_count, nb_pos, nb_index):
-    """quantize_row_iq2_xs_impl for one row; y receives the row's blocks.  Returns a status code."""
-    weight = np.empty(16, np.float32)
-    waux = np.empty(16, np.float32)
-    xval = np.empty(16, np.float32)
-    Ls = np.zeros((2, 16), np.int64)
-    on_grid = np.ones((2, 2), np.bool_)
-    d2 = _distance_buffer(nb_count)
-    grid_idx = np.zeros(2, np.int64)
-    signs = np.zeros(2, np.int64)
-    scales = np.zeros(16, np.float32)
-    q2 = np.zeros(32, np.int64)
-    for ibl in range(x.shape[0] // QK_K):
-        xo = QK_K * ibl
-        q2[:] = 0
-        max_scale = ZERO
-        sigma2 = _sum_sq(x, xo, QK_K) / _FQK_K
-        for ib in range(16):
-            mx = _prepare(x, xo + 16 * ib, 16, qw, True, sigma2, weight, waux, xval, signs)
-            Ls[0, :] = 0
-            scales[ib] = ZERO
-            if mx < GROUP_MAX_EPS:
-                continue
-            on_grid[0, :] = True
-            status, scale = _search(xval, weight, waux, Ls, on_grid, 16, 8, 2, 3, F32(5), _TENTH, 9, mx,
-                                    mx / F32(5), False, kmap, levels, nb_start, nb_count, nb_pos, nb_index, d2)
-            if status == OK:
-                status, scale = _finish_scale(scale, signs, 2)
-            if status == OK and not _lookup_groups(Ls[0], 2, 8, 2, kmap, grid_idx):
-                status = OFF_GRID
-            if status != OK:
-                return status
-            for k in range(2):
-                q2[2 * ib + k] = grid_idx[k] | (signs[k] << 9)
-            scales[ib] = scale
-            max_scale = max_scale if max_scale > scale else scale
-        yo = IQ2_XS_BYTES * ibl
-        for b in range(IQ2_XS_BYTES):
-            y[yo + b] = 0
-        if max_scale == ZERO:
-            continue
-        d = max_scale / _SCALE_DIV
-        put_u16(y, yo, fp32_to_fp16(d))
-        inv_d = ONE / d
-        for j in range(32):
-            put_u16(y, yo + 2 + 2 * j, q2[j])
-        for ib in range(16):
-            y[yo + 66 + ib // 2] |= _scale_nibble(inv_d, scales[ib]) << (4 * (ib % 2))
-    return OK
+def encode_part(part, n_parts, qtype, x, qw, use_qw, out, status, kmap, nb_start, nb_count, nb_pos):
+    """Encode rows [part·rows/n_parts, (part+1)·rows/n_parts) of x (float32[rows, n]) as qtype into out.
+
+    The part works on its own copies of the tables, the importance vector, the input row and the output row:
+    every call increments and decrements the reference counts of its array arguments, and atomics on counts
+    shared by all threads would serialise them.
+    """
+    rows = x.shape[0]
+    t_kmap = kmap.copy()
+    t_start = nb_start.copy()
+    t_count = nb_count.copy()
+    t_pos = nb_pos.copy()
+    t_qw = qw.copy()
+    xr = np.empty(x.shape[1], np.float32)
+    y = np.empty(out.shape[1], np.uint8)
+    for r in range(part * rows // n_parts, (part + 1) * rows // n_parts):
+        xr[:] = x[r]
+        y[:] = 0
+        # (n, dim, bits, kmaxq, n_steps) per type, as in iquants._Variant and iq_tables
+        if qtype == IQ2_XS:
+            status[r] = _encode_row(IQ2_XS, 16, 8, 2, 3, 9, xr, t_qw, use_qw, y, t_kmap, t_start, t_count, t_pos)
+        elif qtype == IQ3_XXS:
+            status[r] = _encode_row(IQ3_XXS, 32, 4, 3, 8, 15, xr, t_qw, use_qw, y, t_kmap, t_start, t_count, t_pos)
+        else:
+            status[r] = _encode_row(IQ2_XXS, 32, 8, 2, 3, 6, xr, t_qw, use_qw, y, t_kmap, t_start, t_count, t_pos)
+        out[r, :] = y
 
 
 @njit(parallel=True, cache=True, error_model="numpy")
-def encode_iq2_xs_rows(x, qw, out, status, kmap, levels, nb_start, nb_count, nb_pos, nb_index):
-    for r in prange(x.shape[0]):
-        status[r] = _iq2_xs_row(x[r], qw, out[r], kmap, levels, nb_start, nb_count, nb_pos, nb_index)
-
-
-# --------------------------------------------------------------------------------------------------- IQ3_XXS
-
-@jit
-def _iq3_xxs_row(x, qw, use_qw, y, kmap, levels, nb_start, nb_count, nb_pos, nb_index):
-    """quantize_row_iq3_xxs_impl(256, ...) for one row; y receives the row's blocks.  Returns a status code."""
-    weight = np.empty(32, np.float32)
-    waux = np.empty(32, np.float32)
-    xval = np.empty(32, np.float32)
-    Ls = np.zeros((2, 32), np.int64)
-    on_grid = np.ones((2, 8), np.bool_)
-    d2 = _distance_buffer(nb_count)
-    grid_idx = np.zeros(8, np.int64)
-    signs = np.zeros(4, np.int64)
-    scales = np.zeros(8, np.float32)
-    scales_and_signs = np.zeros(8, np.int64)
-    for ibl in range(x.shape[0] // QK_K):
-        xo = QK_K * ibl
-        yo = IQ3_XXS_BYTES * ibl
-        for b in range(IQ3_XXS_BYTES):
-            y[yo + b] = 0
-        scales_and_signs[:] = 0
-        max_scale = ZERO
-        sigma2 = _TWO * _sum_sq(x, xo, QK_K) / _FQK_K
-        for ib in range(8):
-            mx = _prepare(x, xo + 32 * ib, 32, qw, use_qw, sigma2, weight, waux, xval, signs)
-            Ls[0, :] = 0
-            scales[ib] = ZERO
-            if mx < _GROUP_MAX_EPS_IQ3_XXS:
-                continue
-            on_grid[0, :] = True
-            status, scale = _search(xval, weight, waux, Ls, on_grid, 32, 4, 3, 8, F32(15), _FIFTH, 15, mx,
-                                    mx / F32(15), False, kmap, levels, nb_start, nb_count, nb_pos, nb_index, d2)
-            if status == OK:
-                status, scale = _finish_scale(scale, signs, 4)
-            if status == OK and not _lookup_groups(Ls[0], 8, 4, 3, kmap, grid_idx):
-                status = OFF_GRID
-            if status != OK:
-                return status
-            for k in range(8):
-                y[yo + 2 + 8 * ib + k] = grid_idx[k]
-            scales_and_signs[ib] = signs[0] | (signs[1] << 7) | (signs[2] << 14) | (signs[3] << 21)
-            scales[ib] = scale
-            max_scale = max_scale if max_scale > scale else scale
-        if max_scale == ZERO:
-            for b in range(IQ3_XXS_BYTES):
-                y[yo + b] = 0
-            continue
-        d = max_scale / _SCALE_DIV
-        put_u16(y, yo, fp32_to_fp16(d * _IQ3_D_FUDGE))
-        inv_d = ONE / d
-        for ib in range(8):
-            _put_u32(y, yo + 66 + 4 * ib, scales_and_signs[ib] | (_scale_nibble(inv_d, scales[ib]) << 28))
-    return OK
-
-
-@njit(parallel=True, cache=True, error_model="numpy")
-def encode_iq3_xxs_rows(x, qw, use_qw, out, status, kmap, levels, nb_start, nb_count, nb_pos, nb_index):
-    for r in prange(x.shape[0]):
-        status[r] = _iq3_xxs_row(x[r], qw, use_qw, out[r], kmap, levels, nb_start, nb_count, nb_pos, nb_index)
+def encode_parts(n_parts, qtype, x, qw, use_qw, out, status, kmap, nb_start, nb_count, nb_pos):
+    """encode_part for every part, one per thread; a row's bytes do not depend on the split."""
+    for part in prange(n_parts):
+        encode_part(part, n_parts, qtype, x, qw, use_qw, out, status, kmap, nb_start, nb_count, nb_pos)
