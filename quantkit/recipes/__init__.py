@@ -44,9 +44,10 @@ Which rule a tensor gets (:func:`resolve`), in this order:
    tensor                                                  type
    ======================================================  =================================================
    integer tables (``hash_routing``)                       I32 -- no rule may change them (an error)
-   classes router, norm, bias, ssm_param, sinks, conv      F32
+   classes router, norm, bias, ssm_param, sinks, conv,     F32 (ape: ggml adds position biases with ops that
+   ape                                                     take no BF16 operand on CPU)
    any 1-D tensor                                          F32
-   classes hc, ape, indexer (2-D and up)                   the source precision: F32/F16/BF16 as stored,
+   classes hc, indexer (2-D and up)                        the source precision: F32/F16/BF16 as stored,
                                                            F32 for any other source encoding (FP8, ...)
    F32 sources of at most ``SMALL_F32_ELEMENTS`` values    F32
    ======================================================  =================================================

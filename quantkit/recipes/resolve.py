@@ -14,10 +14,10 @@ from ..formats.registry import GGMLType, get_format
 from .model import Recipe, Rule
 
 #: Classes kept in F32 unless a rule naming the class says otherwise (routing and recurrence parameters are
-#: tiny and quality-sensitive).
-KEEP_F32_CLASSES = frozenset({"router", "norm", "bias", "ssm_param", "sinks", "conv"})
+#: tiny and quality-sensitive; position biases are added by ggml ops that take no BF16 operand on CPU).
+KEEP_F32_CLASSES = frozenset({"router", "norm", "bias", "ssm_param", "sinks", "conv", "ape"})
 #: Classes kept in their source precision (llama.cpp's stock mixes quantize them: a measured quality loss).
-KEEP_SOURCE_CLASSES = frozenset({"hc", "ape", "indexer"})
+KEEP_SOURCE_CLASSES = frozenset({"hc", "indexer"})
 #: F32 source tensors up to this many values are kept in F32 (biases, gains, scalars; weight matrices are larger).
 SMALL_F32_ELEMENTS = 4096
 

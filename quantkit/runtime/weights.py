@@ -27,6 +27,7 @@ import ml_dtypes
 import numpy as np
 
 from ..arch import get_arch
+from ..convert.provenance import SOURCE_CONFIG_KEY
 from ..errors import FormatError, SourceError, UnsupportedError
 from ..formats.registry import GGMLType
 from ..io.checkpoint import open_checkpoint
@@ -34,7 +35,6 @@ from ..io.gguf import KV
 from ..io.gguf_reader import GGUFFile
 
 #: GGUF key holding the source ``config.json`` text.
-SOURCE_CONFIG_KEY = "quantkit.source.config"
 GGUF_MAGIC = b"GGUF"
 _INTEGER_DTYPES = frozenset({"I64", "I32", "I16", "I8", "U64", "U32", "U16", "U8", "BOOL"})
 

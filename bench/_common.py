@@ -1,0 +1,50 @@
+"""Shared helpers for benchmarks: interleaved timing, one JSON object per measurement, a short table."""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import subprocess
+import time
+from pathlib import Path
+
+
+def machine() -> str:
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"{cpu}, {os.cpu_count()} cpus"
+
+
+def commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              cwd=Path(__file__).parent, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def interleaved_medians(fns: dict, repeats: int = 5, warmup: int = 1) -> dict:
+    """Time each callable ``repeats`` times, interleaved A/B/A/B so drift hits all alike; return medians (s)."""
+    for _ in range(warmup):
+        for fn in fns.values():
+            fn()
+    times = {k: [] for k in fns}
+    for _ in range(repeats):
+        for k, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            times[k].append(time.perf_counter() - t0)
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+def emit(record: dict) -> None:
+    record.setdefault("machine", machine())
+    record.setdefault("commit", commit())
+    print(json.dumps(record), flush=True)

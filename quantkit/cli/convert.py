@@ -1,0 +1,70 @@
+"""``quantkit convert``: a checkpoint and a recipe in, a GGUF out (the work is :mod:`quantkit.convert.execute`)."""
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import click
+
+#: Exit code after Ctrl-C (128 + SIGINT), as shells report it.
+EXIT_INTERRUPTED = 130
+
+
+def _default_jobs() -> int:
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:   # not every platform has affinity
+        return max(1, os.cpu_count() or 1)
+
+
+@click.command("convert")
+@click.argument("source")
+@click.option("-o", "--output", "out", required=True, type=click.Path(dir_okay=False, path_type=Path),
+              help="the GGUF file to write")
+@click.option("--recipe", required=True, help="a recipe file or the name of a shipped recipe (quantkit recipes)")
+@click.option("--imatrix", type=click.Path(exists=True, dir_okay=False),
+              help="importance matrix (llama.cpp GGUF imatrix or legacy .dat); experts it never observed get "
+                   "bootstrap importance, recorded in the file")
+@click.option("--bootstrap-importance", "bootstrap", is_flag=True,
+              help="weight-energy importance (sum of w^2 per column) for tensors without imatrix data")
+@click.option("--allow-synthetic-imatrix", is_flag=True, help="accept an imatrix made from synthetic or fixture data")
+@click.option("-j", "--jobs", type=click.IntRange(min=1), default=_default_jobs, show_default="CPUs available",
+              help="worker processes (1: encode in this process)")
+@click.option("--resume", is_flag=True, help="continue an interrupted conversion of the same plan")
+@click.option("--force", is_flag=True, help="replace an existing output or an unfinished conversion")
+@click.option("--label", help="checkpoint label recorded in the file (e.g. 0731)")
+@click.option("--dry-run", is_flag=True, help="print the plan and stop")
+@click.option("--pre-tokenizer", help="llama.cpp pre-tokenizer name, for tokenizers its hash table does not know")
+@click.option("--report", type=click.Path(dir_okay=False, path_type=Path),
+              help="write a JSON report: per tensor SHA-256, bytes and seconds, and the totals")
+@click.option("--progress/--no-progress", default=True, show_default=True, help="show a progress bar")
+def convert(source, out, recipe, imatrix, bootstrap, allow_synthetic_imatrix, jobs, resume, force, label, dry_run,
+            pre_tokenizer, report, progress):
+    """Convert checkpoint SOURCE (a directory or a Hugging Face repo id) to a GGUF laid out by a recipe."""
+    from ..convert.execute import ConvertRequest, execute, prepare
+    from ..io.atomic import atomic_output
+
+    request = ConvertRequest(source=source, out=out, recipe=recipe, imatrix=imatrix, bootstrap=bootstrap,
+                             allow_synthetic_imatrix=allow_synthetic_imatrix, jobs=jobs, resume=resume, force=force,
+                             label=label, pre_tokenizer=pre_tokenizer, progress=progress)
+    prepared = prepare(request)
+    click.echo(prepared.plan.summary())
+    if dry_run:
+        return
+    try:
+        result = execute(prepared, request)
+    except KeyboardInterrupt:
+        click.echo("interrupted: the partial output and its journal are kept; run again with --resume to continue",
+                   err=True)
+        sys.exit(EXIT_INTERRUPTED)
+    if report is not None:
+        with atomic_output(report, overwrite=True) as tmp:
+            tmp.write_text(json.dumps({"name_tag": prepared.plan.name_tag, **result.report()}, indent=1) + "\n")
+    click.echo(f"wrote {result.path} ({result.file_size:,} bytes, {result.tensors} tensors"
+               + (f", {result.resumed} from the journal" if result.resumed else "")
+               + f") in {result.wall_seconds:.1f} s with {result.jobs} job{'s' if result.jobs > 1 else ''}")
+
+
+COMMANDS = [convert]
