@@ -82,19 +82,8 @@ def inspect(path, as_json, show_all):
         click.echo(render(report, show_all=show_all))
 
 
-@main.command()
-def demo():
-    """Run the main job on the bundled example model."""
-    from ..examples import example_model_dir
-    from ..inspect import describe, render
-
-    path = example_model_dir()
-    click.echo(f"bundled example: {path}")
-    click.echo(render(describe(path)))
-
-
 # Modules that define extra commands, each exporting ``COMMANDS`` (a list of click commands or groups).
-COMMAND_MODULES: tuple[str, ...] = ("recipes", "convert", "imatrix", "swapset", "score", "validate")
+COMMAND_MODULES: tuple[str, ...] = ("recipes", "convert", "validate", "imatrix", "swapset", "score", "demo")
 
 
 def _attach_commands() -> None:

@@ -1,0 +1,59 @@
+"""``quantkit validate``: audit a GGUF artifact (or a swapset sidecar) against its format, plan and source.
+
+Exit codes: 0 valid; 1 a check failed (the report says which); 2 the artifact, source, recipe or imatrix cannot be
+read.  With ``--json REPORT`` the report is written there as JSON, also when the input cannot be read (then with
+``exit_code`` 2 and the error).  The work is :mod:`quantkit.validate`.
+"""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import click
+
+PAYLOAD_CHOICES = ("none", "sample", "full")
+EXIT_UNREADABLE = 2
+
+
+def _write_json(path: Path, data: dict) -> None:
+    from ..io.atomic import atomic_output
+
+    with atomic_output(path, overwrite=True) as tmp:
+        tmp.write_text(json.dumps(data, indent=1, default=str) + "\n")
+
+
+@click.command("validate")
+@click.argument("artifact", type=click.Path(dir_okay=False, path_type=Path))
+@click.option("--source", help="source checkpoint directory or Hugging Face repo id (default: the repository the "
+                               "artifact records, from the local cache)")
+@click.option("--recipe", help="recipe file or shipped recipe name (default: the recipe text the artifact records)")
+@click.option("--imatrix", type=click.Path(exists=True, dir_okay=False),
+              help="importance matrix the artifact was made with (default: the recorded file, if it still matches)")
+@click.option("--payload", type=click.Choice(PAYLOAD_CHOICES), default="sample", show_default=True,
+              help="re-encode and compare no tensor, a sample (experts 0/middle/last, sampled table rows), or all")
+@click.option("--seed", type=int, default=0, show_default=True, help="seed of the sampled experts and rows")
+@click.option("--structure-only", is_flag=True, help="check the file alone: no source, no re-plan, no payload")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path),
+              help="write the full report (every check, every tensor) as JSON to this file")
+def validate(artifact, source, recipe, imatrix, payload, seed, structure_only, json_path):
+    """Validate ARTIFACT: structure, inventory against a re-plan, and payload bytes against the source."""
+    from ..errors import QuantkitError
+    from ..validate import validate as run
+
+    try:
+        report = run(artifact, source=source, recipe=recipe, imatrix=imatrix, payload=payload, seed=seed,
+                     structure_only=structure_only)
+    except (QuantkitError, OSError) as exc:
+        if json_path is not None:
+            _write_json(json_path, {"format": "quantkit-validation", "artifact": str(artifact), "ok": False,
+                                    "exit_code": EXIT_UNREADABLE, "error": " ".join(str(exc).split())})
+        raise
+    if json_path is not None:
+        _write_json(json_path, report.to_json())
+    click.echo(report.render())
+    if not report.ok:
+        sys.exit(report.exit_code)
+
+
+COMMANDS = [validate]

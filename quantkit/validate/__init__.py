@@ -1,0 +1,96 @@
+"""``quantkit validate``: audit an artifact against its format, its plan and its source.
+
+:func:`validate` takes a GGUF file or a swapset sidecar and returns a :class:`~.report.Report` listing every
+check.  For a GGUF file, in order:
+
+1. **structure** (:mod:`.structure`, :mod:`.rowdata`): what the reader verifies on open, then layout, file size,
+   padding, finite block scales, metadata and provenance keys;
+2. **inventory** (:mod:`.replan`): the file re-planned from its source and recipe (recorded in the artifact unless
+   given) and compared tensor by tensor, key by key, size and header bytes; the source's recorded file hashes
+   (``provenance.source``);
+3. **payload** (:mod:`.payload`): every tensor, or a sample, re-encoded from the source with the converter's own
+   code (:mod:`.pieces`) and compared byte for byte, with each tensor's dequantized error against a per-type bound.
+
+Input that cannot be read (not GGUF, truncated, malformed header, missing source or recipe) raises a
+:class:`~quantkit.errors.QuantkitError`; everything else is a check in the report.  ``structure_only`` skips 2
+and 3 (no source needed).  A path ending ``.json`` or ``.safetensors`` is a sidecar: it is handed to
+:func:`quantkit.swapset.validate_sidecar` and its checks are reported as ``sidecar.<check>``.
+
+Bytes read: ``none`` and ``full`` read every payload byte of the artifact once; ``sample`` reads the header and the
+sampled regions only (the report's ``io`` section counts them).
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from ..errors import UnsupportedError
+from ..io.gguf_reader import GGUFFile
+from .payload import PAYLOAD_MODES, audit
+from .replan import describe_inputs, inventory_checks, replan, source_check
+from .report import FAILED, PASSED, Check, Report, skipped
+from .structure import (ArtifactReader, ScaleScan, header_check, layout_checks, metadata_check, padding_check,
+                        provenance_check, scan_tensor)
+
+SIDECAR_SUFFIXES = (".json", ".safetensors")
+INVENTORY_CHECKS = ("inventory.tensors", "inventory.metadata", "inventory.file_size", "inventory.header",
+                    "provenance.source")
+
+
+def validate(artifact: str | os.PathLike, *, source: str | None = None, recipe: str | None = None,
+             imatrix: str | None = None, payload: str = "sample", seed: int = 0, structure_only: bool = False
+             ) -> Report:
+    """Validate ``artifact`` (see the module docstring)."""
+    if payload not in PAYLOAD_MODES:
+        raise UnsupportedError(f"payload mode {payload!r} is not one of {PAYLOAD_MODES}")
+    path = Path(artifact)
+    if path.suffix in SIDECAR_SUFFIXES:
+        return _sidecar(path, payload, seed)
+    sequential = structure_only or payload != "sample"
+    with GGUFFile(path) as f, ArtifactReader(path, f.file_size, sequential=sequential) as reader:
+        return _gguf(f, reader, source=source, recipe=recipe, imatrix=imatrix, payload=payload, seed=seed,
+                     structure_only=structure_only)
+
+
+def _gguf(f: GGUFFile, reader: ArtifactReader, *, source, recipe, imatrix, payload: str, seed: int,
+          structure_only: bool) -> Report:
+    mode = "none" if structure_only else payload
+    report = Report(str(f.path), "gguf", mode, seed)
+    plan = None if structure_only else replan(f, source=source, recipe=recipe, imatrix=imatrix)
+    scan = ScaleScan()
+    if plan is None:
+        payload_checks = [skipped(name, "--structure-only") for name in ("payload.bytes", "payload.error")]
+    else:
+        payload_checks, report.tensors = audit(f, plan, reader, scan, mode, seed)
+    if mode != "sample":   # every block is scanned: those the payload audit did not read are read now
+        compared = {t["name"] for t in report.tensors if t["compared"] == "full"}
+        for t in f.tensors.values():
+            if t.name not in compared:
+                scan_tensor(reader, f, t, scan)
+    scope = "sampled regions only" if mode == "sample" else "every block"
+    report.checks = [header_check(f), *layout_checks(f), padding_check(reader, f, payloads=mode != "sample"),
+                     scan.check(f.tensors, scope), metadata_check(f), provenance_check(f)]
+    if plan is None:
+        report.checks += [skipped(name, "--structure-only") for name in INVENTORY_CHECKS]
+    else:
+        report.source, report.recipe, report.imatrix = describe_inputs(plan)
+        report.checks += [*inventory_checks(f, plan, reader), source_check(f, plan, shards_hashed=mode == "full")]
+        report.notes = list(plan.notes)
+    report.checks += payload_checks
+    report.io = {"artifact_bytes": f.file_size, "header_bytes": f.data_offset,
+                 "artifact_bytes_read": reader.bytes_read,
+                 "source_files_hashed_bytes": 0 if plan is None else plan.hashed_bytes}
+    return report
+
+
+def _sidecar(path: Path, payload: str, seed: int) -> Report:
+    from ..swapset import validate_sidecar
+
+    found = validate_sidecar(path, full=payload == "full")
+    report = Report(str(path), "sidecar", payload, seed)
+    report.checks = [Check(f"sidecar.{c['check']}", PASSED if c["ok"] else FAILED, c["detail"])
+                     for c in found.checks]
+    return report
+
+
+__all__ = ["PAYLOAD_MODES", "Report", "validate"]
