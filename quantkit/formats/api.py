@@ -9,6 +9,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..errors import EncodeError, FormatError, UnsupportedError
+from ..kernels.checks import first_nonfinite_row
 from .registry import GGMLType, ImatrixUse, QuantFormat, get_format, layout
 
 
@@ -33,8 +34,8 @@ def _check_rows(x: np.ndarray, fmt: QuantFormat, name: str | None) -> np.ndarray
         raise EncodeError(f"row length {x.shape[1]} is not a multiple of {fmt.name}'s block size "
                           f"{fmt.block_size}; choose a fallback type for this tensor", tensor=name)
     x = np.ascontiguousarray(x, dtype=np.float32)
-    if not np.isfinite(x).all():
-        row = int(np.argwhere(~np.isfinite(x))[0][0])
+    row = first_nonfinite_row(x)
+    if row >= 0:
         raise EncodeError(f"non-finite weight (NaN or Inf) in row {row}", tensor=name)
     return x
 
