@@ -26,7 +26,7 @@ from quantkit.imatrix import Entry, make_imatrix, save_imatrix
 from quantkit.io.atomic import sha256_file
 from quantkit.io.gguf_reader import GGUFFile
 from quantkit.validate.payload import RANDOM_ROWS, sample_experts, sample_rng, sample_rows
-from quantkit.validate.pieces import pieces, tensor_rows
+from quantkit.convert.tensors import pieces, tensor_rows
 from quantkit.validate.structure import header_length
 
 ARCHS = ("qwen3_moe", "deepseek_v3", "deepseek_v4", "glm5_next", "qwen4_exp")

@@ -40,11 +40,13 @@ import shutil
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Iterable
 
 from ..arch import get_arch
 from ..errors import MissingSourceError, OutputExistsError, QuantkitError
 from ..imatrix import Imatrix
 from ..io.checkpoint import open_checkpoint
+from ..io.gguf import KV
 from ..io.gguf_writer import PARTIAL_SUFFIX, GGUFWriter, Layout, _pwrite_all, plan_layout
 from ..recipes import Recipe, load_recipe
 from .consistency import check_config_against_tensors
@@ -149,6 +151,12 @@ def make_job(t: PlannedTensor, imatrix) -> TensorJob:
 
 # -- executing ----------------------------------------------------------------------------------------------------
 
+def file_layout(plan: Plan, provenance: list[tuple[str, KV]], jobs: Iterable[TensorJob]) -> Layout:
+    """The file's layout (step 4): the plan's metadata, then the ``provenance`` keys, then the jobs' tensors in
+    order."""
+    return plan_layout(merged_metadata(plan.metadata, provenance), [(j.name, j.output.shape, j.qtype) for j in jobs])
+
+
 def _check_output(out: Path, partial: Path, journal: Path, request: ConvertRequest) -> bool:
     """Whether to resume; refuses to touch an existing output or an unfinished run unless told."""
     if out.exists() and not request.force:
@@ -243,8 +251,7 @@ def execute(prepared: Prepared, request: ConvertRequest) -> ConvertResult:
         provenance = provenance_metadata(jobs=list(jobs.values()), recipe=plan.recipe, recipe_tag=plan.name_tag,
                                          source=source, file_hashes=hashes, imatrix=prepared.imatrix,
                                          imatrix_given=request.imatrix, label=plan.label)
-        return plan_layout(merged_metadata(plan.metadata, provenance),
-                           [(j.name, j.output.shape, j.qtype) for j in jobs.values()])
+        return file_layout(plan, provenance, jobs.values())
 
     layout = layout_with([replace(s, sha256=PENDING_SHA256) for s in stats])
     for name, job in jobs.items():
@@ -313,4 +320,4 @@ def convert(request: ConvertRequest) -> ConvertResult:
 
 
 __all__ = ["FREE_SPACE_RESERVE_BYTES", "ConvertRequest", "ConvertResult", "Prepared", "convert", "execute",
-           "make_job", "prepare"]
+           "file_layout", "make_job", "prepare"]

@@ -1,10 +1,11 @@
 """One planned GGUF tensor's bytes, produced from the source in bounded memory: the unit of conversion work.
 
 A :class:`TensorJob` is the small, picklable description a worker receives (by name, through the executor);
-:func:`tensor_bytes` yields the payload in file order as ``uint8`` pieces whose concatenation is exactly the
-tensor's planned bytes.  The same function serves ``convert`` and payload validation (re-encode and compare).
+:func:`pieces` splits it into :class:`Piece` units in file order, each produced on demand (all rows or some), and
+:func:`tensor_bytes` is the concatenation of every piece: exactly the tensor's planned bytes.  ``convert`` writes
+``tensor_bytes``; payload validation produces the pieces it samples (some experts, some rows) and compares them.
 
-Memory: at most one *unit* is held as float32 at a time, plus its encoded bytes:
+Memory: at most one *unit* (piece) is held as float32 at a time, plus its encoded bytes:
 
 - stacked experts (one source tensor per expert) and fused 3-D expert tensors (``[E, rows, n]``, sliced with
   ``tensor_f32(name, expert=e)``; only row-slicing transforms such as ``gate_half`` are applied per slice): one
@@ -32,6 +33,8 @@ which the imatrix never observed; ``bootstrap`` -- weight energy (Σ w² per inp
 """
 from __future__ import annotations
 
+import functools
+import math
 import os
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -138,14 +141,43 @@ class SourceContext:
             self.checkpoint.close()
 
 
-# -- units ------------------------------------------------------------------------------------------------------
+# -- pieces -----------------------------------------------------------------------------------------------------
 
-Unit = tuple[int | None, Callable[[], np.ndarray]]
-"""(matrix index or None, loader of a float32 (or integer) array: 2-D rows, or a whole tensor of any rank)."""
+Produce = Callable[[np.ndarray | None], tuple[np.ndarray | None, np.ndarray]]
+
+
+@dataclass(frozen=True)
+class Piece:
+    """One unit of a tensor's payload, produced on demand (nothing is read from the source before ``produce``).
+
+    A piece covers ``rows`` consecutive rows of the tensor's ``[rows, n]`` view (every leading axis flattened; an
+    expert of a 3-D ``[E, R, n]`` tensor is rows ``e*R .. e*R+R``).  ``produce(rows)`` takes None for every row,
+    or sorted indices relative to the piece's first row, and returns the source values that were encoded (float32
+    ``[k, n]``; None for integer tables and lossless repacks) and the bytes ``uint8[k, row_bytes]``.  A subset of
+    rows is read alone where the source allows it (a plain 2-D F32/F16/BF16 chunk whose importance is not
+    computed from its own values); otherwise the whole piece is loaded and the rows selected after importance
+    (bootstrap importance sums over every row), so the bytes are the same.
+    """
+
+    matrix: int | None
+    """The expert (matrix of a 3-D tensor) this piece belongs to; None for 2-D and 1-D tensors."""
+    row: int | None
+    """First row in the tensor's ``[rows, n]`` view; None when only known after loading (a transformed shard)."""
+    rows: int | None
+    produce: Produce
+
+
+def tensor_rows(shape: tuple[int, ...]) -> int:
+    """Rows of the ``[rows, n]`` view of a tensor of numpy ``shape``."""
+    return math.prod(shape[:-1])
 
 
 def _rows(x: np.ndarray) -> np.ndarray:
     return x.reshape(1, -1) if x.ndim <= 1 else x.reshape(-1, x.shape[-1])
+
+
+def _select(data: np.ndarray, selected: np.ndarray | None) -> np.ndarray:
+    return data if selected is None else data[selected]
 
 
 def _expert_slices(out: OutputTensor) -> bool:
@@ -154,40 +186,15 @@ def _expert_slices(out: OutputTensor) -> bool:
             and set(out.sources[0].transform) <= EXPERT_LOCAL_STEPS)
 
 
-def _units(ctx: SourceContext, job: TensorJob) -> Iterator[Unit]:
-    out, hp = job.output, ctx.amap.hp
-    if out.assembly == "stack_experts":
-        for e, m in enumerate(out.sources):
-            yield e, (lambda m=m: transforms.apply(m.transform, ctx.array(m.hf_name), hp))
-        return
-    if _expert_slices(out):
-        m = out.sources[0]
-        for e in range(out.shape[0]):
-            yield e, (lambda e=e: transforms.apply(m.transform, ctx.checkpoint.tensor_f32(m.hf_name, expert=e)[None],
-                                                   hp)[0])
-        return
-    if len(out.sources) == 1 and (job.importance == "bootstrap" or None in job.bootstrap):
-        yield None, (lambda: ctx.amap.assemble(out, ctx.array))   # Σw² needs the whole tensor at once
-        return
-    for m in out.sources:   # one source, or one per shard (concatenated along rows)
-        info = ctx.checkpoint.tensor_info(m.hf_name)
-        if m.transform or info.dtype not in _PLAIN_DTYPES or len(info.shape) != 2 or len(out.shape) != 2:
-            if len(out.sources) == 1:
-                yield None, (lambda: ctx.amap.assemble(out, ctx.array))
-            else:
-                yield None, (lambda m=m: transforms.apply(m.transform, ctx.array(m.hf_name), hp))
-            continue
-        rows, n = info.shape
-        step = max(1, ROW_CHUNK_BYTES // max(1, 4 * n))
-        for r0 in range(0, rows, step):
-            yield None, (lambda m=m, r0=r0: np.asarray(ctx.checkpoint.raw(m.hf_name)[r0:r0 + step],
-                                                      dtype=np.float32))
+def _self_importance(job: TensorJob, matrix: int | None) -> bool:
+    """Whether a unit's importance is computed from its own values (so it needs all of them)."""
+    return job.importance == "bootstrap" or matrix in job.bootstrap or None in job.bootstrap
 
 
 def _importance(ctx: SourceContext, job: TensorJob, matrix: int | None, x: np.ndarray) -> np.ndarray | None:
     if job.importance == "none":
         return None
-    if job.importance == "bootstrap" or matrix in job.bootstrap or None in job.bootstrap:
+    if _self_importance(job, matrix):
         return bootstrap_importance(x)
     found = ctx.imatrix.importance(job.name, expert=matrix)
     if found is None:
@@ -201,20 +208,83 @@ def _unit_name(job: TensorJob, matrix: int | None) -> str:
     return job.name if matrix is None else f"{job.name}[{matrix}]"
 
 
-def _encoded(ctx: SourceContext, job: TensorJob) -> Iterator[np.ndarray]:
-    integer = job.output.dtype == "int32"
-    if integer != (job.qtype == GGMLType.I32):
-        raise UnsupportedError(f"an {job.output.dtype} tensor cannot be written as {job.qtype.name}", tensor=job.name)
-    for index, load in _units(ctx, job):
-        x = load()
-        if integer:
-            yield np.ascontiguousarray(x, dtype="<i4").view(np.uint8).reshape(-1)
+def _encoder(ctx: SourceContext, job: TensorJob, matrix: int | None, load: Callable[[], np.ndarray],
+             load_rows: Callable[[np.ndarray], np.ndarray] | None = None) -> Produce:
+    """``produce`` of an ``encode``/``copy`` unit: ``load()`` gives all of it, ``load_rows(rows)`` some rows."""
+    def produce(selected: np.ndarray | None) -> tuple[np.ndarray | None, np.ndarray]:
+        direct = selected is not None and load_rows is not None and not _self_importance(job, matrix)
+        x = load_rows(selected) if direct else load()
+        after = None if direct else selected
+        if job.output.dtype == "int32":
+            return None, _select(np.ascontiguousarray(_rows(x), dtype="<i4"), after).view(np.uint8)
+        if matrix is None and x.ndim == 3:   # a 3-D shard read whole: ggml takes importance per matrix
+            data = np.concatenate([encode(_rows(w), job.qtype, _importance(ctx, job, m, _rows(w)),
+                                          name=_unit_name(job, m)) for m, w in enumerate(x)])
+            return _select(_rows(x), after), _select(data, after)
+        x = _rows(x)
+        importance = _importance(ctx, job, matrix, x)
+        x = _select(x, after)
+        return x, encode(x, job.qtype, importance, name=_unit_name(job, matrix))
+    return produce
+
+
+def _encode_pieces(ctx: SourceContext, job: TensorJob) -> Iterator[Piece]:
+    out, hp = job.output, ctx.amap.hp
+    if (out.dtype == "int32") != (job.qtype == GGMLType.I32):
+        raise UnsupportedError(f"an {out.dtype} tensor cannot be written as {job.qtype.name}", tensor=job.name)
+    per_matrix = tensor_rows(out.shape[1:]) if len(out.shape) == 3 else None
+
+    def source(m) -> np.ndarray:
+        return transforms.apply(m.transform, ctx.array(m.hf_name), hp)
+
+    def expert_slice(m, e: int) -> np.ndarray:
+        return transforms.apply(m.transform, ctx.checkpoint.tensor_f32(m.hf_name, expert=e)[None], hp)[0]
+
+    def chunk(name: str, r0: int, count: int) -> np.ndarray:
+        return np.asarray(ctx.checkpoint.raw(name)[r0:r0 + count], dtype=np.float32)
+
+    def chunk_rows(name: str, r0: int, selected: np.ndarray) -> np.ndarray:
+        return np.asarray(ctx.checkpoint.raw(name)[r0 + selected], dtype=np.float32)
+
+    def whole() -> Iterator[Piece]:
+        load = functools.lru_cache(maxsize=1)(lambda: ctx.amap.assemble(out, ctx.array))   # shared by matrices
+        if len(out.shape) == 3:
+            for e in range(out.shape[0]):
+                yield Piece(e, e * per_matrix, per_matrix, _encoder(ctx, job, e, lambda e=e: load()[e]))
+        else:
+            yield Piece(None, 0, tensor_rows(out.shape), _encoder(ctx, job, None, load))
+
+    if out.assembly == "stack_experts":
+        for e, m in enumerate(out.sources):
+            yield Piece(e, e * per_matrix, per_matrix, _encoder(ctx, job, e, functools.partial(source, m)))
+        return
+    if _expert_slices(out):
+        for e in range(out.shape[0]):
+            load = functools.partial(expert_slice, out.sources[0], e)
+            yield Piece(e, e * per_matrix, per_matrix, _encoder(ctx, job, e, load))
+        return
+    if len(out.sources) == 1 and (job.importance == "bootstrap" or None in job.bootstrap):
+        yield from whole()   # Σw² needs the whole tensor at once
+        return
+    row = 0
+    for m in out.sources:   # one source, or one per shard (concatenated along rows)
+        info = ctx.checkpoint.tensor_info(m.hf_name)
+        if m.transform or info.dtype not in _PLAIN_DTYPES or len(info.shape) != 2 or len(out.shape) != 2:
+            if len(out.sources) == 1:
+                yield from whole()
+                return
+            rows = None if m.transform else tensor_rows(tuple(info.shape))
+            yield Piece(None, row, rows, _encoder(ctx, job, None, functools.partial(source, m)))
+            row = None if rows is None or row is None else row + rows
             continue
-        # a 3-D tensor read whole is encoded matrix by matrix: ggml takes importance per matrix (per expert)
-        matrices = [(m, x[m]) for m in range(x.shape[0])] if index is None and x.ndim == 3 else [(index, x)]
-        for matrix, w in matrices:
-            w = _rows(w)
-            yield encode(w, job.qtype, _importance(ctx, job, matrix, w), name=_unit_name(job, matrix)).reshape(-1)
+        rows, n = (int(d) for d in info.shape)
+        step = max(1, ROW_CHUNK_BYTES // max(1, 4 * n))
+        for r0 in range(0, rows, step):
+            count = min(step, rows - r0)
+            yield Piece(None, None if row is None else row + r0, count,
+                        _encoder(ctx, job, None, functools.partial(chunk, m.hf_name, r0, count),
+                                 functools.partial(chunk_rows, m.hf_name, r0)))
+        row = None if row is None else row + rows
 
 
 # -- lossless repacks -------------------------------------------------------------------------------------------
@@ -250,39 +320,62 @@ def _slice(a: np.ndarray, index: int | None) -> np.ndarray:
     return a if index is None else a[index]
 
 
-def _repacked(ctx: SourceContext, job: TensorJob) -> Iterator[np.ndarray]:
+def _repacked(ctx: SourceContext, job: TensorJob, expert: int | None, hf_name: str, index: int | None
+              ) -> np.ndarray:
+    """One stored source's (expert's) GGUF blocks, as ``uint8[rows, row_bytes]``."""
     ckpt = ctx.checkpoint
-    for expert, hf_name, index in _stored_sources(job):
-        info = ckpt.tensor_info(hf_name)
-        if info.dtype not in _PACKED_FP4_DTYPES:
-            raise SourceError(f"{job.kind} needs packed FP4 weights, {hf_name!r} is {info.dtype}", tensor=job.name)
-        packed = _slice(ckpt.raw(hf_name), index)
-        unit = _unit_name(job, expert)
-        if job.kind == "mxfp4-repack":
-            _, scale_name = _companion(ctx, job, hf_name, ("scale", "scale_inv"))
-            yield mxfp4_from_fp4_e8m0(packed, _slice(ckpt.raw(scale_name), index), tensor=unit).reshape(-1)
-        else:
-            _, scale_name = _companion(ctx, job, hf_name, ("weight_scale",))
-            yield nvfp4_from_modelopt_layout(packed, _slice(ckpt.raw(scale_name), index), tensor=unit).reshape(-1)
+    info = ckpt.tensor_info(hf_name)
+    if info.dtype not in _PACKED_FP4_DTYPES:
+        raise SourceError(f"{job.kind} needs packed FP4 weights, {hf_name!r} is {info.dtype}", tensor=job.name)
+    packed = _slice(ckpt.raw(hf_name), index)
+    unit = _unit_name(job, expert)
+    if job.kind == "mxfp4-repack":
+        _, scale_name = _companion(ctx, job, hf_name, ("scale", "scale_inv"))
+        data = mxfp4_from_fp4_e8m0(packed, _slice(ckpt.raw(scale_name), index), tensor=unit)
+    else:
+        _, scale_name = _companion(ctx, job, hf_name, ("weight_scale",))
+        data = nvfp4_from_modelopt_layout(packed, _slice(ckpt.raw(scale_name), index), tensor=unit)
+    return data.reshape(-1, data.shape[-1])
 
 
-def _nvfp4_scales(ctx: SourceContext, job: TensorJob) -> Iterator[np.ndarray]:
-    values = []
+def _repack_pieces(ctx: SourceContext, job: TensorJob) -> Iterator[Piece]:
+    """One piece per stored source (expert)."""
+    out = job.output
+    per_matrix = tensor_rows(out.shape[1:]) if len(out.shape) == 3 else tensor_rows(out.shape)
     for expert, hf_name, index in _stored_sources(job):
-        role, name = _companion(ctx, job, hf_name, tuple(_NVFP4_GLOBAL_ROLES))
-        stored = np.asarray(ctx.checkpoint.raw(name))
-        if index is not None and stored.size != 1:
-            stored = stored[index]
-        values.append(nvfp4_tensor_scale(stored, _NVFP4_GLOBAL_ROLES[role], tensor=_unit_name(job, expert)))
-    yield np.asarray(values, dtype="<f4").view(np.uint8)
+        def produce(selected: np.ndarray | None, expert=expert, hf_name=hf_name, index=index
+                    ) -> tuple[None, np.ndarray]:
+            return None, _select(_repacked(ctx, job, expert, hf_name, index), selected)
+        yield Piece(expert, 0 if expert is None else expert * per_matrix, per_matrix, produce)
+
+
+def _nvfp4_scales(ctx: SourceContext, job: TensorJob) -> Iterator[Piece]:
+    """One piece: one F32 multiplier per expert (tiny, produced whole)."""
+    rows = tensor_rows(job.output.shape)
+
+    def produce(selected: np.ndarray | None) -> tuple[None, np.ndarray]:
+        values = []
+        for expert, hf_name, index in _stored_sources(job):
+            role, name = _companion(ctx, job, hf_name, tuple(_NVFP4_GLOBAL_ROLES))
+            stored = np.asarray(ctx.checkpoint.raw(name))
+            if index is not None and stored.size != 1:
+                stored = stored[index]
+            values.append(nvfp4_tensor_scale(stored, _NVFP4_GLOBAL_ROLES[role], tensor=_unit_name(job, expert)))
+        return None, _select(np.asarray(values, dtype="<f4").view(np.uint8).reshape(rows, -1), selected)
+    yield Piece(None, 0, rows, produce)
+
+
+def pieces(ctx: SourceContext, job: TensorJob) -> Iterator[Piece]:
+    """The job's pieces in file order (:class:`Piece`); an unknown kind is refused at once."""
+    if job.kind in ("encode", "copy"):
+        return _encode_pieces(ctx, job)
+    if job.kind in ("mxfp4-repack", "nvfp4-repack"):
+        return _repack_pieces(ctx, job)
+    if job.kind == "nvfp4-scale":
+        return _nvfp4_scales(ctx, job)
+    raise UnsupportedError(f"unknown tensor job kind {job.kind!r}; known: {KINDS}", tensor=job.name)
 
 
 def tensor_bytes(ctx: SourceContext, job: TensorJob) -> Iterator[np.ndarray]:
     """The job's payload as ``uint8`` pieces in file order (their concatenation is the whole payload)."""
-    if job.kind in ("encode", "copy"):
-        return _encoded(ctx, job)
-    if job.kind in ("mxfp4-repack", "nvfp4-repack"):
-        return _repacked(ctx, job)
-    if job.kind == "nvfp4-scale":
-        return _nvfp4_scales(ctx, job)
-    raise UnsupportedError(f"unknown tensor job kind {job.kind!r}; known: {KINDS}", tensor=job.name)
+    return (piece.produce(None)[1].reshape(-1) for piece in pieces(ctx, job))

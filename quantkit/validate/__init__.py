@@ -9,7 +9,7 @@ check.  For a GGUF file, in order:
    given) and compared tensor by tensor, key by key, size and header bytes; the source's recorded file hashes
    (``provenance.source``);
 3. **payload** (:mod:`.payload`): every tensor, or a sample, re-encoded from the source with the converter's own
-   code (:mod:`.pieces`) and compared byte for byte, with each tensor's dequantized error against a per-type bound.
+   code (:func:`quantkit.convert.tensors.pieces`) and compared byte for byte, with each tensor's dequantized error against a per-type bound.
 
 Input that cannot be read (not GGUF, truncated, malformed header, missing source or recipe) raises a
 :class:`~quantkit.errors.QuantkitError`; everything else is a check in the report.  ``structure_only`` skips 2

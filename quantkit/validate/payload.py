@@ -3,7 +3,7 @@ and measure each tensor's dequantized error against the source.
 
 Modes:
 
-- ``full``: every piece of every tensor (:mod:`quantkit.validate.pieces`).  Tensors are taken grouped by the first
+- ``full``: every piece of every tensor (:func:`quantkit.convert.tensors.pieces`).  Tensors are taken grouped by the first
   source shard they read, and each shard is hashed just before its group, so a shard is read from disk once and
   re-read from the page cache (the artifact is read once: the bytes compared are the bytes scanned for scales).
 - ``sample``: every tensor that is neither an expert tensor nor a row table in full; for each routed-expert tensor
@@ -44,12 +44,12 @@ import numba
 import numpy as np
 
 from ..arch import CLASS_GROUPS
-from ..convert.tensors import SourceContext, TensorJob
+from ..convert.tensors import SourceContext, TensorJob, tensor_rows
 from ..formats.api import decode
 from ..formats.registry import GGMLType, layout as type_layout
 from ..io.gguf import GGUFTensor
 from ..io.gguf_reader import GGUFFile
-from .pieces import Piece, pieces
+from .pieces import chosen
 from .replan import Replan
 from .report import Check, check, skipped
 from .structure import ArtifactReader, ScaleScan, locate
@@ -247,7 +247,7 @@ def _selection(t: GGUFTensor, job: TensorJob, mode: str, seed: int) -> tuple[str
     if mode == "sample" and len(t.shape) == 3 and cls in EXPERT_CLASSES:
         return "sample", sample_experts(t.shape[0], sample_rng(seed, t.name)), None
     if mode == "sample" and cls in ROW_TABLE_CLASSES:
-        return "sample", None, sample_rows(math.prod(t.shape[:-1]), sample_rng(seed, t.name))
+        return "sample", None, sample_rows(tensor_rows(t.shape), sample_rng(seed, t.name))
     return "full", None, None
 
 
@@ -257,22 +257,16 @@ def _audit_tensor(ctx: SourceContext, job: TensorJob, t: GGUFTensor, comparer: _
     result = TensorResult(t.name, t.type.name, list(t.shape), compared, experts)
     if job.kind in _LOSSLESS_KINDS:
         result.note = "lossless: bytes compared, no error to measure"
-    parts: list[Piece] = pieces(ctx, job)
-    if rows is not None and any(p.row is None or p.rows is None for p in parts):
-        result.compared, rows = "full", None   # row positions only known after loading: compare every row
+    honoured, parts = chosen(ctx, job, experts, rows)
+    if not honoured:
+        result.compared = "full"
         result.note = "row positions known only after loading: every row compared"
     done = 0
-    for piece in parts:
-        if experts is not None and piece.matrix not in experts:
-            continue
-        if rows is not None:
-            local = rows[(rows >= piece.row) & (rows < piece.row + piece.rows)] - piece.row
-            if not local.size:
-                continue
-            x, expected = piece.produce(local)
+    for piece, local in parts:
+        x, expected = piece.produce(local)
+        if local is not None:
             comparer.compare(t, result, local + piece.row, x, expected)
             continue
-        x, expected = piece.produce(None)
         first = piece.row if piece.row is not None else done
         comparer.compare(t, result, np.arange(first, first + expected.shape[0]), x, expected)
         done = first + expected.shape[0]

@@ -35,8 +35,8 @@ from pathlib import Path
 
 from gguf.constants import GGUFValueType, Keys
 
-from ..convert.execute import ConvertRequest, Prepared, make_job, prepare
-from ..convert.provenance import merged_metadata, provenance_metadata
+from ..convert.execute import ConvertRequest, Prepared, file_layout, make_job, prepare
+from ..convert.provenance import provenance_metadata
 from ..convert.source import FileHash, ResolvedSource, hash_files, provenance_files, resolve_source
 from ..convert.tensors import TensorJob
 from ..errors import MissingSourceError, RecipeError, SourceError, UnsupportedError
@@ -250,8 +250,7 @@ def _candidate(f: GGUFFile, prepared: Prepared, resolved: ResolvedSource, recipe
     computed = {h.name: h.sha256 for h in hash_files(small)}
     notes: list[str] = []
     metadata = _expected_provenance(f, prepared, jobs, files, {**recorded_hashes, **computed}, imatrix_path, notes)
-    layout = plan_layout(merged_metadata(prepared.plan.metadata, metadata),
-                         [(j.name, j.output.shape, j.qtype) for j in jobs.values()])
+    layout = file_layout(prepared.plan, metadata, jobs.values())
     return Replan(prepared, jobs, layout, recipe_from, imatrix_path, recorded_hashes, computed, files, notes,
                   sum(p.stat().st_size for p in small))
 
