@@ -38,13 +38,14 @@ def demo(ctx, workdir, jobs):
         out.mkdir(parents=True, exist_ok=True)
         candidate, control = out / "tiny-moe-q2.gguf", out / "tiny-moe-f16.gguf"
         common = dict(source=source, allow_synthetic_imatrix=False, jobs=jobs, resume=False, force=True,
-                      label=examples.FIXTURE_LABEL, pre_tokenizer=None, report=None, progress=True)
+                      label=examples.FIXTURE_LABEL, pre_tokenizer=examples.PRE_TOKENIZER, report=None,
+                      progress=True)
 
         _step(f"plan and convert {source} with {DEMO_RECIPE} and the bundled imatrix")
         ctx.invoke(convert, out=candidate, recipe=str(examples.example_recipe(DEMO_RECIPE)),
                    imatrix=str(examples.example_imatrix()), bootstrap=False, dry_run=False, **common)
         _step("validate the artifact against its source (every payload re-encoded and compared)")
-        ctx.invoke(validate, artifact=candidate, source=None, recipe=None, imatrix=None, payload="full", seed=0,
+        ctx.invoke(validate, artifact=candidate, source=source, recipe=None, imatrix=None, payload="full", seed=0,
                    structure_only=False, json_path=None)
         _step(f"F16 control ({CONTROL_RECIPE})")
         ctx.invoke(convert, out=control, recipe=str(examples.example_recipe(CONTROL_RECIPE)), imatrix=None,
