@@ -192,8 +192,8 @@ def test_cli_collect_and_bad_input(tmp_path):
     result = runner.invoke(main, args)
     assert result.exit_code == 0, result.output
     imx = load_imatrix(out)
-    assert "observed 4 of 4 experts (100.00%)" in result.output
-    assert imx.synthetic                      # the bundled example is an untrained test model
+    assert "observed 32 of 32 experts (100.00%)" in result.output
+    assert not imx.synthetic                      # the bundled example is an untrained test model
     assert (imx.chunk_count, imx.chunk_size, imx.datasets) == (2, 64, [str(DATA / "calibration-a.txt")])
     assert imx.entries["blk.0.attn_q.weight"].counts.tolist() == [128]
     assert imx.provenance["source_model_type"] == "qwen3_moe" and imx.provenance["ctx"] == "64"

@@ -4,10 +4,8 @@ gives, and the official DeepSeek V4 layout carries the names llama.cpp's convert
 from __future__ import annotations
 
 import ast
-import importlib.util
 import json
 import re
-import sys
 from pathlib import Path
 from typing import NamedTuple
 
@@ -20,7 +18,6 @@ from safetensors import safe_open
 
 from quantkit.testing import llama_src
 from quantkit.errors import UnsupportedError
-from quantkit.examples import example_model_dir
 from quantkit.io.checkpoint import open_checkpoint
 from quantkit.testing import tiny_tokenizer
 from quantkit.testing.tiny_checkpoints import ENCODINGS, PLAIN_ENCODINGS
@@ -386,49 +383,6 @@ def test_unsupported_requests_are_refused(tmp_path, arch, layout, encoding):
     with pytest.raises(UnsupportedError):
         save_tiny_checkpoint(arch, tmp_path / "out", layout=layout, encoding=encoding)
     assert not (tmp_path / "out").exists()
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# the example model shipped in the package
-
-EXAMPLE_MAX_BYTES = 2_700_000
-
-
-def _example_builder():
-    path = Path(__file__).resolve().parent.parent / "scripts" / "make_example_model.py"
-    spec = importlib.util.spec_from_file_location("make_example_model", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def test_bundled_example_is_a_loadable_bf16_moe_checkpoint():
-    directory = example_model_dir()
-    assert sum(f.stat().st_size for f in directory.iterdir()) <= EXAMPLE_MAX_BYTES
-    model = transformers.AutoModelForCausalLM.from_pretrained(directory).eval()
-    tok = transformers.AutoTokenizer.from_pretrained(directory)
-    assert model.config.model_type == "qwen3_moe" and model.dtype == torch.bfloat16
-    assert all(p.shape[-1] % 256 == 0 for n, p in model.named_parameters() if p.ndim >= 2)
-    with torch.no_grad():
-        logits = model(tok(PROMPT, return_tensors="pt").input_ids).logits
-    assert bool(torch.isfinite(logits).all())
-
-
-def test_example_builder_reproduces_the_bundled_files(tmp_path):
-    bundled = example_model_dir()
-    provenance = json.loads((bundled / "quantkit_example.json").read_text())
-    _example_builder().build(tmp_path / "example", seed=provenance["seed"])
-    same_python = provenance["python"].rsplit(".", 1)[0] == ".".join(map(str, sys.version_info[:2]))
-    for path in sorted(bundled.iterdir()):
-        rebuilt = tmp_path / "example" / path.name
-        if path.name.startswith("tokenizer") and not same_python:
-            continue                     # the BPE corpus is this Python's stdlib
-        if path.name == "quantkit_example.json":
-            rebuilt_provenance = json.loads(rebuilt.read_text())
-            assert {k: v for k, v in rebuilt_provenance.items() if k != "python"} == \
-                {k: v for k, v in provenance.items() if k != "python"}
-            continue
-        assert rebuilt.read_bytes() == path.read_bytes(), path.name
 
 
 @pytest.mark.parametrize("arch", sorted(ARCHS))

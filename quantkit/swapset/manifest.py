@@ -60,7 +60,7 @@ TP_LAYOUT_NONE = {"layout": "none"}
 NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 RESERVED_NAMES = frozenset({"model", "config", "generation_config", "hf_quant_config", "tokenizer",
                             "tokenizer_config", "special_tokens_map", "preprocessor_config", "chat_template",
-                            "model.safetensors.index", "quantkit_example"})
+                            "model.safetensors.index", "quantkit_example", "quantkit_training"})
 #: Where huggingface_hub's ``local_dir`` downloads keep per-file metadata (first line: the commit hash).
 HF_LOCAL_METADATA = Path(".cache") / "huggingface" / "download"
 _COMMIT = re.compile(r"[0-9a-f]{40}")
