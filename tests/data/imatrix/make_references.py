@@ -87,4 +87,6 @@ def main(binary: str, src: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2] if len(sys.argv) > 2 else "/work/ref/llama_cpp_python-0.3.36/vendor/llama.cpp")
+    from quantkit.testing import llama_src
+
+    main(sys.argv[1], sys.argv[2] if len(sys.argv) > 2 else str(llama_src.fetch()))
