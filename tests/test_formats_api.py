@@ -75,3 +75,15 @@ def test_q8_0_round_trip_shape():
     x = np.random.default_rng(0).standard_normal((3, 64)).astype(np.float32)
     y = quantkit.decode(quantkit.encode(x, "Q8_0"), "Q8_0", x.shape)
     assert y.shape == x.shape and np.abs(y - x).max() < np.abs(x).max() / 100
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf, np.float32(np.nan) * -1])
+def test_nonfinite_row_check_finds_the_first_bad_row(bad):
+    from quantkit.kernels.checks import first_nonfinite_row
+
+    x = np.full((300, 96), np.finfo(np.float32).max, np.float32)   # largest finite values are not flagged
+    x[:, 1::2] *= -1
+    assert first_nonfinite_row(x) == -1
+    x[211, 95] = bad
+    x[250, 0] = bad
+    assert first_nonfinite_row(x) == 211
