@@ -39,31 +39,10 @@ from quantkit.io.gguf_reader import GGUFFile
 from quantkit.io.safetensors import SafetensorsFile, write_safetensors
 from quantkit.recipes import load_recipe
 from quantkit.testing import ggml_ref
+from quantkit.testing.recipe_texts import PRE_TOKENIZER as PRE, Q2_RECIPE, SOURCE_RECIPE
 from quantkit.testing.tiny_models import TinyCheckpointCache
 
-PRE = "qwen2"   # the tiny Qwen tokenizer's llama.cpp pre-tokenizer (its hash is unknown to llama.cpp)
 RECIPE = "q4_k_m-control"
-#: Routed experts IQ2_XXS / Q2_K: slow enough that a run can be interrupted between tensors.
-Q2_RECIPE = """name = "q2-test"
-architectures = ["qwen3_moe"]
-[defaults]
-type = "Q8_0"
-[[rule]]
-class = "routed_experts"
-type = "IQ2_XXS"
-[[rule]]
-class = "routed_down"
-type = "Q2_K"
-"""
-#: Keeps every source encoding GGUF can hold losslessly (MXFP4/NVFP4 repacks, float copies).
-SOURCE_RECIPE = """name = "source-test"
-architectures = ["qwen3_moe", "deepseek_v4"]
-[defaults]
-type = "Q8_0"
-[[rule]]
-class = "routed_experts"
-type = "source"
-"""
 
 
 @pytest.fixture(scope="module")

@@ -27,30 +27,11 @@ from quantkit.io.atomic import sha256_file
 from quantkit.io.gguf_reader import GGUFFile
 from quantkit.validate.payload import RANDOM_ROWS, sample_experts, sample_rng, sample_rows
 from quantkit.convert.tensors import pieces, tensor_rows
+from quantkit.testing.recipe_texts import PRE_TOKENIZER as PRE, Q2_RECIPE, SOURCE_RECIPE
 from quantkit.validate.structure import header_length
 
 ARCHS = ("qwen3_moe", "deepseek_v3", "deepseek_v4", "glm5_next", "qwen4_exp")
-PRE = "qwen2"   # the tiny tokenizers hash to nothing llama.cpp knows: name a pre-tokenizer
 RECIPE = "q4_k_m-control"
-Q2_RECIPE = """name = "q2-test"
-architectures = ["qwen3_moe"]
-[defaults]
-type = "Q8_0"
-[[rule]]
-class = "routed_experts"
-type = "IQ2_XXS"
-[[rule]]
-class = "routed_down"
-type = "Q2_K"
-"""
-SOURCE_RECIPE = """name = "source-test"
-architectures = ["qwen3_moe", "deepseek_v4"]
-[defaults]
-type = "Q8_0"
-[[rule]]
-class = "routed_experts"
-type = "source"
-"""
 
 
 def convert(src: Path, out: Path, recipe: str = RECIPE, *extra: str) -> Path:

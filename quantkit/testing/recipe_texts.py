@@ -1,0 +1,25 @@
+"""Small recipes and settings the convert and validate tests share."""
+
+#: The tiny tokenizers hash to nothing llama.cpp knows: name a pre-tokenizer.
+PRE_TOKENIZER = "qwen2"
+#: Routed experts IQ2_XXS / Q2_K: slow enough that a run can be interrupted between tensors.
+Q2_RECIPE = """name = "q2-test"
+architectures = ["qwen3_moe"]
+[defaults]
+type = "Q8_0"
+[[rule]]
+class = "routed_experts"
+type = "IQ2_XXS"
+[[rule]]
+class = "routed_down"
+type = "Q2_K"
+"""
+#: Keeps every source encoding GGUF can hold losslessly (MXFP4/NVFP4 repacks, float copies).
+SOURCE_RECIPE = """name = "source-test"
+architectures = ["qwen3_moe", "deepseek_v4"]
+[defaults]
+type = "Q8_0"
+[[rule]]
+class = "routed_experts"
+type = "source"
+"""
