@@ -624,6 +624,22 @@ def expert_rules(prefix: str, gate: str = "gate_proj", up: str = "up_proj", down
     return tuple(out)
 
 
+def mla_rules(prefix: str) -> tuple[Rule, ...]:
+    """Multi-head latent attention under ``prefix`` (DeepSeek V3 and GLM-5): low-rank q and kv projections, their
+    norms, ``kv_b`` split into llama.cpp's ``attn_k_b``/``attn_v_b``, and the output projection."""
+    return (
+        rule(f"{prefix}.q_a_proj.weight", "blk.{layer}.attn_q_a.weight", "attn_q"),
+        rule(f"{prefix}.q_a_layernorm.weight", "blk.{layer}.attn_q_a_norm.weight", "norm"),
+        rule(f"{prefix}.q_b_proj.weight", "blk.{layer}.attn_q_b.weight", "attn_q"),
+        rule(f"{prefix}.kv_a_proj_with_mqa.weight", "blk.{layer}.attn_kv_a_mqa.weight", "attn_kv"),
+        rule(f"{prefix}.kv_a_layernorm.weight", "blk.{layer}.attn_kv_a_norm.weight", "norm"),
+        split(f"{prefix}.kv_b_proj.weight",
+              Target("blk.{layer}.attn_k_b.weight", "attn_kv", ("kv_b_k",)),
+              Target("blk.{layer}.attn_v_b.weight", "attn_kv", ("kv_b_v",))),
+        rule(f"{prefix}.o_proj.weight", "blk.{layer}.attn_output.weight", "attn_output"),
+    )
+
+
 def tied(hp: Hparams, groups: Mapping[str, int]) -> bool:
     """Condition: the output head is tied to the token embedding."""
     return bool(hp.get("tie_word_embeddings", False))

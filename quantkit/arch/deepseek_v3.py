@@ -19,8 +19,8 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from .base import (Arch, Hparams, MetadataBuilder, MetadataInputs, Target, drop, expert_rules, mtp_layer,
-                   rope_parameters, rule, split, text_hparams, text_model_metadata, tied)
+from .base import (Arch, Hparams, MetadataBuilder, MetadataInputs, drop, expert_rules, mla_rules, mtp_layer,
+                   rope_parameters, rule, text_hparams, text_model_metadata, tied)
 
 # transformers' DeepseekV3Config field defaults (those the conversion reads)
 DEFAULTS: Mapping[str, Any] = {
@@ -44,15 +44,7 @@ RULES = (
     rule(f"{L}.input_layernorm.weight", "blk.{layer}.attn_norm.weight", "norm"),
     rule(f"{L}.post_attention_layernorm.weight", "blk.{layer}.ffn_norm.weight", "norm"),
     rule(f"{L}.self_attn.q_proj.weight", "blk.{layer}.attn_q.weight", "attn_q"),
-    rule(f"{L}.self_attn.q_a_proj.weight", "blk.{layer}.attn_q_a.weight", "attn_q"),
-    rule(f"{L}.self_attn.q_a_layernorm.weight", "blk.{layer}.attn_q_a_norm.weight", "norm"),
-    rule(f"{L}.self_attn.q_b_proj.weight", "blk.{layer}.attn_q_b.weight", "attn_q"),
-    rule(f"{L}.self_attn.kv_a_proj_with_mqa.weight", "blk.{layer}.attn_kv_a_mqa.weight", "attn_kv"),
-    rule(f"{L}.self_attn.kv_a_layernorm.weight", "blk.{layer}.attn_kv_a_norm.weight", "norm"),
-    split(f"{L}.self_attn.kv_b_proj.weight",
-          Target("blk.{layer}.attn_k_b.weight", "attn_kv", ("kv_b_k",)),
-          Target("blk.{layer}.attn_v_b.weight", "attn_kv", ("kv_b_v",))),
-    rule(f"{L}.self_attn.o_proj.weight", "blk.{layer}.attn_output.weight", "attn_output"),
+    *mla_rules(f"{L}.self_attn"),
     rule(f"{L}.mlp.gate_proj.weight", "blk.{layer}.ffn_gate.weight", "dense_ffn"),
     rule(f"{L}.mlp.up_proj.weight", "blk.{layer}.ffn_up.weight", "dense_ffn"),
     rule(f"{L}.mlp.down_proj.weight", "blk.{layer}.ffn_down.weight", "dense_ffn"),

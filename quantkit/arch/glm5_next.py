@@ -24,7 +24,7 @@ from typing import Any, Mapping
 from gguf.constants import GGUFValueType
 
 from ..errors import SourceError
-from .base import (Arch, Hparams, MetadataBuilder, MetadataInputs, Target, drop, expert_rules, mtp_layer, require,
+from .base import (Arch, Hparams, MetadataBuilder, MetadataInputs, Target, drop, expert_rules, mla_rules, mtp_layer, require,
                    rope_parameters, rule, split, text_hparams, text_model_metadata, tied)
 
 # transformers' Glm5NextTextConfig field defaults (those the conversion reads)
@@ -94,15 +94,7 @@ RULES = (
     *(rule(f"{A}.{pre}dt_bias", "blk.{layer}.ssm_dt.bias", "ssm_param") for pre in ("", "forget_gate.")),
     rule(f"{A}.o_norm.weight", "blk.{layer}.ssm_norm.weight", "norm"),
     # NoPE MLA with the DSA indexer
-    rule(f"{A}.q_a_proj.weight", "blk.{layer}.attn_q_a.weight", "attn_q"),
-    rule(f"{A}.q_a_layernorm.weight", "blk.{layer}.attn_q_a_norm.weight", "norm"),
-    rule(f"{A}.q_b_proj.weight", "blk.{layer}.attn_q_b.weight", "attn_q"),
-    rule(f"{A}.kv_a_proj_with_mqa.weight", "blk.{layer}.attn_kv_a_mqa.weight", "attn_kv"),
-    rule(f"{A}.kv_a_layernorm.weight", "blk.{layer}.attn_kv_a_norm.weight", "norm"),
-    split(f"{A}.kv_b_proj.weight",
-          Target("blk.{layer}.attn_k_b.weight", "attn_kv", ("kv_b_k",)),
-          Target("blk.{layer}.attn_v_b.weight", "attn_kv", ("kv_b_v",))),
-    rule(f"{A}.o_proj.weight", "blk.{layer}.attn_output.weight", "attn_output"),
+    *mla_rules(f"{A}"),
     rule(f"{A}.indexer.wq_b.weight", "blk.{layer}.indexer.attn_q_b.weight", "indexer"),
     rule(f"{A}.indexer.wk.weight", "blk.{layer}.indexer.attn_k.weight", "indexer"),
     rule(f"{A}.indexer.k_norm.weight", "blk.{layer}.indexer.k_norm.weight", "norm"),
