@@ -47,7 +47,7 @@ from ..errors import MissingSourceError, OutputExistsError, QuantkitError
 from ..imatrix import Imatrix
 from ..io.checkpoint import open_checkpoint
 from ..io.gguf import KV
-from ..io.gguf_writer import PARTIAL_SUFFIX, GGUFWriter, Layout, _pwrite_all, plan_layout
+from ..io.gguf_writer import PARTIAL_SUFFIX, GGUFWriter, Layout, pwrite_all, plan_layout
 from ..recipes import Recipe, load_recipe
 from .consistency import check_config_against_tensors
 from .journal import Journal, journal_path, read_journal
@@ -228,7 +228,7 @@ def _order(jobs: dict[str, TensorJob], names) -> list[str]:
 def _write_header(partial: Path, header: bytes) -> None:
     fd = os.open(partial, os.O_RDWR)
     try:
-        _pwrite_all(fd, header, 0)
+        pwrite_all(fd, header, 0)
     finally:
         os.close(fd)
 

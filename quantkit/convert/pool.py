@@ -30,7 +30,7 @@ from multiprocessing.connection import wait
 from typing import Iterable, Iterator
 
 from ..errors import FormatError, QuantkitError
-from ..io.gguf_writer import _pwrite_all
+from ..io.gguf_writer import pwrite_all
 from .tensors import SourceContext, TensorJob, tensor_bytes
 
 #: Seconds to wait for workers to exit after they were told to stop, before terminating them.
@@ -83,7 +83,7 @@ class TensorWriter:
             for piece in tensor_bytes(self.context, job):
                 if written + piece.nbytes > job.nbytes:
                     raise FormatError(f"produced more than the {job.nbytes} bytes planned", tensor=name)
-                _pwrite_all(self._fd, piece, offset + written)
+                pwrite_all(self._fd, piece, offset + written)
                 digest.update(piece)
                 written += piece.nbytes
         finally:

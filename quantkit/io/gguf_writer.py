@@ -264,7 +264,8 @@ class WriterState(enum.Enum):
     CLOSED = "closed unfinished"
 
 
-def _pwrite_all(fd: int, buf, offset: int) -> None:
+def pwrite_all(fd: int, buf, offset: int) -> None:
+    """Write all of ``buf`` at ``offset`` of ``fd`` (the converter's workers write payloads in place this way)."""
     view = memoryview(buf).cast("B")
     done = 0
     while done < len(view):  # pwrite may write less than asked (Linux caps one call near 2 GiB)
@@ -336,7 +337,7 @@ class GGUFWriter:
         except FileExistsError:
             raise OutputExistsError("an unfinished partial output exists; resume it (GGUFWriter.resume) or pass "
                                     "overwrite=True to start over", path=self.partial) from None
-        _pwrite_all(self._fd, self.layout.header, 0)
+        pwrite_all(self._fd, self.layout.header, 0)
         os.ftruncate(self._fd, self.layout.file_size)
         self.state = WriterState.HEADER
 
@@ -395,7 +396,7 @@ class GGUFWriter:
             self._in_flight.add(name)
         try:
             view = _payload_view(data, t)
-            _pwrite_all(self._fd, view, self.layout.data_offset + t.offset)
+            pwrite_all(self._fd, view, self.layout.data_offset + t.offset)
             digest = hashlib.sha256(view).hexdigest()
         finally:
             with self._lock:
