@@ -1,5 +1,6 @@
 """Fixtures: directory layout and strict reading, ds4 directories as they are, import, atomic writing, token bytes,
-capture rules, and the capture -> score round trip on a tiny transformers model and through the CLI."""
+capture rules, the runtime's cached greedy generation against its uncached path on every architecture, and the
+capture -> score round trip on a tiny transformers model, through the runtime and through the CLI."""
 from __future__ import annotations
 
 import copy
@@ -18,7 +19,7 @@ from quantkit.fixtures.directory import (Alternative, Case, Position, import_fix
                                          write_fixture)
 from quantkit.fixtures.tokens import Rendering, TextCodec
 from quantkit.scoring.score import score_fixture
-from quantkit.scoring.source import ModelIdentity, TransformersSource
+from quantkit.scoring.source import GeneratingSource, ModelIdentity, TransformersSource
 from quantkit.scoring.table import read_table
 
 SOURCE = ModelIdentity(source="a" * 64, tokenizer="b" * 64)
@@ -395,3 +396,145 @@ def test_import_refuses_a_label_the_source_contradicts(tmp_path):
     with pytest.raises(FixtureError, match="--label '0731' differs from the source's own checkpoint label '0800'"):
         import_fixture(tmp_path / "fx", tmp_path / "out", label="0731", source=ModelIdentity(label="0800"))
     assert not (tmp_path / "out").exists()
+
+
+# -- greedy generation: the runtime's KV cache against its uncached path --------------------------------------------
+
+#: Prompt length and new tokens: the decode steps cross 128 tokens (DeepSeek V4's heavily compressed layer emits
+#: its first entry) after passing the sliding window (32) and every indexer's budget (qwen4_exp 16, glm5_next 32,
+#: deepseek_v4 8 x 4), so every cached state of every architecture is used.
+GREEDY_PROMPT, GREEDY_NEW = 122, 10
+
+
+def _greedy_prompt(n=GREEDY_PROMPT):
+    return [int(t) for t in np.random.default_rng(7).integers(0, 480, n)]
+
+
+@pytest.mark.parametrize("arch", ["deepseek_v3", "deepseek_v4", "glm5_next", "qwen3_moe", "qwen4_exp"])
+def test_cached_greedy_matches_uncached(tiny_checkpoints, arch):
+    from quantkit.runtime import greedy, load_model
+
+    model = load_model(tiny_checkpoints.get(arch, "per-expert", "f32"))
+    try:
+        prompt = _greedy_prompt()
+        cached = greedy(model, prompt, GREEDY_NEW)
+        uncached = greedy(model, prompt, GREEDY_NEW, use_cache=False)
+    finally:
+        model.close()
+    assert cached.tokens == uncached.tokens and len(cached.tokens) == GREEDY_NEW
+    assert cached.logits.shape == uncached.logits.shape == (GREEDY_NEW, model.vocab_size)
+    diff = float(np.abs(cached.logits - uncached.logits).max())
+    assert diff <= 1e-4 * float(np.abs(uncached.logits).max()), diff
+
+
+@pytest.fixture(scope="module")
+def qwen_runtime(tiny_checkpoints):
+    from quantkit.runtime import load_model
+
+    model = load_model(tiny_checkpoints.get("qwen3_moe", "per-expert", "f32"))
+    yield model
+    model.close()
+
+
+def test_greedy_stops_before_a_refused_token(qwen_runtime):
+    from quantkit.runtime import greedy
+
+    prompt = _greedy_prompt(12)
+    free = greedy(qwen_runtime, prompt, 4)
+    for use_cache in (True, False):
+        stopped = greedy(qwen_runtime, prompt, 4, stop=lambda t: t == free.tokens[2], use_cache=use_cache)
+        assert stopped.tokens == free.tokens[:2] and len(stopped.logits) == 3     # the refusing row is kept
+        assert int(np.argmax(stopped.logits[2])) == free.tokens[2]
+
+
+def test_greedy_refuses_bad_input(qwen_runtime):
+    from quantkit.runtime import greedy
+
+    for use_cache in (True, False):
+        with pytest.raises(FixtureError, match="token id 512 at position 1 is outside the vocabulary"):
+            greedy(qwen_runtime, [3, qwen_runtime.vocab_size], 2, use_cache=use_cache)
+    with pytest.raises(FixtureError, match="max_new_tokens must be >= 1"):
+        greedy(qwen_runtime, [3], 0)
+
+
+def test_greedy_raises_on_non_finite_logits(qwen_runtime):
+    """NaN from the final norm: on every pass the error names the module (the uncached re-run finds it); on the
+    one-token passes only, the error says the cached pass alone was not finite."""
+    from quantkit.errors import ValidationError
+    from quantkit.runtime import greedy
+
+    prompt = _greedy_prompt(6)
+    for when, message in ((lambda n: True, "non-finite logits at position 0; first non-finite output: module "
+                                           "'model.norm'"),
+                          (lambda n: n == 1, "non-finite logits at position 6 of the cached pass, where the "
+                                             "uncached pass over the same tokens is finite")):
+        def poison(module, args, output, when=when):
+            return output * float("nan") if when(output.shape[1]) else output
+
+        handle = qwen_runtime.module.model.norm.register_forward_hook(poison)
+        try:
+            with pytest.raises(ValidationError, match=message):
+                greedy(qwen_runtime, prompt, 3)
+        finally:
+            handle.remove()
+
+
+class GeneratingChain(ChainSource):
+    """A :class:`ChainSource` with its own ``generate`` (recording its calls)."""
+
+    def __init__(self, follow, **kw):
+        super().__init__(follow, **kw)
+        self.calls = []
+
+    def generate(self, prompt_ids, max_new_tokens, stop):
+        self.calls.append((list(prompt_ids), max_new_tokens))
+        ids = list(prompt_ids)
+        while len(ids) - len(prompt_ids) < max_new_tokens and not stop(self.follow.get(ids[-1], 10)):
+            ids.append(self.follow.get(ids[-1], 10))
+        return ids[len(prompt_ids):]
+
+
+def test_capture_generates_through_the_source_when_it_can(tmp_path, codec):
+    a, b, z = (codec.encode_text(c)[0] for c in "xyz")
+    prompt = codec.encode_text("hello")
+    kw = dict(prompt_len=len(prompt), late_token=z)
+    plain, generating = ChainSource({prompt[-1]: a, a: b, b: a}, **kw), GeneratingChain({prompt[-1]: a, a: b, b: a},
+                                                                                           **kw)
+    assert isinstance(generating, GeneratingSource) and not isinstance(plain, GeneratingSource)
+    fixtures = [capture_fixture(s, codec, [("case_a", "hello")], tmp_path / name, label="l", tokens=4,
+                                top_logprobs=2, rendering=Rendering("raw"))
+                for name, s in (("plain", plain), ("generating", generating))]
+    assert generating.calls == [(prompt, 4)]
+    assert fixtures[0].cases == fixtures[1].cases and fixtures[1].cases[0].continuation == "x"   # still re-cut
+
+
+class LogitsOnly:
+    """A source's ``logits`` and ``identity`` without its ``generate``: capture's uncached path."""
+
+    def __init__(self, source):
+        self.logits, self.identity = source.logits, source.identity
+
+
+def test_runtime_capture_generates_with_the_cache(tmp_path, text_model, monkeypatch):
+    """Capture through the runtime (as ``quantkit fixture capture`` runs it) generates with the KV cache and gives
+    the fixture its uncached path gives."""
+    from quantkit.runtime import generate
+    from quantkit.scoring.loading import describe_model, load_source
+
+    _, _, folder = text_model
+    codec, identity = describe_model(folder)
+    source = load_source(identity)
+    cached_calls = []
+    original = generate._cached_steps
+    monkeypatch.setattr(generate, "_cached_steps", lambda *a: cached_calls.append(a) or original(*a))
+    prompts = [(f"case_{i}", p) for i, p in enumerate(PROMPTS)]
+    try:
+        assert isinstance(source, GeneratingSource)
+        fixtures = [capture_fixture(s, codec, prompts, tmp_path / name, label="0731", tokens=6, top_logprobs=4,
+                                    rendering=Rendering("raw"))
+                    for name, s in (("cached", source), ("uncached", LogitsOnly(source)))]
+    finally:
+        source.close()
+    assert len(cached_calls) == len(PROMPTS)
+    assert fixtures[0].cases == fixtures[1].cases and fixtures[0].content_sha256 == fixtures[1].content_sha256
+    assert all(len(c.response) >= 1 for c in fixtures[0].cases)

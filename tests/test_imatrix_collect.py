@@ -1,7 +1,9 @@
 """Collecting an imatrix with transformers: agreement with llama.cpp's llama-imatrix on the same F32 model and text
 (committed reference files, see tests/data/imatrix/README.md), every architecture's statistics checked against
-module hooks and the GGUF shapes, --all-experts, the command with resume and bad input, and what it is for:
-IQ2_XXS with the collected importance beats the weight-energy bootstrap on imatrix-weighted error."""
+module hooks and the GGUF shapes, --all-experts, the runtime's packed model (the one the command runs, streamed
+from the checkpoint under a memory budget) giving transformers' statistics bit for bit, the command with resume
+and bad input, and what it is for: IQ2_XXS with the collected importance beats the weight-energy bootstrap on
+imatrix-weighted error."""
 from __future__ import annotations
 
 import importlib.util
@@ -21,6 +23,8 @@ from quantkit.imatrix import bootstrap_importance, load_imatrix, make_imatrix
 from quantkit.imatrix.collect import (RESUME_SUFFIX, CollectOptions, Collector, calibration_chunks, chunk_tokens,
                                       collect_imatrix)
 from quantkit.imatrix.names import expected_entries
+from quantkit.runtime import load_model
+from quantkit.runtime.weights import CheckpointWeights
 from quantkit.testing.tiny_models import build_tiny_model, get_arch as tiny_arch
 
 DATA = Path(__file__).parent / "data" / "imatrix"
@@ -182,16 +186,69 @@ def test_all_experts_keeps_the_output_and_observes_every_expert():
             assert np.array_equal(imx.entries[name].in_sum2, routed.entries[name].in_sum2), name
 
 
+# -- through the runtime: packed weights streamed from the checkpoint ----------------------------------------------
+
+@pytest.mark.parametrize("arch,all_experts", [("qwen3_moe", False), ("deepseek_v3", True), ("deepseek_v4", False),
+                                              ("glm5_next", False), ("qwen4_exp", False)])
+def test_runtime_model_collects_what_transformers_model_does(tiny_checkpoints, arch, all_experts):
+    """The runtime's model (packed weights, recognized by identity, experts by ``weight[e]``) gives bit for bit the
+    statistics of transformers' own model with the same float32 weights, with an unlimited cache and with none
+    (every weight assembled from the checkpoint at each use)."""
+    model, _, amap = tiny(arch)
+    chunk = torch.randint(0, 500, (64,), generator=torch.Generator().manual_seed(3)).tolist()
+    path = tiny_checkpoints.get(arch, "per-expert", "f32")
+    results = {}
+    for budget in (None, 0):
+        runtime = load_model(path, cache_bytes=budget)
+        try:
+            results[budget] = collect(runtime.module, amap, [chunk], all_experts=all_experts)
+            assert runtime.store.weights.cache.peak_bytes <= (budget if budget is not None else float("inf"))
+        finally:
+            runtime.close()
+    expected = collect(model, amap, [chunk], all_experts=all_experts)
+    for budget, imx in results.items():
+        assert sorted(imx.entries) == sorted(expected.entries), budget
+        for name, e in expected.entries.items():
+            assert np.array_equal(imx.entries[name].counts, e.counts), (budget, name)
+            assert np.array_equal(imx.entries[name].in_sum2, e.in_sum2), (budget, name)
+
+
+def test_collect_with_a_tiny_budget_streams_and_gives_the_same_imatrix(tmp_path, monkeypatch):
+    """``max_memory`` smaller than one layer: every layer streams from the checkpoint, the cache never holds more
+    than the budget, and the imatrix is the unlimited one bit for bit."""
+    peaks = []
+    close = CheckpointWeights.close
+
+    def closing(self):
+        peaks.append((self.cache.budget, self.cache.peak_bytes, self.cache.misses))
+        close(self)
+
+    monkeypatch.setattr(CheckpointWeights, "close", closing)
+    opts = dict(ctx=64, chunks=2, progress=False)
+    text = DATA / "calibration-a.txt"
+    layer = 3 * 1024 * 1024      # the example's stacked experts of one layer take more than this
+    runs = {budget: collect_imatrix(example_model_dir(), text, tmp_path / f"{budget}.gguf",
+                                    CollectOptions(**opts, max_memory=budget)) for budget in (None, layer // 4, 0)}
+    assert peaks[1][1] <= layer // 4 and peaks[2][1] == 0
+    assert peaks[0][2] < peaks[1][2] <= peaks[2][2]         # fewer assemblies the more is kept
+    for budget in (layer // 4, 0):
+        for name, e in runs[None].entries.items():
+            assert np.array_equal(runs[budget].entries[name].counts, e.counts), name
+            assert np.array_equal(runs[budget].entries[name].in_sum2, e.in_sum2), name
+
+
 # -- the command --------------------------------------------------------------------------------------------------
 
 def test_cli_collect_and_bad_input(tmp_path):
     runner = CliRunner()
     out = tmp_path / "out.gguf"
     args = ["imatrix", "collect", str(example_model_dir()), "--text", str(DATA / "calibration-a.txt"), "--ctx", "64",
-            "--chunks", "2", "--no-progress", "-o", str(out)]
+            "--chunks", "2", "--max-memory", "1M", "--no-progress", "-o", str(out)]
     result = runner.invoke(main, args)
     assert result.exit_code == 0, result.output
     imx = load_imatrix(out)
+    bad_size = runner.invoke(main, [*args[:-1], str(tmp_path / "size.gguf"), "--max-memory", "lots"])
+    assert bad_size.exit_code == 2 and "'lots' is not a size" in bad_size.output
     assert "observed 32 of 32 experts (100.00%)" in result.output
     assert not imx.synthetic                      # the bundled example is an untrained test model
     assert (imx.chunk_count, imx.chunk_size, imx.datasets) == (2, 64, [str(DATA / "calibration-a.txt")])

@@ -81,6 +81,22 @@ def test_families_of_tiny_glm5(model):
     assert out.exit_code == 0 and "inproj" in out.output and "(opt-in)" in out.output
 
 
+def test_fused_expert_stacks_without_a_weight_suffix_are_experts(model):
+    """transformers' fused layout stores routed experts as [E, out, in] stacks under the module's own name
+    (``mlp.experts.gate_up_proj``, no ``.weight``): the experts family selects them; nothing else changes."""
+    d = model("qwen3_moe", layout="fused")
+    assert {r["family"]: r["tensors"] for r in list_families(d)} == {"attn": 8, "experts": 4, "lmhead": 1}
+    result = build_swapset(SwapsetRequest(d, families=("experts",), fmt="fp8-block128"))
+    stacks = [f"model.layers.{i}.mlp.experts.{p}" for i in (0, 1) for p in ("down_proj", "gate_up_proj")]
+    assert [m["module"] for m in result.manifest["modules"]] == stacks
+    assert all(list(m["replaces"]) == [m["module"]] for m in result.manifest["modules"])
+    shapes = {t["name"]: t["shape"] for t in result.manifest["tensors"]}
+    assert shapes["model.layers.0.mlp.experts.gate_up_proj.weight"] == [8, 512, 256]
+    assert shapes["model.layers.0.mlp.experts.gate_up_proj.weight_scale_inv"] == [8, 4, 2]
+    assert validate_sidecar(result.manifest_path).ok
+    assert set(apply_sidecars(d, [result.plan.name])) == set(stacks)
+
+
 def test_scopes_keep_mtp_and_main_apart():
     mla = FAMILIES["glm5_next"]["mla"]
     mtp = FAMILIES["glm5_next"]["mtp"]

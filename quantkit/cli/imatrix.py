@@ -7,6 +7,27 @@ import json
 import click
 
 FORMAT_CHOICE = click.Choice(["gguf", "dat"])
+#: Suffixes of a --max-memory size (binary: 8G is 8 GiB).
+SIZE_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
+
+class ByteSize(click.ParamType):
+    """A size in bytes: a number with an optional K, M, G or T suffix (powers of 1024), e.g. ``8G``, ``512M``."""
+
+    name = "size"
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, int):
+            return value
+        text = str(value).strip().upper().removesuffix("IB").removesuffix("B")
+        unit = text[-1:] if text[-1:] in SIZE_UNITS else ""
+        try:
+            number = float(text[:len(text) - len(unit)])
+        except ValueError:
+            number = -1.0
+        if not 0 <= number < float("inf"):
+            self.fail(f"{value!r} is not a size (a number with an optional K, M, G or T suffix, e.g. 8G)", param, ctx)
+        return int(number * SIZE_UNITS[unit])
 
 
 @click.group("imatrix")
@@ -118,17 +139,21 @@ def _arch_map(config_path):
 @click.option("--device", default="cpu", show_default=True, help="torch device (cpu, cuda, cuda:1, ...)")
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default="float32",
               show_default=True, help="dtype the model runs in")
+@click.option("--max-memory", type=ByteSize(), default=None,
+              help="memory for the model's assembled weights (e.g. 8G; 0: none kept, each is read per use); a "
+                   "larger model streams from the checkpoint (default: half the available memory)")
 @click.option("--save-every", default=10, show_default=True, help="write the resume state every N chunks")
 @click.option("--restart", is_flag=True, help="ignore a resume state left by an interrupted run")
 @click.option("--force", is_flag=True, help="overwrite the output")
 @click.option("--no-progress", is_flag=True, help="no progress bar")
-def collect(source, text, output, ctx, chunks, all_experts, process_output, synthetic, device, dtype, save_every,
-            restart, force, no_progress):
+def collect(source, text, output, ctx, chunks, all_experts, process_output, synthetic, device, dtype, max_memory,
+            save_every, restart, force, no_progress):
     """Run SOURCE (a Hugging Face checkpoint) over the text and collect its imatrix, like llama-imatrix."""
     from ..imatrix.collect import CollectOptions, collect_imatrix
 
     opts = CollectOptions(ctx=ctx, chunks=chunks, all_experts=all_experts, process_output=process_output,
-                          synthetic=synthetic, device=device, dtype=dtype, save_every=save_every, restart=restart,
+                          synthetic=synthetic, device=device, dtype=dtype, max_memory=max_memory,
+                          save_every=save_every, restart=restart,
                           overwrite=force, progress=not no_progress)
     imx = collect_imatrix(source, text, output, opts)
     click.echo(f"wrote {output}: {len(imx.entries)} entries, {imx.chunk_count} chunks of {ctx} tokens, "

@@ -65,7 +65,8 @@ def fixture():
 @click.option("--force", is_flag=True, help="replace an existing output directory")
 def capture(source, prompts, tokens, top_logprobs, label, out, rendering, chat_template_kwargs, device, tokenizer,
             force):
-    """Capture a fixture from SOURCE (safetensors checkpoint or GGUF): greedy continuations and top logprobs."""
+    """Capture a fixture from SOURCE (safetensors checkpoint or GGUF): greedy continuations (the runtime with a KV
+    cache) and top logprobs."""
     from ..fixtures.capture import capture_fixture, read_prompts
     from ..fixtures.directory import check_label
     from ..scoring.loading import describe_model, load_source
@@ -140,16 +141,24 @@ def check(path):
 @click.option("--save-logits", type=click.Path(dir_okay=False, path_type=Path),
               help="write this model's logits over the fixture tokens in llama-perplexity's format")
 @click.option("--tokenizer", type=click.Path(exists=True), help="tokenizer directory (default: the model's)")
-def score(model, fixture_dir, out, ctx, device, allow_cross_checkpoint, kld_base, save_logits, tokenizer):
+@click.option("--sidecar", "sidecars", multiple=True,
+              help="apply this sidecar beside the checkpoint directory MODEL (repeatable; recorded in the table)")
+def score(model, fixture_dir, out, ctx, device, allow_cross_checkpoint, kld_base, save_logits, tokenizer, sidecars):
     """Score MODEL (GGUF or checkpoint) on FIXTURE; write the per-case table OUT.tsv."""
     from ..fixtures.directory import read_fixture
-    from ..scoring.loading import describe_model, load_source
+    from ..scoring.loading import describe_model, load_source, open_sidecars
     from ..scoring.score import plan_scoring, run_scoring
 
+    replace, applied = None, []
+    if sidecars:
+        from ..swapset import sidecars_line
+
+        replace = open_sidecars(model, sidecars)
+        applied = [sidecars_line(model, sidecars)]
     fx = read_fixture(fixture_dir)
     codec, identity = describe_model(model, tokenizer=tokenizer)
     plan = plan_scoring(fx, codec, identity, ctx=ctx, allow_cross_checkpoint=allow_cross_checkpoint)
-    source = load_source(identity, device=device)
+    source = load_source(identity, device=device, replace=replace)
 
     def progress(s):
         click.echo(f"{s.id} prompt={s.prompt_tokens} target={s.target_tokens} avg_nll={s.avg_nll:.6f} "
@@ -161,6 +170,7 @@ def score(model, fixture_dir, out, ctx, device, allow_cross_checkpoint, kld_base
         source.close()
     for warning in result.warnings:
         click.echo(f"warning: {warning}", err=True)
+    result.notes += applied
     result.write(out)
     for line in result.trailer:
         click.echo(line)

@@ -2,7 +2,8 @@
 
 ``quantkit swapset MODEL_DIR --family F --format ...`` makes a sidecar (the ``make`` subcommand, implied when the
 first argument is not a subcommand name); ``quantkit swapset status MODEL_DIR`` and ``quantkit swapset gc
-MODEL_DIR`` manage what is there.  Library imports happen inside the commands.
+MODEL_DIR`` manage what is there; ``quantkit swapset record MODEL_DIR NAME PLAIN.tsv SIDECAR.tsv`` stores a
+``quantkit compare`` of two score tables in the sidecar's manifest.  Library imports happen inside the commands.
 """
 from __future__ import annotations
 
@@ -36,6 +37,7 @@ def swapset():
     quantkit swapset MODEL_DIR --list-families
     quantkit swapset status MODEL_DIR [--record FILE]
     quantkit swapset gc MODEL_DIR --dry-run | --yes
+    quantkit swapset record MODEL_DIR NAME PLAIN.tsv SIDECAR.tsv
     """
 
 
@@ -172,6 +174,24 @@ def gc(model_dir, dry_run, yes, record):
     for s in removed:
         click.echo(f"{verb} {s.name} ({_size(s.bytes)}; {s.reason}): {', '.join(s.files)}")
     click.echo(f"{verb} {len(removed)} sidecars, {_size(sum(s.bytes for s in removed))}")
+
+
+@swapset.command()
+@click.argument("model_dir", type=_DIR)
+@click.argument("name")
+@click.argument("baseline", type=_FILE)
+@click.argument("with_sidecar", type=_FILE)
+@click.option("--resamples", type=click.IntRange(min=10_000), default=10_000, show_default=True,
+              help="bootstrap resamples")
+@click.option("--seed", type=int, default=0, show_default=True, help="bootstrap seed")
+def record(model_dir, name, baseline, with_sidecar, resamples, seed):
+    """Compare BASELINE.tsv with WITH_SIDECAR.tsv (scored with `quantkit score --sidecar NAME`) and store the
+    result as sidecar NAME's quality block."""
+    from ..swapset import record_comparison
+
+    comparison = record_comparison(model_dir, name, baseline, with_sidecar, resamples=resamples, seed=seed)
+    click.echo("\n".join(comparison.report_lines()))
+    click.echo(f"recorded in {name}.json: verdict={comparison.verdict}")
 
 
 COMMANDS = [swapset]

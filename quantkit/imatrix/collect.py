@@ -1,5 +1,10 @@
 """Collect an importance matrix by running the source model in transformers, as ``llama-imatrix`` does in llama.cpp.
 
+The model is transformers' own, built by the runtime (:func:`quantkit.runtime.load_model`) from the checkpoint:
+matrices are :class:`~quantkit.runtime.packed.PackedTensor` weights assembled from the checkpoint per use through a
+bounded cache (:class:`quantkit.runtime.weights.CheckpointWeights`), so a model larger than memory streams its
+layers.
+
 What is accumulated: for every weight that maps (through the architecture maps) to a GGUF tensor named ``blk.*``
 (and ``output.weight`` with ``process_output``), Σx² over every input vector ``x`` the weight is multiplied with,
 and how many vectors that was; for stacked routed experts, per expert and only over the tokens routed to it.
@@ -8,10 +13,12 @@ How: the model runs with transformers' eager experts and attention implementatio
 ``torch.overrides.TorchFunctionMode`` that sees every ``F.linear`` / ``bmm`` / ``matmul`` call.  A call whose
 second operand is (a view of) a model parameter is attributed to that parameter, and for a stacked expert
 parameter ``[E, out, in]`` the view's storage offset tells which expert (``gate_up_proj[e]`` in the eager expert
-loop).  This needs no per-architecture hook for linear layers, experts or grouped projections (DeepSeek V4's
-``o_a_proj`` multiplies each group's heads through ``bmm``; its GGUF tensor ``attn_output_a`` is one 2-D matrix,
-so its entry has one row-length-sized vector summed over groups, the size llama-quantize checks for; llama-imatrix
-instead writes ``o_groups`` times that length and llama-quantize then refuses it).
+loop).  A packed weight has no storage: it is recognized by identity, and the fresh tensors it answers a cast, a
+view or ``weight[e]`` with are aliased to it (and to expert ``e``).  This needs no per-architecture hook for linear
+layers, experts or grouped projections (DeepSeek V4's ``o_a_proj`` multiplies each group's heads through ``bmm``;
+its GGUF tensor ``attn_output_a`` is one 2-D matrix, so its entry has one row-length-sized vector summed over
+groups, the size llama-quantize checks for; llama-imatrix instead writes ``o_groups`` times that length and
+llama-quantize then refuses it).
 
 Inputs the source model never forms: MLA's ``kv_b_proj`` becomes GGUF ``attn_k_b`` (multiplying each head's
 ``q_nope``) and ``attn_v_b`` (multiplying each head's attention-weighted latent) in llama.cpp's absorbed
@@ -27,9 +34,12 @@ Chunks follow llama-imatrix: the text is tokenized once (with the tokenizer's BO
 runs as its own sequence.  Differences from llama-imatrix: matrix products with fewer than 16 rows are recorded
 too (llama-imatrix skips them), and sums accumulate in float64.
 
-Memory: the accumulators (one float64 row per column per matrix) and one chunk's activations; the model is loaded
-by transformers.  Resume: every ``save_every`` chunks the accumulators go to ``<out>.resume.gguf`` (an imatrix
-GGUF recording the chunks done and the inputs' identity); a later run with the same inputs continues from there.
+Memory: the accumulators (one float64 row per column per matrix), one chunk's activations, the cache of
+assembled weights (``max_memory`` bytes, default half the available memory) and the weight being used.  With
+``max_memory`` on CUDA, weights are also streamed to the device per use rather than all placed there.
+
+Resume: every ``save_every`` chunks the accumulators go to ``<out>.resume.gguf`` (an imatrix GGUF recording the
+chunks done and the inputs' identity); a later run with the same inputs continues from there.
 """
 from __future__ import annotations
 
@@ -62,6 +72,12 @@ RESUME_IDENTITY = ("source_sha256", "text_sha256", "ctx", "all_experts", "proces
 MLA_STEPS = ("kv_b_k", "kv_b_v")
 ROUTED_CLASSES = frozenset({"routed_gate", "routed_up", "routed_down"})
 DTYPES = ("float32", "bfloat16", "float16")
+#: ``torch.Tensor`` methods whose result is still the weight they are called on, for the product it feeds:
+#: casts (any weight), and views of a packed weight (a fresh tensor holding the same values).
+CAST_METHODS = ("float", "to", "type", "contiguous")
+PACKED_VIEW_METHODS = ("t", "transpose", "permute", "view", "reshape", "unflatten")
+#: ``torch.Tensor`` methods selecting one expert's matrix of a stacked packed weight (``weight[e]``).
+PACKED_SELECT_METHODS = ("__getitem__", "select")
 
 
 # -- accumulators -------------------------------------------------------------------------------------------------
@@ -174,11 +190,22 @@ class _Recorder:
     """Attributes matrix products to model parameters (see the module docstring); use :meth:`active`."""
 
     def __init__(self, params: list[_Param], acc: Accumulators):
+        import torch
+
+        from ..runtime.packed import PackedTensor
+
         # storage data pointer -> parameters in it (several when a loader sliced them out of one buffer)
         self.params: dict[int, list[_Param]] = {}
+        # packed weights have no storage: id -> parameter
+        self.packed: dict[int, _Param] = {}
         for p in params:
-            self.params.setdefault(p.param.untyped_storage().data_ptr(), []).append(p)
+            if isinstance(p.param, PackedTensor):
+                self.packed[id(p.param)] = p
+            else:
+                self.params.setdefault(p.param.untyped_storage().data_ptr(), []).append(p)
         self.acc = acc
+        self.casts, self.views, self.selects = (frozenset(getattr(torch.Tensor, m) for m in methods) for methods in
+                                                (CAST_METHODS, PACKED_VIEW_METHODS, PACKED_SELECT_METHODS))
         self.mute_experts = False
         self._aliases: dict[int, tuple[weakref.ref, tuple[_Param, int | None]]] = {}
 
@@ -188,9 +215,12 @@ class _Recorder:
 
         if not isinstance(w, torch.Tensor):
             return None
-        alias = self._aliases.get(id(w))
-        if alias is not None and alias[0]() is w:
-            return alias[1]
+        alias = self._alias(w)
+        if alias is not None:
+            return alias
+        packed = self._packed(w)
+        if packed is not None:
+            return None if packed.stacked else (packed, None)
         try:
             candidates = self.params.get(w.untyped_storage().data_ptr())
         except (RuntimeError, NotImplementedError):
@@ -205,6 +235,40 @@ class _Recorder:
             expert = (offset - start) // p.param.stride(0)
             return (p, int(expert)) if w.dim() == 2 else None
         return None
+
+    def _alias(self, w) -> tuple[_Param, int | None] | None:
+        alias = self._aliases.get(id(w))
+        return alias[1] if alias is not None and alias[0]() is w else None
+
+    def _packed(self, w) -> _Param | None:
+        p = self.packed.get(id(w))
+        return p if p is not None and p.param is w else None
+
+    def derive(self, func, args, out) -> None:
+        """Alias a tensor made from a weight to that weight: a cast (``self.fn.float()``), and for a packed weight,
+        which answers every operation with a fresh tensor, its views (:data:`PACKED_VIEW_METHODS`, and views of
+        those) and one expert's matrix (``gate_up_proj[e]``)."""
+        import torch
+
+        if not args or not isinstance(out, torch.Tensor) or out is args[0]:
+            return
+        hit = None
+        if func in self.casts:
+            hit = self.lookup(args[0])
+        elif func in self.views:
+            packed = self._packed(args[0])
+            hit = (packed, None) if packed is not None and not packed.stacked else self._alias(args[0])
+        elif func in self.selects and len(args) == 2 and out.dim() == 2:
+            packed = self._packed(args[0])
+            index = args[1]
+            if packed is None or not packed.stacked:
+                return
+            if isinstance(index, torch.Tensor) and index.dim() == 0 and not index.is_floating_point():
+                index = int(index)
+            if isinstance(index, int):
+                hit = (packed, index % packed.param.shape[0])
+        if hit is not None:
+            self._aliases[id(out)] = (weakref.ref(out), hit)
 
     def observe(self, hit: tuple[_Param, int | None], x, out) -> None:
         import torch
@@ -238,7 +302,6 @@ class _Recorder:
         products = {F.linear: ("input", "weight"), torch.bmm: ("input", "mat2"), torch.Tensor.bmm: ("self", "mat2"),
                     torch.matmul: ("input", "other"), torch.Tensor.matmul: ("self", "other"),
                     torch.Tensor.__matmul__: ("self", "other")}
-        casts = {torch.Tensor.float, torch.Tensor.to, torch.Tensor.type, torch.Tensor.contiguous}
 
         class Mode(TorchFunctionMode):
             def __torch_function__(self, func, types, args=(), kwargs=None):
@@ -250,10 +313,8 @@ class _Recorder:
                     hit = recorder.lookup(w)
                     if hit is not None:
                         recorder.observe(hit, x, out)
-                elif func in casts and args and isinstance(out, torch.Tensor) and out is not args[0]:
-                    hit = recorder.lookup(args[0])
-                    if hit is not None:  # a weight cast for the product (``self.fn.float()``) is still that weight
-                        recorder._aliases[id(out)] = (weakref.ref(out), hit)
+                else:
+                    recorder.derive(func, args, out)
                 return out
 
         with Mode():
@@ -262,6 +323,16 @@ class _Recorder:
 
 
 # -- the collector ------------------------------------------------------------------------------------------------
+
+def _weights(module, recurse: bool = True) -> dict:
+    """Name -> weight: the parameters, and the weights the runtime keeps packed (buffers holding a
+    :class:`~quantkit.runtime.packed.PackedTensor`); tied weights once, under their first name."""
+    from ..runtime.packed import PackedTensor
+
+    found = dict(module.named_parameters(recurse=recurse))
+    found.update((n, b) for n, b in module.named_buffers(recurse=recurse) if isinstance(b, PackedTensor))
+    return found
+
 
 class Collector:
     """Accumulates statistics over chunks run through ``model`` (a transformers model whose parameter names
@@ -276,14 +347,15 @@ class Collector:
         self._implementations = (model.config._experts_implementation, model.config._attn_implementation)
         model.set_experts_implementation("eager")
         model.set_attn_implementation("eager")
-        self.device = next(model.parameters()).device
+        # parts the runtime does not load (a vision tower) stay on the meta device
+        self.device = next(w.device for w in _weights(model).values() if w.device.type != "meta")
         self.acc = Accumulators(self.device)
         self._hooks: list[Any] = []
         self._patched: list[Any] = []
         self.process_output = process_output
         by_name: dict[str, _Param] = {}
         mla_parts: dict[str, dict[str, str]] = {}
-        for name, param in model.named_parameters():
+        for name, param in _weights(model).items():
             targets, mla, unsupported = self._targets(name, param)
             entry = _Param(name, param, targets, stacked=any(t.mat is None and t.n_mat > 1 for t in targets),
                            unsupported=unsupported)
@@ -340,7 +412,7 @@ class Collector:
                                        "projection", tensor=pname)
             handler = _MLA(attn, parts["kv_b_k"], parts["kv_b_v"], self.acc)
             by_name[pname].observers.append(handler.on_latent)
-            q_name = next(n for n, p in self.model.named_parameters() if p is q_proj.weight)
+            q_name = next(n for n, p in by_name.items() if p.param is q_proj.weight)
             by_name[q_name].observers.append(handler.on_query)
             self._hooks.append(attn.register_forward_hook(handler.after_attention))
 
@@ -349,7 +421,7 @@ class Collector:
 
         owners = {}
         for module_name, module in self.model.named_modules():
-            for pname, param in module.named_parameters(recurse=False):
+            for pname, param in _weights(module, recurse=False).items():
                 full = f"{module_name}.{pname}" if module_name else pname
                 if param.dim() == 3 and any(m.tensor_class in ROUTED_CLASSES for m in self.amap.resolve(full)):
                     owners[module_name] = (module, int(param.shape[0]))
@@ -444,6 +516,9 @@ class CollectOptions:
     synthetic: bool = False
     device: str = "cpu"
     dtype: str = "float32"
+    max_memory: int | None = None
+    """Bytes of assembled weights kept in memory (:class:`quantkit.runtime.weights.CheckpointWeights`); None: its
+    default share of the available memory."""
     save_every: int = DEFAULT_SAVE_EVERY
     restart: bool = False
     overwrite: bool = False
@@ -460,35 +535,17 @@ def _read_config(source: Path) -> dict:
         raise SourceError(f"config.json is not valid JSON: {exc}", path=path) from None
 
 
-def load_source_model(source: Path, config: dict, dtype: str, device: str, *, progress: bool = True):
-    """The transformers model of a checkpoint directory (the class its config names), in eval mode."""
-    import torch
-    import transformers
-
-    if dtype not in DTYPES:
-        raise SourceError(f"dtype {dtype!r} is not one of {DTYPES}")
-    names = config.get("architectures") or []
-    model_class = getattr(transformers, names[0], None) if names else None
-    if model_class is None:
-        raise UnsupportedError(f"config.json names architectures {names!r}; transformers "
-                               f"{transformers.__version__} has no such class", path=source)
-    if not progress:
-        transformers.utils.logging.disable_progress_bar()
-    model = model_class.from_pretrained(source, dtype=getattr(torch, dtype), experts_implementation="eager",
-                                        attn_implementation="eager")
-    return model.to(device).eval()
-
-
 def collect_imatrix(source: str | os.PathLike, text_path: str | os.PathLike, out: str | os.PathLike,
                     options: CollectOptions | None = None) -> Imatrix:
     """Run ``source`` over the text, write the imatrix to ``out`` (atomically), and return it."""
     import torch
-    from tqdm import tqdm
 
     opts = options or CollectOptions()
     source, out = Path(source), Path(out)
     if out.exists() and not opts.overwrite:
         raise OutputExistsError("output exists; refusing to replace it", path=out)
+    if opts.dtype not in DTYPES:
+        raise SourceError(f"dtype {opts.dtype!r} is not one of {DTYPES}")
     text = read_text(text_path)
     config = _read_config(source)
     amap = get_arch(config.get("model_type", "")).bind(config)
@@ -497,9 +554,24 @@ def collect_imatrix(source: str | os.PathLike, text_path: str | os.PathLike, out
                 "process_output": str(opts.process_output).lower(), "dtype": opts.dtype}
     import transformers
 
+    from ..runtime import load_model
+
     chunks = calibration_chunks(transformers.AutoTokenizer.from_pretrained(source), text, opts.ctx, opts.chunks)
-    model = load_source_model(source, config, opts.dtype, opts.device, progress=opts.progress)
-    collector = Collector(model, amap, all_experts=opts.all_experts, process_output=opts.process_output)
+    # a memory bound on CUDA also streams the weights to the device per use instead of placing every one there
+    model = load_model(source, opts.device, config=config, dtype=getattr(torch, opts.dtype),
+                       stream=opts.max_memory is not None, cache_bytes=opts.max_memory)
+    try:
+        return _collect(model, amap, chunks, out, identity, opts, source, text_path)
+    finally:
+        model.close()
+
+
+def _collect(model, amap: ArchMap, chunks: list[list[int]], out: Path, identity: dict[str, str],
+             opts: CollectOptions, source: Path, text_path) -> Imatrix:
+    import torch
+    from tqdm import tqdm
+
+    collector = Collector(model.module, amap, all_experts=opts.all_experts, process_output=opts.process_output)
     state = out.with_name(out.name + RESUME_SUFFIX)
     done = _resume(collector, state, identity, len(chunks)) if state.exists() and not opts.restart else 0
     synthetic = opts.synthetic or (source / EXAMPLE_MARKER).is_file()
@@ -514,6 +586,7 @@ def collect_imatrix(source: str | os.PathLike, text_path: str | os.PathLike, out
         for i in tqdm(range(done, len(chunks)), initial=done, total=len(chunks), unit="chunk",
                       disable=not opts.progress, desc="imatrix"):
             collector.run_chunk(torch.tensor([chunks[i]], dtype=torch.long))
+            model.store.check()     # a weight that decoded to NaN or infinity, named
             if opts.save_every > 0 and (i + 1) % opts.save_every == 0 and i + 1 < len(chunks):
                 save_imatrix(snapshot(i + 1, chunks_done=str(i + 1)), state, fmt="gguf", overwrite=True)
     finally:

@@ -25,7 +25,7 @@ from __future__ import annotations
 import contextlib
 import os
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Mapping, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -168,17 +168,18 @@ def _check_metadata(weights, amap: ArchMap, model) -> None:
 
 def load_model(path: str | os.PathLike, device: str | torch.device = "cpu", *,
                config: Mapping[str, Any] | None = None, dtype: torch.dtype = torch.float32,
-               stream: bool = False) -> RuntimeModel:
+               stream: bool = False, cache_bytes: int | None = None,
+               replace: Mapping[str, Callable[[], np.ndarray]] | None = None) -> RuntimeModel:
     """A GGUF file (made by quantkit) or a safetensors checkpoint as a runnable transformers model.
 
     ``config``: the source ``config.json`` as a dict, overriding the file's.  ``stream=True`` (CUDA) keeps the
     payloads in host memory (the mapped file) and copies each to the device per use, for models larger than the
-    device.
+    device.  ``cache_bytes`` and ``replace`` apply to a checkpoint (:class:`.weights.CheckpointWeights`).
     """
     device = torch.device(device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise UnsupportedError("device cuda requested but torch sees no CUDA device")
-    weights = open_weights(path, config)
+    weights = open_weights(path, config, cache_bytes=cache_bytes, replace=replace)
     try:
         return _load(weights, device, dtype, stream)
     except BaseException:
@@ -262,8 +263,8 @@ def _first_non_finite(model, input_ids: torch.Tensor) -> str:
     return found[0] if found else "(no module output)"
 
 
-def logits(model: RuntimeModel, token_ids: Sequence[int]) -> np.ndarray:
-    """float32 logits ``[len(token_ids), vocab]`` of one sequence (no cache; the whole sequence in one pass)."""
+def check_token_ids(model: RuntimeModel, token_ids: Sequence[int]) -> np.ndarray:
+    """``token_ids`` as a 1-D integer array, refusing an empty sequence and ids outside the vocabulary."""
     ids = np.asarray(token_ids)
     if ids.ndim != 1 or ids.size == 0 or ids.dtype.kind not in "iu":
         raise FixtureError(f"expected a non-empty 1-D sequence of integer token ids, got {ids.dtype}{list(ids.shape)}")
@@ -271,6 +272,12 @@ def logits(model: RuntimeModel, token_ids: Sequence[int]) -> np.ndarray:
     if bad.size:
         raise FixtureError(f"token id {int(ids[bad[0]])} at position {int(bad[0])} is outside the vocabulary "
                            f"(0..{model.vocab_size - 1})")
+    return ids
+
+
+def logits(model: RuntimeModel, token_ids: Sequence[int]) -> np.ndarray:
+    """float32 logits ``[len(token_ids), vocab]`` of one sequence (no cache; the whole sequence in one pass)."""
+    ids = check_token_ids(model, token_ids)
     input_ids = torch.as_tensor(ids.astype(np.int64), device=model.device)[None]
     # no_grad, not inference_mode: packed weights answer view operations (weight[expert]) with fresh tensors,
     # which inference mode refuses to register as views

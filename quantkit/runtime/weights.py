@@ -11,14 +11,27 @@ The config of a GGUF comes, in order, from the ``config=`` argument, from the ``
 (the source ``config.json`` text, written by ``quantkit convert``), or is rebuilt from the GGUF hyperparameters
 for the architectures where that is exact (:data:`CONFIG_BUILDERS`: ``qwen3moe``).
 
-A checkpoint is planned with :meth:`quantkit.arch.ArchMap.outputs` and every GGUF tensor assembled once at open
-(decoded to float32 by :mod:`quantkit.io.checkpoint`, transformed by the map); each is kept as BF16 when that is
-lossless (a BF16 release) and as F32 otherwise, integer tensors as I32.
+A checkpoint is planned at open from its headers alone (:meth:`quantkit.arch.ArchMap.outputs`: names, shapes) and
+stays open; ``data(name)`` assembles one GGUF tensor on demand (its sources decoded to float32 by
+:mod:`quantkit.io.checkpoint`, transformed by the map) and keeps it in a least-recently-used cache of at most
+``cache_bytes`` (None: :data:`DEFAULT_CACHE_FRACTION` of the memory available at open; 0: no cache).  A tensor
+larger than the budget is assembled again on every use.  Memory is therefore bounded by the budget plus the tensor
+being used, and a model larger than memory streams from its checkpoint.
+
+Each GGUF tensor's type is decided from the headers, exactly: I32 for integer tensors; BF16 when every source is
+stored BF16 and the map only moves its values (BF16 -> float32 -> BF16 is exact); F32 otherwise (FP8 and FP4
+sources decode to values BF16 cannot always hold, ``plus_one`` and ``neg_exp`` compute new values).  Decoded to
+float32, ``data(name)`` gives the assembled values bit for bit whatever the type.
+
+``replace`` maps checkpoint tensor names to zero-argument callables returning that tensor's float32 values in
+its decoded shape (what :meth:`quantkit.io.checkpoint.Checkpoint.tensor_f32` gives); they are used instead of
+decoding it (called again on every cache miss) and the GGUF tensors they feed are F32.
 """
 from __future__ import annotations
 
 import json
 import os
+from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping
@@ -26,17 +39,17 @@ from typing import Any, Callable, Mapping
 import ml_dtypes
 import numpy as np
 
-from ..arch import get_arch
+from ..arch import OutputTensor, get_arch
 from ..convert.provenance import SOURCE_CONFIG_KEY
-from ..errors import FormatError, SourceError, UnsupportedError
+from ..errors import FormatError, MissingSourceError, SourceError, StateError, UnsupportedError
 from ..formats.registry import GGMLType
 from ..io.checkpoint import open_checkpoint
 from ..io.gguf import KV
 from ..io.gguf_reader import GGUFFile
+from .inverse import VALUE_INVERSES
 
-#: GGUF key holding the source ``config.json`` text.
+#: The first bytes of a GGUF file.
 GGUF_MAGIC = b"GGUF"
-_INTEGER_DTYPES = frozenset({"I64", "I32", "I16", "I8", "U64", "U32", "U16", "U8", "BOOL"})
 
 
 @dataclass(frozen=True)
@@ -68,62 +81,174 @@ class GGUFWeights:
         self.file.close()
 
 
+#: Share of the memory available at open (``MemAvailable`` of ``/proc/meminfo``) that a checkpoint's cache of
+#: assembled payloads may hold when ``cache_bytes`` is None: the other half is left to activations, the decoded
+#: tensor being used, and the page cache the checkpoint is read through.
+DEFAULT_CACHE_FRACTION = 0.5
+
+
+def available_memory() -> int:
+    """Bytes of memory available to new allocations without swapping (``MemAvailable``, else free pages)."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, AttributeError):
+        raise UnsupportedError("cannot tell the available memory on this system; pass cache_bytes") from None
+
+
+class PayloadCache:
+    """Least-recently-used payloads, at most ``budget`` bytes in all (an entry larger than the budget is not kept).
+
+    ``peak_bytes`` is the most the cache ever held; ``hits`` and ``misses`` count :meth:`get` answers.
+    """
+
+    def __init__(self, budget: int):
+        self.budget = budget
+        self.bytes = self.peak_bytes = self.hits = self.misses = 0
+        self._entries: OrderedDict[str, np.ndarray] = OrderedDict()
+
+    def get(self, name: str) -> np.ndarray | None:
+        entry = self._entries.get(name)
+        if entry is None:
+            self.misses += 1
+            return None
+        self.hits += 1
+        self._entries.move_to_end(name)
+        return entry
+
+    def put(self, name: str, payload: np.ndarray) -> None:
+        if payload.nbytes > self.budget or name in self._entries:
+            return
+        while self._entries and self.bytes + payload.nbytes > self.budget:
+            _, evicted = self._entries.popitem(last=False)
+            self.bytes -= evicted.nbytes
+        self._entries[name] = payload
+        self.bytes += payload.nbytes
+        self.peak_bytes = max(self.peak_bytes, self.bytes)
+
+    def clear(self) -> None:
+        self._entries.clear()
+        self.bytes = 0
+
+
 class CheckpointWeights:
-    """A safetensors checkpoint's tensors as the GGUF tensors its architecture map makes of them."""
+    """A safetensors checkpoint's tensors as the GGUF tensors its architecture map makes of them, assembled on
+    demand (see the module docstring)."""
 
     metadata = None
 
-    def __init__(self, path: str | os.PathLike, config: Mapping[str, Any] | None = None):
-        from ..convert.plan import inspect_sources  # the one definition of decoded source shapes
+    def __init__(self, path: str | os.PathLike, config: Mapping[str, Any] | None = None, *,
+                 cache_bytes: int | None = None, replace: Mapping[str, Callable[[], np.ndarray]] | None = None):
+        from ..convert.plan import inspect_sources  # the one definition of decoded source shapes and encodings
 
+        if cache_bytes is not None and cache_bytes < 0:
+            raise SourceError(f"cache_bytes must be >= 0 or None, got {cache_bytes}", field="cache_bytes")
+        budget = int(DEFAULT_CACHE_FRACTION * available_memory()) if cache_bytes is None else int(cache_bytes)
         self.path = Path(path)
-        with open_checkpoint(self.path) as ckpt:
-            self.config = dict(config) if config is not None else dict(ckpt.config)
+        self._ckpt = open_checkpoint(self.path)
+        try:
+            self.config = dict(config) if config is not None else dict(self._ckpt.config)
             if "model_type" not in self.config:
                 raise SourceError("config.json has no model_type", path=self.path, field="model_type")
-            amap = get_arch(self.config["model_type"]).bind(self.config)
-            shapes, _ = inspect_sources(ckpt)
+            self._amap = get_arch(self.config["model_type"]).bind(self.config)
+            self._shapes, self._encodings = inspect_sources(self._ckpt)
+            outputs = self._amap.outputs(self._shapes)
+            self._replace = self._check_replace(dict(replace or {}), outputs)
+            self._outputs = {o.gguf_name: o for o in outputs}
+            self.tensors: dict[str, StoredTensor] = {
+                o.gguf_name: StoredTensor(o.gguf_name, self._qtype(o), tuple(o.shape)) for o in outputs}
+        except BaseException:
+            self._ckpt.close()
+            raise
+        self.cache = PayloadCache(budget)
+        self._closed = False
 
-            def load(name: str) -> np.ndarray:
-                if ckpt.tensor_info(name).dtype in _INTEGER_DTYPES:
-                    return np.asarray(ckpt.raw(name))
-                return ckpt.tensor_f32(name)
+    def _check_replace(self, replace: dict[str, Callable[[], np.ndarray]], outputs) -> dict:
+        """Every replaced name is a floating weight of the checkpoint that feeds a GGUF tensor."""
+        fed = {m.hf_name for o in outputs for m in o.sources}
+        for name in replace:
+            if name not in self._shapes:
+                raise MissingSourceError("replacement for a tensor the checkpoint does not hold", path=self.path,
+                                         tensor=name)
+            if name not in fed:
+                raise SourceError("replacement for a tensor that feeds no GGUF tensor (a scale companion or a "
+                                  "dropped tensor): it would change nothing", path=self.path, tensor=name)
+            if self._encodings[name] == "int":
+                raise SourceError("replacement for an integer tensor: replacements are float32 values",
+                                  path=self.path, tensor=name)
+        return replace
 
-            self.tensors: dict[str, StoredTensor] = {}
-            self._data: dict[str, np.ndarray] = {}
-            for output in amap.outputs(shapes):
-                qtype, payload = _payload(amap.assemble(output, load))
-                self.tensors[output.gguf_name] = StoredTensor(output.gguf_name, qtype, tuple(output.shape))
-                self._data[output.gguf_name] = payload
+    def _qtype(self, output: OutputTensor) -> GGMLType:
+        """I32 for integers; BF16 when every source is stored BF16, unreplaced, and only moved (exactly BF16 after
+        decoding); F32 otherwise (never lossy, decided from the headers without reading a payload)."""
+        if output.dtype == "int32":
+            return GGMLType.I32
+        moved_only = not any(step in VALUE_INVERSES for m in output.sources for step in m.transform)
+        bf16 = all(self._encodings[m.hf_name] == "BF16" and m.hf_name not in self._replace for m in output.sources)
+        return GGMLType.BF16 if moved_only and bf16 else GGMLType.F32
+
+    def _load(self, name: str) -> np.ndarray:
+        """A source tensor decoded: integers as stored, floats as float32 (or its replacement)."""
+        if name in self._replace:
+            values = self._replace[name]()
+            if not isinstance(values, np.ndarray) or values.dtype != np.float32 or values.shape != self._shapes[name]:
+                found = f"{values.dtype}{list(values.shape)}" if isinstance(values, np.ndarray) else type(values).__name__
+                raise SourceError(f"replacement gave {found}, expected float32{list(self._shapes[name])}",
+                                  path=self.path, tensor=name)
+            return values
+        if self._encodings[name] == "int":
+            return np.asarray(self._ckpt.raw(name))
+        return self._ckpt.tensor_f32(name)
 
     def data(self, name: str) -> np.ndarray:
-        return self._data[name]
+        if self._closed:
+            raise StateError("the checkpoint weights were closed", path=self.path, tensor=name)
+        payload = self.cache.get(name)
+        if payload is None:
+            payload = _payload(self.tensors[name].qtype, self._amap.assemble(self._outputs[name], self._load))
+            payload.flags.writeable = False     # shared through the cache
+            self.cache.put(name, payload)
+        return payload
 
     def close(self) -> None:
-        self._data.clear()
+        self._closed = True
+        self.cache.clear()
+        self._ckpt.close()
 
 
-def _payload(array: np.ndarray) -> tuple[GGMLType, np.ndarray]:
-    """GGUF bytes of an assembled tensor: I32 for integers, BF16 when lossless, else F32."""
+def _payload(qtype: GGMLType, array: np.ndarray) -> np.ndarray:
+    """GGUF bytes ``uint8[*shape[:-1], row_bytes]`` of an assembled tensor in ``qtype`` (I32, BF16 or F32)."""
     array = np.ascontiguousarray(array)
-    if array.dtype.kind in "iu":
-        return GGMLType.I32, array.astype(np.int32).view(np.uint8).reshape(*array.shape[:-1], -1)
-    halves = array.astype(ml_dtypes.bfloat16)
-    if np.array_equal(halves.astype(np.float32).view(np.uint32), array.view(np.uint32)):
-        return GGMLType.BF16, halves.view(np.uint8).reshape(*array.shape[:-1], -1)
-    return GGMLType.F32, array.view(np.uint8).reshape(*array.shape[:-1], -1)
+    if qtype == GGMLType.I32:
+        array = array.astype(np.int32)
+    elif qtype == GGMLType.BF16:
+        array = array.astype(ml_dtypes.bfloat16)
+    return array.view(np.uint8).reshape(*array.shape[:-1], -1)
 
 
-def open_weights(path: str | os.PathLike, config: Mapping[str, Any] | None = None):
-    """A GGUF file (recognized by its magic) or a safetensors checkpoint (file or directory)."""
+def open_weights(path: str | os.PathLike, config: Mapping[str, Any] | None = None, *,
+                 cache_bytes: int | None = None, replace: Mapping[str, Callable[[], np.ndarray]] | None = None):
+    """A GGUF file (recognized by its magic) or a safetensors checkpoint (file or directory).
+
+    ``cache_bytes`` and ``replace`` apply to a checkpoint only (:class:`CheckpointWeights`); a GGUF ignores
+    ``cache_bytes`` (its payloads are the mapped file) and refuses ``replace``.
+    """
     path = Path(path)
     if not path.exists():
         raise SourceError("no such file or directory", path=path)
     if path.is_file():
         with open(path, "rb") as f:
             if f.read(len(GGUF_MAGIC)) == GGUF_MAGIC:
+                if replace:
+                    raise UnsupportedError(f"replacing source tensors ({sorted(replace)[0]!r}, ...) needs a "
+                                           f"safetensors checkpoint, not a GGUF", path=path)
                 return GGUFWeights(path, config)
-    return CheckpointWeights(path, config)
+    return CheckpointWeights(path, config, cache_bytes=cache_bytes, replace=replace)
 
 
 # -- the config of a GGUF -----------------------------------------------------------------------------------------

@@ -7,12 +7,16 @@ checkpoint of a GGUF), the checkpoint's own tokenizer files, or the GGUF's ``tok
 transformers' GGUF tokenizer builder (which knows the pre-tokenizers of :data:`GGUF_PRE_TOKENIZER_SPLITS
 <transformers.integrations.gguf.gguf_tokenizer_mapping.GGUF_PRE_TOKENIZER_SPLITS>` only; for others the
 fingerprint will differ from the fixture's and scoring says so: pass the source's tokenizer).
+
+Sidecars (:mod:`quantkit.swapset`): :func:`open_sidecars` checks the named sidecars beside a checkpoint directory
+and gives their replacement values, which :func:`load_source` hands to the runtime (``replace=``); the model's
+identity stays the checkpoint's, so a fixture captured from the plain checkpoint scores it with sidecars applied.
 """
 from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Mapping, Sequence
 
 import numpy as np
 
@@ -24,7 +28,8 @@ GGUF_MAGIC = b"GGUF"
 
 
 class RuntimeSource:
-    """A :class:`quantkit.runtime.RuntimeModel` as a :class:`.source.LogitSource`."""
+    """A :class:`quantkit.runtime.RuntimeModel` as a :class:`.source.LogitSource` and a
+    :class:`.source.GeneratingSource`."""
 
     def __init__(self, model, identity: ModelIdentity):
         self.model = model
@@ -37,6 +42,12 @@ class RuntimeSource:
         from ..runtime import logits
 
         return logits(self.model, np.asarray(token_ids, np.int64))
+
+    def generate(self, prompt_ids: Sequence[int], max_new_tokens: int, stop: Callable[[int], bool]) -> list[int]:
+        """Greedy continuation with the runtime's KV cache (:func:`quantkit.runtime.greedy`)."""
+        from ..runtime import greedy
+
+        return greedy(self.model, prompt_ids, max_new_tokens, stop=stop).tokens
 
     def close(self) -> None:
         self.model.close()
@@ -99,8 +110,23 @@ def describe_model(path: str | os.PathLike, *, tokenizer: str | os.PathLike | No
     return codec, model_identity(path, codec)
 
 
-def load_source(identity: ModelIdentity, *, device: str = "cpu") -> RuntimeSource:
-    """The model :func:`describe_model` described, loaded through :func:`quantkit.runtime.load_model`."""
+def open_sidecars(path: str | os.PathLike, names: Sequence[str]) -> dict[str, Callable[[], np.ndarray]]:
+    """The replacement values of sidecars ``names`` beside checkpoint directory ``path``
+    (:func:`quantkit.swapset.sidecar_replacements`: unknown, damaged, stale and draft-head sidecars are refused)."""
+    from ..swapset import sidecar_replacements
+
+    if is_gguf(path):
+        raise SourceError("sidecars apply to the safetensors checkpoint they were made beside; this is a GGUF",
+                          path=path)
+    if not Path(path).is_dir():
+        raise SourceError("sidecars live beside a checkpoint directory; this is not a directory", path=path)
+    return sidecar_replacements(path, names)
+
+
+def load_source(identity: ModelIdentity, *, device: str = "cpu",
+                replace: Mapping[str, Callable[[], np.ndarray]] | None = None) -> RuntimeSource:
+    """The model :func:`describe_model` described, loaded through :func:`quantkit.runtime.load_model`;
+    ``replace`` (from :func:`open_sidecars`) substitutes checkpoint tensors."""
     from ..runtime import load_model
 
-    return RuntimeSource(load_model(identity.path, device=device), identity)
+    return RuntimeSource(load_model(identity.path, device=device, replace=replace), identity)

@@ -48,6 +48,8 @@ class ScoreResult:
     scores: list[CaseScore]
     warnings: list[str] = field(default_factory=list)
     kld: KldStats | None = None
+    notes: list[str] = field(default_factory=list)
+    """Lines recorded after the summaries (e.g. which sidecars were applied)."""
 
     @property
     def totals(self) -> Totals:
@@ -57,7 +59,7 @@ class ScoreResult:
     def trailer(self) -> list[str]:
         totals = self.totals
         lines = [totals.summary_line(), totals.api_summary_line()]
-        return lines + ([self.kld.summary_line()] if self.kld is not None else [])
+        return lines + ([self.kld.summary_line()] if self.kld is not None else []) + self.notes
 
     def write(self, path: str | os.PathLike) -> None:
         write_table(path, self.header, self.scores, self.trailer)

@@ -8,6 +8,11 @@ runtime of :mod:`quantkit.runtime`, test fakes):
                        which may exceed the tokenizer's size (padded vocabularies).
 ``identity()``         a :class:`ModelIdentity`.
 
+A source may also be a :class:`GeneratingSource`: ``generate(prompt_ids, max_new_tokens, stop)`` returns the greedy
+continuation (the first maximum of each next-token row, as ``logits`` would give it), ending before the first
+token ``stop`` refuses; the runtime implements it with a KV cache.  Callers fall back to one ``logits`` call over
+the whole sequence per token for a source without it.
+
 Identity (the fixture/artifact match, see :func:`check_match`):
 
 ``label``     the checkpoint label (``0731``): a quantkit GGUF's ``quantkit.checkpoint_label``; ``None`` for a
@@ -24,7 +29,7 @@ from __future__ import annotations
 import hashlib
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Iterable, Mapping, Protocol, Sequence, runtime_checkable
+from typing import Any, Callable, Iterable, Mapping, Protocol, Sequence, runtime_checkable
 
 import numpy as np
 
@@ -71,6 +76,12 @@ class LogitSource(Protocol):
     def identity(self) -> ModelIdentity: ...
 
 
+@runtime_checkable
+class GeneratingSource(LogitSource, Protocol):
+    def generate(self, prompt_ids: Sequence[int], max_new_tokens: int,
+                 stop: Callable[[int], bool]) -> list[int]: ...
+
+
 def source_digest(files: Iterable[tuple[str, str]]) -> str | None:
     """The ``source`` digest of ``(file name, sha256)`` pairs: only ``*.safetensors`` names count (module doc);
     ``None`` when there are none."""
@@ -81,13 +92,15 @@ def source_digest(files: Iterable[tuple[str, str]]) -> str | None:
 
 
 def checkpoint_identity(path: str | Path, *, tokenizer: str | None = None, label: str | None = None) -> ModelIdentity:
-    """Identity of a safetensors checkpoint directory (hashes its shards; Hugging Face cache blobs are not
-    re-read, their names are their SHA-256)."""
+    """Identity of a safetensors checkpoint (hashes the shards the checkpoint reader reads, as a conversion
+    records them, so sidecars beside it do not change it; Hugging Face cache blobs are not re-read, their names
+    are their SHA-256)."""
     from ..convert.source import hash_files, resolve_source
+    from ..io.checkpoint import open_checkpoint
 
     resolved = resolve_source(path)
-    root = resolved.path if resolved.path.is_dir() else resolved.path.parent
-    shards = sorted(p for p in root.iterdir() if p.is_file() and p.name.endswith(WEIGHT_SUFFIX))
+    with open_checkpoint(resolved.path) as ckpt:
+        shards = sorted({Path(ckpt.tensor_info(n).file) for n in ckpt.tensor_names()})
     hashes = hash_files(shards)
     return ModelIdentity(label=label, source=source_digest((h.name, h.sha256) for h in hashes),
                          tokenizer=tokenizer, revision=resolved.revision, path=str(resolved.path))

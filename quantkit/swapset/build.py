@@ -160,7 +160,7 @@ def _members(ckpt: Checkpoint, families: tuple[Family, ...]) -> dict[str, tuple[
     main_layers = amap.hp["num_hidden_layers"]
     members: dict[str, tuple[str, str]] = {}
     for name in ckpt.tensor_names():
-        module = module_of(name)
+        module = module_of(name, len(ckpt.tensor_info(name).shape))   # packing keeps the dimension count
         if module is None:
             continue
         mappings = amap.resolve(name)

@@ -6,7 +6,8 @@ A family is named per architecture and selects **linear weights** (stored 2-D ``
 - ``classes``: the tensor classes it covers (a tensor that feeds several GGUF targets is in the family when any
   target's class is);
 - ``include`` / ``exclude``: optional regexes searched in the *module* name (the canonical tensor name without
-  ``.weight`` / ``.weight_packed``), to pick some members of a class (MLA ``q_a`` / ``kv_a`` but not ``q_b``);
+  ``.weight`` / ``.weight_packed``; a fused 3-D stack stored without a suffix, transformers' ``mlp.experts.
+  gate_up_proj``, is its own module), to pick some members of a class (MLA ``q_a`` / ``kv_a`` but not ``q_b``);
 - ``scope``: ``"main"`` covers the main model (tensors of no layer, and blocks below ``num_hidden_layers``);
   ``"mtp"`` covers only the multi-token-prediction block (class ``mtp``, or a block index past
   ``num_hidden_layers``).  So an MLA sidecar never touches the MTP block's attention and an MTP sidecar never

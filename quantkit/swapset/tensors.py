@@ -1,7 +1,10 @@
 """Stored weights of a checkpoint as swapsets see them: module names, decoding schemes, shapes and hashes.
 
 A module's weight is stored as ``<module>.weight`` or, in compressed-tensors NVFP4, ``<module>.weight_packed``;
-its companions (block/global/activation scales) are found by :meth:`Checkpoint.companions`.  Hashes are SHA-256 of
+a fused 3-D ``[experts, out, in]`` stack may also be stored under its module's own name, without a suffix
+(transformers' internal layout, ``save_pretrained(save_original_format=False)``: ``mlp.experts.gate_up_proj``,
+``mlp.experts.down_proj``); its sidecar tensors are ``<module>.<suffix>`` like every other module's.
+A weight's companions (block/global/activation scales) are found by :meth:`Checkpoint.companions`.  Hashes are SHA-256 of
 the stored bytes exactly as on disk (C order), read in :data:`HASH_CHUNK_BYTES` pieces from the memory map.
 """
 from __future__ import annotations
@@ -21,22 +24,27 @@ HASH_CHUNK_BYTES = 8 << 20
 ROW_ROLES = ("weight", "block_scale")
 
 
-def module_of(name: str) -> str | None:
-    """The module prefix of a stored weight name, or None for a tensor that is not a module's weight."""
+FUSED_NDIM = 3
+
+
+def module_of(name: str, ndim: int) -> str | None:
+    """The module of a stored weight name (``ndim``: its dimensions), or None for a tensor that is not a module's
+    weight: ``<module>.weight`` / ``.weight_packed``, or a fused 3-D stack stored under the module's own name."""
     for suffix in WEIGHT_SUFFIXES:
         if name.endswith(suffix):
             return name[: -len(suffix)]
-    return None
+    return name if ndim == FUSED_NDIM else None
 
 
 def stored_weight(ckpt: Checkpoint, module: str) -> str | None:
-    """The stored weight name of ``module`` in ``ckpt``, or None."""
-    for suffix in WEIGHT_SUFFIXES:
+    """The stored weight name of ``module`` in ``ckpt`` (module docstring), or None."""
+    for name in (*(module + suffix for suffix in WEIGHT_SUFFIXES), module):
         try:
-            ckpt.tensor_info(module + suffix)
+            info = ckpt.tensor_info(name)
         except MissingSourceError:
             continue
-        return module + suffix
+        if name != module or len(info.shape) == FUSED_NDIM:
+            return name
     return None
 
 
