@@ -5,7 +5,8 @@
 Generates the seeded BF16 qwen3_moe checkpoint of ``bench/convert.py`` (at least ``--gib`` GiB, one shard per
 layer), then collects an imatrix from it over the bundled example's calibration text, in a child process, twice:
 with ``--max-memory`` = ``--budget`` (the model streams from the checkpoint: every chunk assembles every layer
-again) and with the budget unlimited (every tensor is assembled once and kept; skipped when the memory available
+again, routed experts one expert at a time, so a budget smaller than one stacked expert tensor works) and with the
+budget unlimited (every tensor is assembled once and kept; skipped when the memory available
 is under twice the checkpoint).  Both imatrices must be identical (checked here).
 
 Measured per run: the peak of the child's resident set (sampled every 0.1 s; the summed tree, and its anonymous
@@ -36,6 +37,8 @@ from quantkit.runtime.weights import available_memory
 #: Memory available must be at least this many checkpoints for the unlimited run (the cache, plus the page cache).
 UNLIMITED_HEADROOM = 2
 TEXT = example_model_dir().parent / "tiny-moe-text" / "calibration.txt"
+#: One stacked routed-expert tensor of the synthetic checkpoint as BF16 (``[EXPERTS, EXPERT_WIDTH, HIDDEN]``).
+STACKED_BYTES = 2 * EXPERTS * EXPERT_WIDTH * HIDDEN
 
 # Runs in the child: collect_imatrix with each chunk and the load timed, the cache's figures kept at close.
 DRIVER = r"""
@@ -162,7 +165,8 @@ def main() -> None:
             measured = run_collect(ckpt, outputs[label], limit, args.ctx, args.chunks)
             chunk_s = measured["chunk_s"]
             record = {"name": f"imatrix collect {label}", "budget_bytes": measured["cache"]["budget"],
-                      "source_bytes": source_bytes, "peak_rss": measured["peak_rss"],
+                      "source_bytes": source_bytes, "stacked_tensor_bytes": STACKED_BYTES,
+                      "peak_rss": measured["peak_rss"],
                       "peak_rss_anon": measured["peak_rss_anon"], "cache_peak_bytes": measured["cache"]["peak_bytes"],
                       "cache_hits": measured["cache"]["hits"], "cache_misses": measured["cache"]["misses"],
                       "load_s": measured["load_s"], "first_chunk_s": chunk_s[0],
@@ -183,6 +187,7 @@ def main() -> None:
     finally:
         shutil.rmtree(root, ignore_errors=True)
 
+    print(f"\none stacked expert tensor: {STACKED_BYTES / GIB:.2f}G")
     print(f"\n{'run':<30}{'budget':>10}{'ckpt':>10}{'peak RSS':>10}{'anon':>10}{'cache':>10}{'load':>8}"
           f"{'chunk 1':>9}{'later':>8}")
     for r in records:

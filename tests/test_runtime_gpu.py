@@ -84,3 +84,46 @@ def test_cuda_nan_payload_raises_naming_the_tensor(ggufs, tmp_path):
     with pytest.raises(FormatError, match="blk.1.ffn_down_exps.weight"):
         for start in range(0, 512, 64):     # until a token routes to expert 0
             logits(model, list(range(start, start + 64)))
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v3", "deepseek_v4", "glm5_next", "qwen4_exp"])
+def test_cuda_cached_greedy_matches_uncached_and_cpu(tiny_checkpoints, arch):
+    """The KV-cache path on CUDA: the tokens of the uncached path, and the CPU runtime's first logits row."""
+    from quantkit.runtime import greedy, load_model
+    from test_runtime import RELATIVE_TOLERANCE
+
+    path = tiny_checkpoints.get(arch, "per-expert", "f32")
+    prompt = [int(t) for t in np.random.default_rng(7).integers(0, 480, 122)]
+    cuda_model, cpu_model = load_model(path, device="cuda"), load_model(path)
+    try:
+        cached = greedy(cuda_model, prompt, 10)
+        uncached = greedy(cuda_model, prompt, 10, use_cache=False)
+        cpu_first = greedy(cpu_model, prompt, 1)
+    finally:
+        cuda_model.close()
+        cpu_model.close()
+    assert cached.tokens == uncached.tokens and len(cached.tokens) == 10
+    scale = float(np.abs(uncached.logits).max())
+    assert float(np.abs(cached.logits - uncached.logits).max()) <= RELATIVE_TOLERANCE * scale
+    assert float(np.abs(cached.logits[0] - cpu_first.logits[0]).max()) <= RELATIVE_TOLERANCE * scale
+
+
+def test_cuda_collection_streamed_under_a_budget_matches_cpu(tmp_path):
+    """``imatrix collect --device cuda --max-memory``: weights streamed to the device per use give the CPU
+    statistics (summation order differs: compared per tensor within 1e-4; each tensor's total count is routing-
+    independent: tokens x experts used)."""
+    from quantkit.examples import example_model_dir
+    from quantkit.imatrix.collect import CollectOptions, collect_imatrix
+    from test_imatrix_collect import DATA
+
+    text = DATA / "calibration-a.txt"
+    runs = {device: collect_imatrix(example_model_dir(), text, tmp_path / f"{device}.gguf",
+                                    CollectOptions(ctx=64, chunks=2, progress=False, device=device,
+                                                   max_memory=1 << 20))
+            for device in ("cpu", "cuda")}
+    assert sorted(runs["cuda"].entries) == sorted(runs["cpu"].entries)
+    for name, e in runs["cpu"].entries.items():
+        got = runs["cuda"].entries[name]
+        assert float(got.counts.sum()) == float(e.counts.sum()), name
+        total, ref = float(got.in_sum2.astype(np.float64).sum()), float(e.in_sum2.astype(np.float64).sum())
+        assert abs(total - ref) <= 1e-4 * ref, name

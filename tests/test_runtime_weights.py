@@ -1,6 +1,9 @@
 """A checkpoint as runtime weights, assembled on demand: the same values as assembling every tensor at open (every
-tiny architecture, layout and source encoding), the GGUF type chosen from the headers, the cache within its budget
-through a whole forward pass, and the ``replace`` hook."""
+tiny architecture, layout and source encoding), one expert's payload the slice of the whole (assembled from that
+expert's source alone when the map stacks per-expert sources), the GGUF type chosen from the headers, the cache
+within its budget through a whole forward pass (budgets down to one expert: the same logits and imatrix bit for
+bit, every source assembled at most once per pass), the ``replace`` hook; and the packed weights' finiteness check
+(once per payload, a failure raised again on every use) and strided placement (the index scatter's result)."""
 from __future__ import annotations
 
 from contextlib import closing
@@ -8,14 +11,16 @@ from contextlib import closing
 import ml_dtypes
 import numpy as np
 import pytest
+import torch
 
 from quantkit.arch import get_arch
 from quantkit.convert.plan import inspect_sources
-from quantkit.errors import MissingSourceError, SourceError, StateError, UnsupportedError
+from quantkit.errors import FormatError, MissingSourceError, SourceError, StateError, UnsupportedError
 from quantkit.formats.registry import GGMLType
 from quantkit.io.checkpoint import open_checkpoint
 from quantkit.runtime import load_model, logits
 from quantkit.runtime.inverse import VALUE_INVERSES
+from quantkit.runtime.packed import Strided
 from quantkit.examples import example_model_dir
 from quantkit.runtime.weights import (DEFAULT_CACHE_FRACTION, CheckpointWeights, GGUFWeights, available_memory,
                                       open_weights)
@@ -85,41 +90,97 @@ def test_lazy_data_equals_eager_assembly(tiny_checkpoints, arch, layout, encodin
                 # a BF16 release keeps exactly the type the eager choice gave (BF16 when lossless, else F32)
                 assert (stored.qtype == GGMLType.BF16) == bf16_lossless(array), name
         assert weights.cache.hits == 0 and weights.cache.bytes == 0      # cache_bytes=0 keeps nothing
+        loaded = []
+        load = weights._load
+        weights._load = lambda source: loaded.append(source) or load(source)
+        for name, output in ((n, o) for n, (o, _) in plans.items() if len(o.shape) == 3):
+            whole = weights.data(name)
+            for index in [*range(output.shape[0]), -1]:
+                loaded.clear()
+                part = weights.data(name, index)
+                assert part.shape == whole.shape[1:] and np.array_equal(part, whole[index]), (name, index)
+                if output.assembly == "stack_experts":      # that expert's source only, not the stack
+                    assert loaded == [output.sources[index].hf_name], (name, index)
     finally:
         weights.close()
 
 
 def test_cache_stays_within_its_budget_through_a_forward_pass(tiny_checkpoints, monkeypatch):
+    """Budgets from a layer's stacked experts down to one expert and none: the unlimited logits bit for bit, the
+    cache never above its budget, and no source assembled twice in a pass (an expert's use assembles that expert,
+    not its stack)."""
     path = tiny_checkpoints.get("qwen3_moe", "per-expert", "bf16")
     with closing(CheckpointWeights(path, cache_bytes=0)) as w:
         sizes = {name: w.data(name).nbytes for name in w.tensors}
+        stacked = [name for name in w.tensors if "_exps" in name]
+        expert = w.data(stacked[0], 0).nbytes
     largest = max(sizes.values())
-    budget = 3 * largest        # one layer's three stacked expert tensors: the next layer must evict them
-    assert budget < sum(sizes.values()) // 2
-    observed = []
-    original = CheckpointWeights.data
+    assert largest == max(sizes[name] for name in stacked) and expert < largest // 2
+    # one layer's three stacked expert tensors (the next layer must evict them); less than one stacked tensor;
+    # one expert; nothing
+    budgets = (3 * largest, largest // 2, expert, 0)
+    assert budgets[0] < sum(sizes.values()) // 2
+    observed, loads = [], []
+    original, load = CheckpointWeights.data, CheckpointWeights._load
 
-    def data(self, name):
-        payload = original(self, name)
+    def data(self, name, index=None):
+        payload = original(self, name, index)
         observed.append(sum(p.nbytes for p in self.cache._entries.values()))     # counted here, not by the cache
         return payload
 
     monkeypatch.setattr(CheckpointWeights, "data", data)
+    monkeypatch.setattr(CheckpointWeights, "_load", lambda self, name: loads.append(name) or load(self, name))
     reference = load_model(path, cache_bytes=None)
-    bounded = load_model(path, cache_bytes=budget)
     try:
         want = logits(reference, IDS)
-        assert reference.store.weights.cache.peak_bytes == sum(sizes.values())   # unlimited: everything, once
-        observed.clear()
-        for _ in range(2):
-            assert np.array_equal(logits(bounded, IDS), want)
-        cache = bounded.store.weights.cache
-        assert observed and max(observed) <= budget and max(observed) == cache.peak_bytes
-        assert cache.bytes <= budget
-        assert cache.hits > 0 and cache.misses > len(sizes)        # reuse within a layer, evicted across layers
+        cache = reference.store.weights.cache
+        assert 0 < cache.peak_bytes < sum(sizes.values())       # unlimited: what the pass used, the routed experts
+        misses = cache.misses
+        assert np.array_equal(logits(reference, IDS), want) and cache.misses == misses      # all kept
     finally:
         reference.close()
-        bounded.close()
+    for budget in budgets:
+        bounded = load_model(path, cache_bytes=budget)
+        try:
+            observed.clear()
+            for _ in range(2):
+                loads.clear()
+                assert np.array_equal(logits(bounded, IDS), want), budget
+                assert loads and len(loads) == len(set(loads)), budget      # no source assembled twice in a pass
+            cache = bounded.store.weights.cache
+            assert observed and max(observed) <= budget and max(observed) == cache.peak_bytes, budget
+            assert cache.bytes <= budget
+        finally:
+            bounded.close()
+
+
+def test_imatrix_with_a_budget_of_two_experts_is_the_unlimited_one(tmp_path, monkeypatch):
+    """The bundled model's imatrix collected with ``max_memory`` of two experts' payloads (far less than one stacked
+    tensor): bit for bit the unlimited one, the cache within the budget."""
+    from quantkit.imatrix.collect import CollectOptions, collect_imatrix
+
+    peaks = []
+    close = CheckpointWeights.close
+
+    def closing_(self):
+        peaks.append(self.cache.peak_bytes)
+        close(self)
+
+    monkeypatch.setattr(CheckpointWeights, "close", closing_)
+    with closing(CheckpointWeights(example_model_dir(), cache_bytes=0)) as w:
+        name = next(n for n in w.tensors if "_exps" in n)
+        budget = 2 * w.data(name, 0).nbytes
+        assert budget < w.data(name).nbytes // 2
+    opts = dict(ctx=64, chunks=2, progress=False)
+    text = example_model_dir().parent / "tiny-moe-text" / "calibration.txt"
+    peaks.clear()
+    runs = {limit: collect_imatrix(example_model_dir(), text, tmp_path / f"{limit}.gguf",
+                                   CollectOptions(**opts, max_memory=limit)) for limit in (None, budget)}
+    assert 0 < peaks[1] <= budget
+    assert sorted(runs[budget].entries) == sorted(runs[None].entries)
+    for entry, e in runs[None].entries.items():
+        assert np.array_equal(runs[budget].entries[entry].counts, e.counts), entry
+        assert np.array_equal(runs[budget].entries[entry].in_sum2, e.in_sum2), entry
 
 
 # -- replace ----------------------------------------------------------------------------------------------------------
@@ -221,3 +282,58 @@ def test_budget_default_bad_values_and_close(tiny_checkpoints):
         assert small.data(name) is not small.data(name) and small.cache.bytes == 0
     finally:
         small.close()
+
+
+# -- packed weights: finiteness and placement -----------------------------------------------------------------------
+
+def test_finiteness_is_checked_once_per_payload_and_a_failure_every_time(tiny_checkpoints, monkeypatch):
+    path = tiny_checkpoints.get("qwen3_moe", "per-expert", "bf16")
+    checks = []
+    isfinite = torch.isfinite
+    monkeypatch.setattr(torch, "isfinite", lambda x: checks.append(x.numel()) or isfinite(x))
+    model = load_model(path, cache_bytes=0)
+    try:
+        want = logits(model, IDS)
+        assert checks
+        checks.clear()
+        assert np.array_equal(logits(model, IDS), want)
+        # payloads decoded finite once are not checked again; only the embedding rows looked up are (a few rows)
+        assert checks == [len(set(IDS)) * model.module.config.hidden_size]
+        routed = model.store._finite
+        assert any(index is not None for _, index in routed) and ("blk.0.attn_q.weight", None) in routed
+    finally:
+        model.close()
+    with open_checkpoint(path) as ckpt:
+        dense = ckpt.tensor_f32(DENSE)
+    dense[3, 5] = np.nan
+    model = load_model(path, replace={DENSE: lambda: dense})
+    try:
+        for _ in range(2):      # raised on first use, and again on the next: a failed payload is never trusted
+            with pytest.raises(FormatError, match="blk.1.attn_q.weight.*NaN or infinity"):
+                logits(model, IDS)
+    finally:
+        model.close()
+
+
+@pytest.mark.parametrize("rows,cols", [
+    (np.arange(4) * 6, np.arange(6)),              # contiguous block
+    (3 + np.arange(4) * 12, np.arange(6)),         # one half of each row (gate/up halves)
+    (np.arange(3) * 2, np.arange(4) * 6),          # transposed
+    (np.array([5]), np.arange(7)),                 # one row
+    (np.arange(5) * 3, np.array([0])),             # one column
+    (np.array([0, 6, 18, 12]), np.arange(6)),      # permuted rows: index scatter
+    (np.arange(4)[::-1] * 6, np.arange(6)),        # reversed rows: index scatter
+])
+def test_strided_placement_equals_the_index_scatter(rows, cols):
+    rows, cols = rows.astype(np.int64), cols.astype(np.int64)
+    batch, size = 3, int((rows[:, None] + cols[None, :]).max()) + 1
+    values = torch.arange(batch * rows.size * cols.size, dtype=torch.float32).reshape(batch, -1) + 1
+    expected = torch.zeros(batch, size)
+    expected[:, torch.from_numpy((rows[:, None] + cols[None, :]).reshape(-1))] = values
+    strided = Strided.of(rows, cols)
+    even = rows.size < 2 or (np.diff(rows) == rows[1] - rows[0]).all() and rows[1] > rows[0]
+    assert (strided is not None) == bool(even)
+    if strided is not None:
+        out = torch.zeros(batch, size)
+        strided.view(out, batch).copy_(values.reshape(strided.shape(batch)))
+        assert torch.equal(out, expected)

@@ -438,19 +438,46 @@ class ArchMap:
             raise SourceError(f"the config declares {self.block_count} blocks but no tensor maps to blocks "
                               f"{missing[:8]}", field="num_hidden_layers")
 
-    def assemble(self, output: OutputTensor, load: Callable[[str], np.ndarray]) -> np.ndarray:
-        """Build one GGUF tensor from its sources; ``load(hf_name)`` returns a decoded source array."""
-        parts = [transforms.apply(m.transform, load(m.hf_name), self.hp) for m in output.sources]
-        if output.assembly == "stack_experts":
-            data = np.stack(parts, axis=0)
-        elif output.assembly == "concat_shards":
-            data = np.concatenate(parts, axis=0)
-        else:
-            data = parts[0]
-        if tuple(data.shape) != tuple(output.shape) or data.dtype != np.dtype(output.dtype):
-            raise SourceError(f"{output.gguf_name!r}: sources gave {data.dtype}{list(data.shape)}, the plan says "
-                              f"{output.dtype}{list(output.shape)} (source shapes differ from the planned ones)")
-        return data
+    def assemble(self, output: OutputTensor, load: Callable[[str], np.ndarray],
+                 out: np.ndarray | None = None) -> np.ndarray:
+        """Build one GGUF tensor from its sources; ``load(hf_name)`` returns a decoded source array.
+
+        Sources are loaded and transformed one at a time and written into ``out``: an array of the planned shape
+        (any dtype the values cast to exactly, e.g. the BF16 payload of moved BF16 values), or a new one of the
+        planned dtype when None.  Only one transformed source exists besides the result, never a list of them and
+        their stack.  A single source without ``out`` is returned as it comes (no copy)."""
+        if out is None and output.assembly == "single":
+            part = transforms.apply(output.sources[0].transform, load(output.sources[0].hf_name), self.hp)
+            self._check_part(output, output.sources[0], part, output.shape)
+            return part
+        if out is None:
+            out = np.empty(output.shape, np.dtype(output.dtype))
+        if tuple(out.shape) != tuple(output.shape):
+            raise SourceError(f"{output.gguf_name!r}: asked to assemble into shape {list(out.shape)}, the plan says "
+                              f"{list(output.shape)}")
+        start = 0
+        for i, m in enumerate(output.sources):
+            part = transforms.apply(m.transform, load(m.hf_name), self.hp)
+            if output.assembly == "stack_experts":
+                slot = out[i]
+            elif output.assembly == "concat_shards":
+                slot = out[start:start + (part.shape[0] if part.ndim else 0)]
+            else:
+                slot = out
+            self._check_part(output, m, part, slot.shape)
+            slot[...] = part
+            start += slot.shape[0] if slot.ndim else 0
+        if output.assembly == "concat_shards" and start != out.shape[0]:
+            raise SourceError(f"{output.gguf_name!r}: its shards give {start} rows, the plan says {out.shape[0]} "
+                              f"(source shapes differ from the planned ones)")
+        return out
+
+    @staticmethod
+    def _check_part(output: OutputTensor, source: TensorMapping, part: np.ndarray, shape: Shape) -> None:
+        if tuple(part.shape) != tuple(shape) or part.dtype != np.dtype(output.dtype):
+            raise SourceError(f"{output.gguf_name!r}: source {source.hf_name!r} gave {part.dtype}{list(part.shape)}, "
+                              f"the plan says {output.dtype}{list(shape)} (source shapes differ from the planned "
+                              f"ones)")
 
     # -- metadata ----------------------------------------------------------------------------------------------
 

@@ -8,19 +8,26 @@ numba on the CPU (:func:`quantkit.formats.api.decode`), Triton on CUDA (:mod:`qu
 types without a kernel decode on the CPU and are copied over).  An NVFP4 tensor's ``<name>.scale`` companion (its
 global scale, one value or one per expert, llama.cpp's convention) multiplies the decoded values.
 
-Every decoded tensor is checked for NaN and infinity.  The check runs on the device without waiting for it
-(:meth:`WeightStore.check`, called by :func:`quantkit.runtime.logits` after each forward pass, and whenever
-:data:`MAX_PENDING_CHECKS` are waiting) and raises a :class:`~quantkit.errors.FormatError` naming the GGUF tensor.
+Decoded tensors are checked for NaN and infinity, each (GGUF tensor, leading-axis slice) on its first use only:
+payloads are fixed (the mapped file, or a checkpoint's deterministic assembly) and the decoders deterministic, so
+a payload that decoded finite once always does.  A decode of some rows is checked every time unless the whole
+tensor has been.  The check runs on the device without waiting for it (:meth:`WeightStore.check`, called by
+:func:`quantkit.runtime.logits` after each forward pass, and whenever :data:`MAX_PENDING_CHECKS` are waiting) and
+raises a :class:`~quantkit.errors.FormatError` naming the GGUF tensor; a payload that failed is checked, and
+fails, again on its next use.
 
 :class:`PackedTensor` is what the transformers model sees in place of a weight: a tensor subclass with the right
 shape, dtype and device and no storage.  Any operation on it rebuilds the weight (every GGUF tensor it comes from,
-decoded and scattered by its :class:`~quantkit.runtime.inverse.TensorPlan`) and runs on the result, so the
-model's own code runs unchanged.  Three operations decode less: ``weight[i]`` on fused 3-D experts (the routed
-expert only), ``embedding(weight, ids)`` (the rows looked up only) and shape queries (nothing).
+decoded and placed by its :class:`~quantkit.runtime.inverse.TensorPlan`: a strided copy where a part's rows and
+columns are evenly spaced, an index scatter otherwise) and runs on the result, so the model's own code runs
+unchanged.  Three operations decode less: ``weight[i]`` on fused 3-D experts (the routed expert only, read as
+``weights.data(name, i)``: one expert's payload, so a checkpoint assembles only that expert), ``embedding(weight,
+ids)`` (the rows looked up only) and shape queries (nothing).
 """
 from __future__ import annotations
 
 import warnings
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -46,7 +53,9 @@ class WeightStore:
         self.stream = stream
         self._on_device: dict[str, torch.Tensor] = {}
         self._scales: dict[str, torch.Tensor] = {}
-        self._pending: list[tuple[str, torch.Tensor]] = []
+        self._pending: list[tuple[str, tuple[str, int | None] | None, torch.Tensor]] = []
+        self._pending_keys: set[tuple[str, int | None]] = set()
+        self._finite: set[tuple[str, int | None]] = set()
         self._triton = None
         if device.type == "cuda":
             from ..kernels import triton_dequant
@@ -91,9 +100,7 @@ class WeightStore:
                 part = part.reshape(-1, part.shape[-1])[rows.to(part.device)]
             values = self._triton.dequantize(part, stored.qtype)
         else:
-            raw = self.weights.data(name)
-            if index is not None:
-                raw = raw[index]
+            raw = self.weights.data(name, index)
             if rows is not None:
                 raw = raw.reshape(-1, raw.shape[-1])[rows.cpu().numpy()]
             if on_gpu:      # streamed: the packed bytes travel, the device decodes
@@ -110,22 +117,31 @@ class WeightStore:
                 values = values * scale[index]
             else:
                 values = (values.view(scale.numel(), -1) * scale[:, None]).reshape(-1)
-        self._expect_finite(name, values)
+        if (name, None) not in self._finite:
+            self._expect_finite(name, values, (name, index) if rows is None else None)
         return values
 
     # -- finiteness ------------------------------------------------------------------------------------------------
 
-    def _expect_finite(self, name: str, values: torch.Tensor) -> None:
-        self._pending.append((name, torch.isfinite(values).all()))
+    def _expect_finite(self, name: str, values: torch.Tensor, key: tuple[str, int | None] | None) -> None:
+        """Queue the check of ``values``; ``key`` is what it proves finite for later uses (None: nothing, only
+        some rows were decoded)."""
+        if key is not None and (key in self._finite or key in self._pending_keys):
+            return
+        self._pending.append((name, key, torch.isfinite(values).all()))
+        if key is not None:
+            self._pending_keys.add(key)
         if len(self._pending) >= MAX_PENDING_CHECKS:
             self.check()
 
     def check(self) -> None:
         """Raise FormatError naming the first decoded tensor that held NaN or infinity since the last check."""
         pending, self._pending = self._pending, []
+        self._pending_keys.clear()
         if not pending:
             return
-        flags = torch.stack([flag for _, flag in pending]).cpu()
+        flags = torch.stack([flag for _, _, flag in pending]).cpu()
+        self._finite.update(key for (_, key, _), ok in zip(pending, flags.tolist()) if ok and key is not None)
         if not bool(flags.all()):
             name = pending[int((~flags).nonzero()[0])][0]
             stored = self.weights.tensors[name]
@@ -152,7 +168,16 @@ class Assembler:
 
     def __init__(self, store: WeightStore):
         self.store = store
-        self._maps: dict[tuple[str, str], tuple[torch.Tensor, torch.Tensor]] = {}
+        self._places: dict[tuple[str, str], Strided | torch.Tensor] = {}
+
+    def _place(self, plan: TensorPlan, part: Part) -> "Strided | torch.Tensor":
+        """Where a part's values go in (one slice of) the model tensor: a strided view, else flat positions."""
+        key = (plan.name, part.gguf_name)
+        if key not in self._places:
+            strided = Strided.of(part.rows, part.cols)
+            self._places[key] = strided if strided is not None else \
+                torch.from_numpy((part.rows[:, None] + part.cols[None, :]).reshape(-1)).to(self.store.device)
+        return self._places[key]
 
     def _scatter(self, plan: TensorPlan, out: torch.Tensor, part: Part, values: torch.Tensor, batch: int) -> None:
         for step in reversed(part.values):
@@ -162,12 +187,11 @@ class Assembler:
         if part.rows is None:
             out.view(-1).copy_(values.reshape(-1))
             return
-        key = (plan.name, part.gguf_name)
-        if key not in self._maps:
-            self._maps[key] = (torch.from_numpy(part.rows).to(out.device), torch.from_numpy(part.cols).to(out.device))
-        rows, cols = self._maps[key]
-        positions = (rows[:, None] + cols[None, :]).reshape(-1)
-        out.view(batch, -1)[:, positions] = values.reshape(batch, -1).to(out.dtype)
+        place = self._place(plan, part)
+        if isinstance(place, Strided):
+            place.view(out, batch).copy_(values.reshape(place.shape(batch)))
+        else:
+            out.view(batch, -1)[:, place] = values.reshape(batch, -1).to(out.dtype)
 
     def build(self, plan: TensorPlan, dtype: torch.dtype, index: int | None = None) -> torch.Tensor:
         """The model tensor (or, for a sliced plan, its slice ``index``) in ``dtype`` on the store's device."""
@@ -180,11 +204,11 @@ class Assembler:
             shape, batch = plan.shape, 1
         if len(plan.parts) == 1 and plan.parts[0].rows is None and not plan.parts[0].values:
             return self.store.decode(plan.parts[0].gguf_name, index).reshape(shape).to(dtype)
-        work = torch.float32 if dtype.is_floating_point else dtype
-        out = torch.empty(shape, dtype=work, device=self.store.device)
+        # placed straight into ``dtype``: the one rounding of the float32 values that converting afterwards made
+        out = torch.empty(shape, dtype=dtype, device=self.store.device)
         for part in plan.parts:
             self._scatter(plan, out, part, self.store.decode(part.gguf_name, index), batch)
-        return out.to(dtype)
+        return out
 
     def rows(self, plan: TensorPlan, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
         """Rows ``ids`` of a 2-D model tensor that is one GGUF tensor unchanged; None for other plans."""
@@ -194,6 +218,37 @@ class Assembler:
         unique, inverse = torch.unique(ids.reshape(-1), return_inverse=True)
         table = self.store.decode(plan.parts[0].gguf_name, rows=unique).reshape(len(unique), plan.shape[1])
         return table.to(dtype)[inverse.to(table.device)].reshape(*ids.shape, plan.shape[1])
+
+
+@dataclass(frozen=True)
+class Strided:
+    """Positions ``offset + r * row_stride + c * col_stride`` (r < rows, c < cols) of each slice of a contiguous
+    tensor: a part whose rows and columns are both evenly spaced lands through a strided view (one copy) instead
+    of an index scatter."""
+
+    offset: int
+    rows: int
+    row_stride: int
+    cols: int
+    col_stride: int
+
+    @staticmethod
+    def of(rows: np.ndarray, cols: np.ndarray) -> "Strided | None":
+        """The view of factored positions ``rows[r] + cols[c]`` (``cols[0] == 0``), None when not evenly spaced."""
+        row_stride, col_stride = (int(a[1] - a[0]) if a.size > 1 else 0 for a in (rows, cols))
+        if not (np.array_equal(rows, rows[0] + np.arange(rows.size, dtype=np.int64) * row_stride)
+                and np.array_equal(cols, np.arange(cols.size, dtype=np.int64) * col_stride)) \
+                or min(row_stride, col_stride) < 0:
+            return None
+        return Strided(int(rows[0]), rows.size, row_stride, cols.size, col_stride)
+
+    def shape(self, batch: int) -> tuple[int, int, int]:
+        return batch, self.rows, self.cols
+
+    def view(self, out: torch.Tensor, batch: int) -> torch.Tensor:
+        """The places in ``out`` (contiguous, ``batch`` slices), as a ``[batch, rows, cols]`` view."""
+        return out.as_strided(self.shape(batch), (out.numel() // batch, self.row_stride, self.col_stride),
+                               out.storage_offset() + self.offset)
 
 
 class PackedTensor(torch.Tensor):

@@ -3,7 +3,8 @@
 Both sources give the same view, so a source checkpoint and its quantized GGUF run through the same code:
 
 * ``tensors``: GGUF tensor name -> :class:`StoredTensor` (GGML type, numpy-order shape);
-* ``data(name)``: the payload as ``uint8[*shape[:-1], row_bytes]`` (a view of the memory-mapped file for GGUF);
+* ``data(name, index=None)``: the payload as ``uint8[*shape[:-1], row_bytes]`` (a view of the memory-mapped file
+  for GGUF), or its slice ``index`` of the leading axis (one routed expert of a stacked tensor);
 * ``config``: the source's ``config.json`` as a dict; ``metadata``: the GGUF key/value pairs (None for a
   checkpoint).
 
@@ -13,10 +14,14 @@ for the architectures where that is exact (:data:`CONFIG_BUILDERS`: ``qwen3moe``
 
 A checkpoint is planned at open from its headers alone (:meth:`quantkit.arch.ArchMap.outputs`: names, shapes) and
 stays open; ``data(name)`` assembles one GGUF tensor on demand (its sources decoded to float32 by
-:mod:`quantkit.io.checkpoint`, transformed by the map) and keeps it in a least-recently-used cache of at most
-``cache_bytes`` (None: :data:`DEFAULT_CACHE_FRACTION` of the memory available at open; 0: no cache).  A tensor
-larger than the budget is assembled again on every use.  Memory is therefore bounded by the budget plus the tensor
-being used, and a model larger than memory streams from its checkpoint.
+:mod:`quantkit.io.checkpoint`, transformed by the map, written source by source into the payload: no float32 copy
+of the whole tensor) and keeps it in a least-recently-used cache of at most ``cache_bytes`` (None:
+:data:`DEFAULT_CACHE_FRACTION` of the memory available at open; 0: no cache).  ``data(name, index)`` of a tensor
+the map stacks from one source per expert assembles that expert's source only and caches it as its own entry
+(``(name, index)``) under the same budget, so a budget smaller than one stacked tensor still holds the experts in
+use; other tensors give the slice of the whole (cached whole if it fits).  A payload larger than the budget is
+assembled again on every use.  Memory is therefore bounded by the budget plus the payload being used, and a model
+larger than memory streams from its checkpoint.
 
 Each GGUF tensor's type is decided from the headers, exactly: I32 for integer tensors; BF16 when every source is
 stored BF16 and the map only moves its values (BF16 -> float32 -> BF16 is exact); F32 otherwise (FP8 and FP4
@@ -29,12 +34,13 @@ decoding it (called again on every cache miss) and the GGUF tensors they feed ar
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Hashable, Mapping
 
 import ml_dtypes
 import numpy as np
@@ -50,6 +56,10 @@ from .inverse import VALUE_INVERSES
 
 #: The first bytes of a GGUF file.
 GGUF_MAGIC = b"GGUF"
+#: The numpy type of each payload type a checkpoint's tensors are given (see the module doc).
+PAYLOAD_DTYPES: Mapping[GGMLType, np.dtype] = {GGMLType.I32: np.dtype(np.int32),
+                                               GGMLType.BF16: np.dtype(ml_dtypes.bfloat16),
+                                               GGMLType.F32: np.dtype(np.float32)}
 
 
 @dataclass(frozen=True)
@@ -74,8 +84,9 @@ class GGUFWeights:
             self.file.close()
             raise
 
-    def data(self, name: str) -> np.ndarray:
-        return self.file.data(name)
+    def data(self, name: str, index: int | None = None) -> np.ndarray:
+        payload = self.file.data(name)
+        return payload if index is None else payload[index]
 
     def close(self) -> None:
         self.file.close()
@@ -102,7 +113,8 @@ def available_memory() -> int:
 
 
 class PayloadCache:
-    """Least-recently-used payloads, at most ``budget`` bytes in all (an entry larger than the budget is not kept).
+    """Least-recently-used payloads by key (``(name, index)``), at most ``budget`` bytes in all (an entry larger
+    than the budget is not kept).
 
     ``peak_bytes`` is the most the cache ever held; ``hits`` and ``misses`` count :meth:`get` answers.
     """
@@ -110,24 +122,28 @@ class PayloadCache:
     def __init__(self, budget: int):
         self.budget = budget
         self.bytes = self.peak_bytes = self.hits = self.misses = 0
-        self._entries: OrderedDict[str, np.ndarray] = OrderedDict()
+        self._entries: OrderedDict[Hashable, np.ndarray] = OrderedDict()
 
-    def get(self, name: str) -> np.ndarray | None:
-        entry = self._entries.get(name)
+    def get(self, key: Hashable) -> np.ndarray | None:
+        entry = self._entries.get(key)
         if entry is None:
             self.misses += 1
             return None
         self.hits += 1
-        self._entries.move_to_end(name)
+        self._entries.move_to_end(key)
         return entry
 
-    def put(self, name: str, payload: np.ndarray) -> None:
-        if payload.nbytes > self.budget or name in self._entries:
+    def peek(self, key: Hashable) -> np.ndarray | None:
+        """The entry if held, without counting or reordering."""
+        return self._entries.get(key)
+
+    def put(self, key: Hashable, payload: np.ndarray) -> None:
+        if payload.nbytes > self.budget or key in self._entries:
             return
         while self._entries and self.bytes + payload.nbytes > self.budget:
             _, evicted = self._entries.popitem(last=False)
             self.bytes -= evicted.nbytes
-        self._entries[name] = payload
+        self._entries[key] = payload
         self.bytes += payload.nbytes
         self.peak_bytes = max(self.peak_bytes, self.bytes)
 
@@ -205,30 +221,39 @@ class CheckpointWeights:
             return np.asarray(self._ckpt.raw(name))
         return self._ckpt.tensor_f32(name)
 
-    def data(self, name: str) -> np.ndarray:
+    def data(self, name: str, index: int | None = None) -> np.ndarray:
         if self._closed:
             raise StateError("the checkpoint weights were closed", path=self.path, tensor=name)
-        payload = self.cache.get(name)
+        output = self._outputs[name]
+        if index is not None and output.assembly != "stack_experts":
+            return self.data(name)[index]
+        if index is not None:
+            whole = self.cache.peek((name, None))
+            if whole is not None:
+                return whole[index]
+            index = range(output.shape[0])[index]      # a negative index is cached as its expert
+        key = (name, index)
+        payload = self.cache.get(key)
         if payload is None:
-            payload = _payload(self.tensors[name].qtype, self._amap.assemble(self._outputs[name], self._load))
+            if index is not None:
+                output = dataclasses.replace(output, shape=output.shape[1:], sources=(output.sources[index],),
+                                             assembly="single")
+            payload = self._assemble(output, self.tensors[name].qtype)
             payload.flags.writeable = False     # shared through the cache
-            self.cache.put(name, payload)
+            self.cache.put(key, payload)
         return payload
+
+    def _assemble(self, output: OutputTensor, qtype: GGMLType) -> np.ndarray:
+        """The GGUF bytes ``uint8[*shape[:-1], row_bytes]`` of ``output`` in ``qtype`` (I32, BF16 or F32), its
+        sources written straight into the payload's type (exact: see the module doc)."""
+        out = np.empty(output.shape, PAYLOAD_DTYPES[qtype])
+        self._amap.assemble(output, self._load, out=out)
+        return out.view(np.uint8).reshape(*out.shape[:-1], -1)
 
     def close(self) -> None:
         self._closed = True
         self.cache.clear()
         self._ckpt.close()
-
-
-def _payload(qtype: GGMLType, array: np.ndarray) -> np.ndarray:
-    """GGUF bytes ``uint8[*shape[:-1], row_bytes]`` of an assembled tensor in ``qtype`` (I32, BF16 or F32)."""
-    array = np.ascontiguousarray(array)
-    if qtype == GGMLType.I32:
-        array = array.astype(np.int32)
-    elif qtype == GGMLType.BF16:
-        array = array.astype(ml_dtypes.bfloat16)
-    return array.view(np.uint8).reshape(*array.shape[:-1], -1)
 
 
 def open_weights(path: str | os.PathLike, config: Mapping[str, Any] | None = None, *,
