@@ -224,3 +224,22 @@ def test_transformers_reproduces_the_fixture_continuations(release):
         agree += int((rows.argmax(-1) == torch.tensor(target)).sum())
         total += len(target)
     assert agree >= MIN_GREEDY_AGREEMENT * total
+
+
+def test_demo_runs_end_to_end(tmp_path):
+    """README's first command: convert -> validate -> score both -> compare, each step's outcome printed."""
+    from click.testing import CliRunner
+
+    from quantkit.cli import main
+
+    result = CliRunner().invoke(main, ["demo", "--workdir", str(tmp_path)])
+    assert result.exit_code == 0, result.output
+    lines = result.output.splitlines()
+    steps = [line for line in lines if line.startswith("== ")]
+    assert [s.split()[1] for s in steps] == ["plan", "validate", "F16", "score", "score", "compare:"]
+    assert "valid" in lines
+    assert sum(line.startswith("summary cases=100 ") for line in lines) == 2
+    # the Q2 candidate loses to the F16 control on NLL (the scores of bench/results/example-model-*.md)
+    assert "verdict=worse" in lines
+    assert {p.name for p in tmp_path.iterdir()} >= {"tiny-moe-q2.gguf", "tiny-moe-f16.gguf", "tiny-moe-q2.tsv",
+                                                   "tiny-moe-f16.tsv"}
