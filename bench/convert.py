@@ -152,6 +152,17 @@ class TreeSampler:
         return self.peak
 
 
+def synthetic_checkpoint(root: Path, layers: int, bench: str) -> tuple[Path, int]:
+    """:func:`write_checkpoint` into ``root/ckpt``, its size and the time it took emitted as a record."""
+    t0 = time.perf_counter()
+    (root / "ckpt").mkdir()
+    ckpt = write_checkpoint(root / "ckpt", layers)
+    source_bytes = sum(p.stat().st_size for p in ckpt.glob("*.safetensors"))
+    emit({"name": f"{bench} synthetic checkpoint", "layers": layers, "experts": EXPERTS, "hidden": HIDDEN,
+          "expert_width": EXPERT_WIDTH, "source_bytes": source_bytes, "seconds": time.perf_counter() - t0})
+    return ckpt, source_bytes
+
+
 def run_convert(ckpt: Path, out: Path, report: Path, recipe: str, jobs: int) -> dict:
     command = ["/usr/bin/time", "-v", sys.executable, "-c", "from quantkit.cli import main; main()", "convert",
                str(ckpt), "-o", str(out), "--recipe", recipe, "--pre-tokenizer", "qwen2", "-j", str(jobs),
@@ -185,12 +196,7 @@ def main() -> None:
 
     root = Path(tempfile.mkdtemp(prefix="quantkit-bench-convert-", dir=args.workdir))
     try:
-        t0 = time.perf_counter()
-        (root / "ckpt").mkdir()
-        ckpt = write_checkpoint(root / "ckpt", layers)
-        source_bytes = sum(p.stat().st_size for p in ckpt.glob("*.safetensors"))
-        emit({"name": "convert synthetic checkpoint", "layers": layers, "experts": EXPERTS, "hidden": HIDDEN,
-              "expert_width": EXPERT_WIDTH, "source_bytes": source_bytes, "seconds": time.perf_counter() - t0})
+        ckpt, source_bytes = synthetic_checkpoint(root, layers, "convert")
         out, report_path = root / "out.gguf", root / "report.json"
         measured = run_convert(ckpt, out, report_path, args.recipe, args.jobs)
         report = json.loads(report_path.read_text())

@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 
 from _common import emit
-from convert import EXPERT_WIDTH, EXPERTS, GIB, HIDDEN, SAMPLE_SECONDS, layer_bytes, write_checkpoint
+from convert import EXPERT_WIDTH, EXPERTS, GIB, HIDDEN, SAMPLE_SECONDS, layer_bytes, synthetic_checkpoint
 
 from quantkit.cli.imatrix import ByteSize
 from quantkit.examples import example_model_dir
@@ -150,12 +150,7 @@ def main() -> None:
     root = Path(tempfile.mkdtemp(prefix="quantkit-bench-imatrix-", dir=args.workdir))
     records = []
     try:
-        t0 = time.perf_counter()
-        (root / "ckpt").mkdir()
-        ckpt = write_checkpoint(root / "ckpt", layers)
-        source_bytes = sum(p.stat().st_size for p in ckpt.glob("*.safetensors"))
-        emit({"name": "imatrix collect synthetic checkpoint", "layers": layers, "experts": EXPERTS, "hidden": HIDDEN,
-              "expert_width": EXPERT_WIDTH, "source_bytes": source_bytes, "seconds": time.perf_counter() - t0})
+        ckpt, source_bytes = synthetic_checkpoint(root, layers, "imatrix collect")
         runs = [("streaming", budget)]
         if available_memory() >= UNLIMITED_HEADROOM * source_bytes:
             runs.append(("unlimited", None))
