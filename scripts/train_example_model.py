@@ -399,8 +399,9 @@ def bundle(model_dir: Path) -> None:
 
 def capture(model_dir: Path, prompts: Path, out: Path) -> None:
     """``quantkit fixture capture`` of the release with transformers as the logit source (float32 compute, the
-    runtime's compute dtype).  The command runs quantkit's packed runtime, which decodes every weight on every
-    call: 8 cases took 3 minutes on the busy 2-core machine (~40 minutes for 100); transformers takes ~3.
+    runtime's compute dtype).  The bundled fixture was made this way when the packed runtime had no KV cache
+    (~40 minutes for 100 cases); the command now generates with a cache and reproduces it exactly (30 of 30
+    cases checked, bench/results/fixture-capture-2026-11-30.md), so either source gives this fixture.
     The directory is made readable to all (the fixture writer creates it private), as package data must be."""
     import dataclasses
 
