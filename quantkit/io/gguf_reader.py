@@ -42,6 +42,15 @@ _U32 = struct.Struct("<I")
 _U64 = struct.Struct("<Q")
 
 
+def is_gguf(path: str | os.PathLike) -> bool:
+    """Whether ``path`` is a file starting with the GGUF magic (what is read next decides if it is a valid one)."""
+    path = Path(path)
+    if not path.is_file():
+        return False
+    with open(path, "rb") as f:
+        return f.read(len(MAGIC)) == MAGIC
+
+
 class _Cursor:
     """Bounds-checked little-endian reads; every read names what it reads, for the error message."""
 

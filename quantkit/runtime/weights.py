@@ -51,11 +51,9 @@ from ..errors import FormatError, MissingSourceError, SourceError, StateError, U
 from ..formats.registry import GGMLType
 from ..io.checkpoint import open_checkpoint
 from ..io.gguf import KV
-from ..io.gguf_reader import GGUFFile
+from ..io.gguf_reader import GGUFFile, is_gguf
 from .inverse import VALUE_INVERSES
 
-#: The first bytes of a GGUF file.
-GGUF_MAGIC = b"GGUF"
 #: The numpy type of each payload type a checkpoint's tensors are given (see the module doc).
 PAYLOAD_DTYPES: Mapping[GGMLType, np.dtype] = {GGMLType.I32: np.dtype(np.int32),
                                                GGMLType.BF16: np.dtype(ml_dtypes.bfloat16),
@@ -266,13 +264,11 @@ def open_weights(path: str | os.PathLike, config: Mapping[str, Any] | None = Non
     path = Path(path)
     if not path.exists():
         raise SourceError("no such file or directory", path=path)
-    if path.is_file():
-        with open(path, "rb") as f:
-            if f.read(len(GGUF_MAGIC)) == GGUF_MAGIC:
-                if replace:
-                    raise UnsupportedError(f"replacing source tensors ({sorted(replace)[0]!r}, ...) needs a "
-                                           f"safetensors checkpoint, not a GGUF", path=path)
-                return GGUFWeights(path, config)
+    if is_gguf(path):
+        if replace:
+            raise UnsupportedError(f"replacing source tensors ({sorted(replace)[0]!r}, ...) needs a safetensors "
+                                   f"checkpoint, not a GGUF", path=path)
+        return GGUFWeights(path, config)
     return CheckpointWeights(path, config, cache_bytes=cache_bytes, replace=replace)
 
 

@@ -22,9 +22,8 @@ import numpy as np
 
 from ..errors import SourceError
 from ..fixtures.tokens import TextCodec
+from ..io.gguf_reader import is_gguf
 from .source import ModelIdentity, checkpoint_identity, gguf_identity
-
-GGUF_MAGIC = b"GGUF"
 
 
 class RuntimeSource:
@@ -51,14 +50,6 @@ class RuntimeSource:
 
     def close(self) -> None:
         self.model.close()
-
-
-def is_gguf(path: str | os.PathLike) -> bool:
-    path = Path(path)
-    if not path.is_file():
-        return False
-    with open(path, "rb") as f:
-        return f.read(len(GGUF_MAGIC)) == GGUF_MAGIC
 
 
 def _gguf_tokenizer(path: Path):
