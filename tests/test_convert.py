@@ -160,7 +160,7 @@ def test_payloads_and_provenance(qwen, tmp_path):
     assert meta["quantkit.imatrix.synthetic"] is True
     assert meta["quantkit.recipe.text"] == recipe.text
     assert meta["quantkit.recipe.sha256"] == hashlib.sha256(recipe.text.encode()).hexdigest()
-    assert meta["quantkit.recipe.name"] == RECIPE and meta["quantkit.recipe.tag"] == recipe.name_tag
+    assert meta["quantkit.recipe.name"] == RECIPE and meta["quantkit.recipe.tag"] == recipe.name_tag  # every rule decides a tensor here
     files = sorted(p for p in qwen.iterdir() if p.suffix in (".json", ".safetensors"))
     assert meta["quantkit.source.files"] == [p.name for p in files]
     assert meta["quantkit.source.sha256"] == [sha256_file(p) for p in files]
