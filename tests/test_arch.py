@@ -57,9 +57,6 @@ def _qwen4_ratios_line(config: dict) -> str:
 
 #: Intended differences from llama.cpp's converter (exactly these lines must come out of the comparison).
 EXPECTED_DIFFERENCES = {
-    # When the tokenizer has no chat template the converter embeds llama.cpp's bundled DeepSeek-V4 jinja file;
-    # quantkit writes the tokenizer's own template, or the one the caller passes (metadata(chat_template=...)).
-    "deepseek_v4": lambda config: ["key tokenizer.chat_template only in the converter"],
     # The converter marks layers named "full_attention"; transformers renames them "indexed_attention" when it
     # loads the config (the converter reads AutoConfig's view), so it writes all-zero ratios and QSA never engages.
     "qwen4_exp": lambda config: [_qwen4_ratios_line(config)],
@@ -489,3 +486,23 @@ def test_f32_conversion_matches_llama_cpp_converter(converted, arch):
     model_dir, gguf_path = converted(arch)
     expected = EXPECTED_DIFFERENCES.get(arch, lambda config: [])(load_config(model_dir))
     assert compare_with_converter(arch, model_dir, gguf_path) == expected
+
+
+@pytest.mark.interop
+@pytest.mark.slow
+def test_deepseek_v4_default_chat_template_follows_the_checkpoint_name(tiny, tmp_path):
+    """Issue 18 #4: without a tokenizer template, the converter picks its 0731 template for a directory named
+    ``...0731...`` and its DeepSeek V4 one otherwise; quantkit writes the same text (the plain name is covered by
+    test_f32_conversion_matches_llama_cpp_converter)."""
+    if not (LLAMA_CPP_SRC / "convert_hf_to_gguf.py").is_file():
+        pytest.fail(f"llama.cpp's converter not found under {LLAMA_CPP_SRC}: run python -m quantkit.testing.llama_src")
+    source = tiny.get("deepseek_v4", *CONVERTER_SOURCES["deepseek_v4"])
+    labelled = tmp_path / "DeepSeek-V4-Flash-tiny-0731"
+    labelled.symlink_to(source, target_is_directory=True)
+    out = tmp_path / "converter-0731.gguf"
+    run_converter(labelled, out, PRE_TOKENIZER["deepseek_v4"])
+    theirs = gguf.GGUFReader(out).fields["tokenizer.chat_template"].contents()
+    amap = get_arch("deepseek_v4").bind(load_config(source))
+    ours = dict(amap.metadata(labelled, pre_tokenizer=PRE_TOKENIZER["deepseek_v4"]))["tokenizer.chat_template"].value
+    plain = dict(amap.metadata(source, pre_tokenizer=PRE_TOKENIZER["deepseek_v4"]))["tokenizer.chat_template"].value
+    assert ours == theirs and plain != theirs

@@ -119,6 +119,37 @@ def test_v4_fp8_e8m0_and_fp4_experts(tmp_path):
                                       bs.fp4_e8m0_dequantize(packed, escales))
 
 
+@pytest.mark.parametrize("config", [{"expert_dtype": "fp4"}, None])
+def test_v4_release_u8_scales_without_quantization_config(tmp_path, config):
+    """Issue 18 #3: DeepSeek V4 releases store E8M0 scales as U8 too (the same bytes) and DeepSeek's own config has
+    no quantization_config; llama.cpp's converter reads both, so do we (FP8 and packed FP4 told by dtype)."""
+    attn = weights(130, 256)
+    codes, scales = bs.fp8_block_quantize_e8m0(attn)
+    packed, escales = bs.fp4_e8m0_quantize(weights(8, 64))
+    tensors = {"layers.0.attn.wq.weight": codes, "layers.0.attn.wq.scale": scales,
+               "layers.0.ffn.experts.3.w1.weight": packed, "layers.0.ffn.experts.3.w1.scale": escales}
+    dtypes = {"layers.0.attn.wq.weight": "F8_E4M3", "layers.0.attn.wq.scale": "U8",
+              "layers.0.ffn.experts.3.w1.weight": "I8", "layers.0.ffn.experts.3.w1.scale": "U8"}
+    save_dir(tmp_path, {"model.safetensors": (tensors, dtypes)}, config, index=False)
+    with open_checkpoint(tmp_path) as c:
+        assert c.tensor_info("layers.0.ffn.experts.3.w1.scale").dtype == "U8"
+        assert c.quantization == "fp8-block-e8m0"
+        assert c.scheme("layers.0.ffn.experts.3.w1.weight") == ("fp4-e8m0", ("scale",))
+        np.testing.assert_array_equal(c.tensor_f32("layers.0.attn.wq.weight"),
+                                      bs.fp8_block_dequantize_e8m0(codes, scales))
+        np.testing.assert_array_equal(c.tensor_f32("layers.0.ffn.experts.3.w1.weight"),
+                                      bs.fp4_e8m0_dequantize(packed, escales))
+
+
+def test_fp4_experts_alone_are_not_called_fp8(tmp_path):
+    packed, escales = bs.fp4_e8m0_quantize(weights(8, 64))
+    save_dir(tmp_path, {"model.safetensors": ({"e.weight": packed, "e.scale": escales, "b.weight": weights(4, 4)},
+                                              {"e.weight": "I8", "e.scale": "U8"})}, {"expert_dtype": "fp4"},
+             index=False)
+    with open_checkpoint(tmp_path) as c:
+        assert c.quantization == "fp4-e8m0"
+
+
 def test_transformers_ue8m0_scale_inv(tmp_path):
     """transformers' FP8 integration stores E8M0 block scales as ``weight_scale_inv`` (float8_e8m0fnu)."""
     dense = weights(130, 128)
@@ -147,7 +178,7 @@ def fused_fp4_checkpoint(directory):
 def test_fused_expert_slices(tmp_path):
     path, parts = fused_fp4_checkpoint(tmp_path)
     with open_checkpoint(path) as c:   # no config: the quantization comes from the tensors on disk
-        assert c.quantization == "fp8-block-e8m0"
+        assert c.quantization == "fp4-e8m0"
         for e, (p, s) in enumerate(parts):
             np.testing.assert_array_equal(c.tensor_f32("e.weight", expert=e), bs.fp4_e8m0_dequantize(p, s))
         full = c.tensor_f32("e.weight")

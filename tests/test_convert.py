@@ -160,7 +160,7 @@ def test_payloads_and_provenance(qwen, tmp_path):
     assert meta["quantkit.imatrix.synthetic"] is True
     assert meta["quantkit.recipe.text"] == recipe.text
     assert meta["quantkit.recipe.sha256"] == hashlib.sha256(recipe.text.encode()).hexdigest()
-    assert meta["quantkit.recipe.name"] == RECIPE and meta["quantkit.recipe.tag"] == recipe.name_tag
+    assert meta["quantkit.recipe.name"] == RECIPE and meta["quantkit.recipe.tag"] == recipe.name_tag  # every rule decides a tensor here
     files = sorted(p for p in qwen.iterdir() if p.suffix in (".json", ".safetensors"))
     assert meta["quantkit.source.files"] == [p.name for p in files]
     assert meta["quantkit.source.sha256"] == [sha256_file(p) for p in files]
@@ -252,6 +252,37 @@ def test_mxfp4_repack_keeps_every_value(tiny, tmp_path):
             name = f"layers.{layer}.ffn.experts.{e}.w3"
             want = blockscaled.fp4_e8m0_dequantize(ckpt.raw(name + ".weight"), ckpt.raw(name + ".scale"))
             assert np.array_equal(got[e], want), (layer, e)
+
+
+def payload_and_metadata(path: Path) -> tuple[dict, dict]:
+    """Tensors (type, shape, bytes) and metadata of a GGUF, without quantkit's provenance keys (source hashes)."""
+    with GGUFFile(path) as f:
+        tensors = {n: (t.type, t.shape, bytes(f.data(n))) for n, t in f.tensors.items()}
+        meta = {k: kv.value.tolist() if isinstance(kv.value, np.ndarray) else kv.value
+                for k, kv in f.metadata.items() if not k.startswith("quantkit.source.")}
+    return tensors, meta
+
+
+@pytest.mark.parametrize("variant", ["fp4-experts-u8-scales", "fp4-experts-no-config"])
+def test_v4_release_variants_convert_like_the_release(tiny, tmp_path, variant):
+    """Issue 18 #3: expert scales stored as U8, or a config without quantization_config (both read by llama.cpp's
+    converter), convert to the same tensors and metadata as the release layout they hold the weights of."""
+    src = tiny.get("deepseek_v4", "official", variant)
+    with open_checkpoint(src) as ckpt:      # the variant is what it claims to be
+        if variant.endswith("u8-scales"):
+            assert ckpt.tensor_info("layers.0.ffn.experts.0.w1.scale").dtype == "U8"
+            assert ckpt.tensor_info("layers.0.attn.wq_a.scale").dtype == "F8_E8M0"
+        else:
+            assert "quantization_config" not in ckpt.config and ckpt.config["expert_dtype"] == "fp4"
+    recipe = write_recipe(tmp_path / "r.toml", SOURCE_RECIPE)
+    outs = []
+    for i, source in enumerate((tiny.get("deepseek_v4", "official", "fp4-experts"), src)):
+        result = run(source, "-o", tmp_path / f"{i}.gguf", "--recipe", recipe, "--pre-tokenizer", "deepseek-v3")
+        assert result.exit_code == 0, result.output
+        outs.append(payload_and_metadata(tmp_path / f"{i}.gguf"))
+    (release_tensors, release_meta), (tensors, meta) = outs
+    assert GGMLType.MXFP4 in {t for t, _, _ in tensors.values()}
+    assert tensors == release_tensors and meta == release_meta
 
 
 @pytest.mark.parametrize("convention", ["modelopt", "compressed-tensors"])

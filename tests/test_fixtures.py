@@ -371,6 +371,45 @@ def test_gguf_of_the_source_matches_the_source_fixture(tmp_path, text_model):
     assert out.exit_code == 2 and "checkpoint label differs: fixture '0800', model '0731'" in out.output
 
 
+@pytest.mark.parametrize("arch, layout", [("deepseek_v3", "per-expert"), ("deepseek_v4", "official")])
+def test_deepseek_gguf_tokenizer_keeps_its_vocabulary_and_scores_without_the_source(tmp_path, arch, layout):
+    """Issue 18 #1: DeepSeek's BOS ``<｜begin▁of▁sentence｜>`` is outside GPT-2's byte alphabet; rebuilt from the
+    GGUF it stays id 0 (not a new id 512 past the 512-row vocabulary), the rebuilt tokenizer encodes like the
+    source's (the tiny tokenizers split text as Qwen3.5 does, so the GGUF names that pre-tokenizer), and ``score``
+    runs on the GGUF with the source's fixture and no --tokenizer."""
+    from transformers import AutoTokenizer
+
+    from quantkit.scoring.loading import load_tokenizer
+    from quantkit.testing.tiny_models import TinyCheckpointCache
+
+    folder = TinyCheckpointCache(tmp_path / "tiny").get(arch, layout)
+    gguf = tmp_path / f"{arch}.gguf"
+    runner = CliRunner()
+    out = runner.invoke(main, ["convert", str(folder), "-o", str(gguf), "--recipe", "q8_0", "--no-progress",
+                               "-j", "1", "--pre-tokenizer", "qwen35", "--label", "0731"])
+    assert out.exit_code == 0, out.output
+    source, rebuilt = AutoTokenizer.from_pretrained(str(folder)), load_tokenizer(gguf)
+    assert rebuilt.bos_token == source.bos_token == "<｜begin▁of▁sentence｜>"
+    assert rebuilt.bos_token_id == source.bos_token_id == 0
+    assert len(rebuilt) == 512 and rebuilt.convert_ids_to_tokens(511) == "[PAD511]"
+    for text in PROMPTS:
+        assert rebuilt(text)["input_ids"] == source(text)["input_ids"], text
+    assert TextCodec(rebuilt).fingerprint == TextCodec(source).fingerprint
+
+    # a random model's greedy token may be half a UTF-8 character, which capture refuses: take a prompt it keeps
+    for i, prompt in enumerate(PROMPTS):
+        prompts, fx = tmp_path / f"prompts{i}.txt", tmp_path / f"fx{i}"
+        prompts.write_text(prompt.replace("\n", " ") + "\n")
+        out = runner.invoke(main, ["fixture", "capture", str(folder), "--prompts", str(prompts), "--tokens", "3",
+                                   "--top-logprobs", "5", "--label", "0731", "-o", str(fx), "--rendering", "raw"])
+        if out.exit_code == 0:
+            break
+    assert out.exit_code == 0, out.output
+    out = runner.invoke(main, ["score", str(gguf), str(fx), str(tmp_path / "a.tsv"), "--ctx", "16"])
+    assert out.exit_code == 0, out.output
+    assert "summary cases=" in out.output
+
+
 def test_chat_rendering_uses_the_template_and_its_kwargs():
     from quantkit.testing.tiny_models import build_tiny_tokenizer
 

@@ -17,6 +17,7 @@ from quantkit.errors import RecipeError, SourceError
 from quantkit.formats.registry import GGMLType, get_format
 from quantkit.io.checkpoint import open_checkpoint
 from quantkit.io.gguf import align
+from quantkit.io.gguf_reader import GGUFFile
 from quantkit.recipes import KEEP_F32_CLASSES, KEEP_SOURCE_CLASSES, parse_recipe, shipped_recipes
 from quantkit.testing.tiny_models import TinyCheckpointCache
 
@@ -116,6 +117,37 @@ def test_v4_release_layout_decisions(tiny):
     assert [(t.name, t.qtype) for t in ranged.tensors] == [(t.name, t.qtype) for t in plan.tensors]
     assert len(ranged.unused_rules) == 1 and "layers='37-42'" in ranged.unused_rules[0]
     assert "matched no tensor" in ranged.summary()
+    # the file holds no Q4_K experts, so its tag is the plain layout's
+    assert ranged.recipe.name_tag.startswith("Layers37-42Q4KExperts-") and ranged.name_tag == plan.name_tag
+
+
+GDN_AB_RECIPE = ('name = "gdn"\narchitectures = ["qwen4_exp"]\n[defaults]\ntype = "Q8_0"\n'
+                 '[[rule]]\nclass = "gdn_ab"\ntype = "Q4_K"\n')
+
+
+def test_a_rule_a_protection_overrides_leaves_the_file_tag_and_the_plan_names_the_protection(tiny, tmp_path):
+    """Issue 18 #5: in an F32 release the tiny gdn alpha/beta projections (4 x 256) stay F32 by protection: the
+    rule selected them but decided nothing, so the file's tag has no GDNabQ4K and the plan says what won."""
+    recipe = parse_recipe(GDN_AB_RECIPE)
+    plan = plan_of(tiny, "qwen4_exp", recipe, encoding="f32")
+    ab = [t for t in plan.tensors if t.output.tensor_class == "gdn_ab"]
+    assert ab and all(t.qtype == GGMLType.F32 and t.rule.startswith("default: small F32") for t in ab)
+    assert recipe.name_tag == "Q8-GDNabQ4K" and plan.name_tag == "Q8"
+    (explanation,) = plan.unused_rules
+    assert explanation.startswith("rule 1 (line 5) [class='gdn_ab', type='Q4_K']: selects 2 tensors, decided none: "
+                                  "default: small F32 tensor (<= 4096 values) stays F32 won for 2 ")
+    assert f"unused      {explanation}" in plan.summary() and "matched no tensor" not in plan.summary()
+    # the tag recorded in the file is the plan's
+    out = tmp_path / "gdn.gguf"
+    (tmp_path / "gdn.toml").write_text(GDN_AB_RECIPE)
+    result = CliRunner().invoke(main, ["convert", str(tiny.get("qwen4_exp", encoding="f32")), "-o", str(out),
+                                       "--recipe", str(tmp_path / "gdn.toml"), "--pre-tokenizer", "qwen35",
+                                       "--no-progress", "-j", "1"])
+    assert result.exit_code == 0, result.output
+    with GGUFFile(out) as f:
+        assert f.metadata["quantkit.recipe.tag"].value == "Q8"
+    # where the projections are BF16 (no protection), the rule decides them and is tagged
+    assert plan_of(tiny, "qwen4_exp", recipe).name_tag == "Q8-GDNabQ4K"
 
 
 def test_packed_fp4_experts_repack_to_mxfp4(tiny):

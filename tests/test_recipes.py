@@ -10,7 +10,7 @@ from quantkit.arch import CLASS_GROUPS, TENSOR_CLASSES, OutputTensor, TensorMapp
 from quantkit.errors import RecipeError
 from quantkit.formats.registry import GGMLType
 from quantkit.recipes import (CLASS_LABELS, KEEP_F32_CLASSES, KEEP_SOURCE_CLASSES, SHIPPED_DIR, SMALL_F32_ELEMENTS,
-                              load_recipe, parse_recipe, resolve, shipped_recipes)
+                              load_recipe, name_tag, parse_recipe, resolve, shipped_recipes)
 
 T = GGMLType
 HEADER = 'name = "test"\narchitectures = ["deepseek_v4", "glm5_next"]\n'
@@ -314,6 +314,47 @@ def test_unused_rules_are_reported():
     r = recipe(rule("routed_experts", "Q4_K", layers="37-42") + rule("attn_proj", "Q8_0"))
     res = resolve(r, [DOWN], {DOWN.gguf_name: "BF16"})
     assert [u.index for u in res.unused_rules] == [1, 2]
+    assert res.explain_unused(res.unused_rules[0]).endswith("matched no tensor of this model")
+
+
+ALPHA = tensor("blk.0.ssm_alpha.weight", "gdn_ab", (16, 256), 0)     # 4096 values: small enough to protect
+ATTN_Q = tensor("blk.0.attn_q.weight", "attn_q", (256, 256), 0)
+
+
+def test_a_rule_a_protection_overrides_decides_nothing_and_leaves_the_file_tag():
+    """Issue 18 #5: a gdn_ab rule whose tensors stay F32 by protection selected them but decided nothing."""
+    r = recipe(rule("gdn_ab", "Q4_K") + rule("routed_down", "Q6_K"))
+    tensors = [ALPHA, ATTN_Q, DOWN]
+    res = resolve(r, tensors, {ALPHA.gguf_name: "F32", ATTN_Q.gguf_name: "BF16", DOWN.gguf_name: "BF16"})
+    assert res.choices[ALPHA.gguf_name].qtype == T.F32
+    assert [u.index for u in res.unused_rules] == [1] and res.decided == {2: 1} and res.default_decided == 1
+    explanation = res.explain_unused(res.unused_rules[0])
+    assert explanation.startswith("rule 1 (line 5) [class='gdn_ab'")
+    assert (f"selects 1 tensors, decided none: default: small F32 tensor (<= {SMALL_F32_ELEMENTS} values) stays "
+            f"F32 won for 1 (blk.0.ssm_alpha.weight)") in explanation
+    # the recipe implies GDNab Q4_K; the file holds none: its tag says what it holds
+    assert r.name_tag == "Q8-w2Q6K-GDNabQ4K"
+    assert name_tag(r, res) == "Q8-w2Q6K"
+    # once a gdn_ab tensor is large enough to be quantized, the rule decides it and is tagged
+    big = tensor("blk.1.ssm_alpha.weight", "gdn_ab", (32, 256), 1)
+    res = resolve(r, tensors + [big], {ALPHA.gguf_name: "F32", ATTN_Q.gguf_name: "BF16", DOWN.gguf_name: "BF16",
+                                       big.gguf_name: "F32"})
+    assert res.unused_rules == () and name_tag(r, res) == r.name_tag
+
+
+def test_a_rule_a_more_specific_rule_beats_everywhere_is_explained_and_untagged():
+    r = recipe(rule("attn_proj", "Q6_K") + rule("attn_q", "Q4_K", name=r"blk\.\d+\.attn_q\.weight"))
+    res = resolve(r, [ATTN_Q], {ATTN_Q.gguf_name: "BF16"})
+    assert [u.index for u in res.unused_rules] == [1] and res.default_decided == 0
+    assert "decided none: rule 2 (line 8) won for 1 (blk.0.attn_q.weight)" in res.explain_unused(res.unused_rules[0])
+    assert r.name_tag == "Q8-AProjQ6K-AQQ4K" and name_tag(r, res) == "AQQ4K"
+
+
+def test_unused_expert_ranges_leave_the_file_tag():
+    r = recipe(rule("routed_experts", "Q4_K", layers="37-42") + rule("routed_experts", "IQ2_XXS"))
+    res = resolve(r, [DOWN], {DOWN.gguf_name: "BF16"})
+    assert r.name_tag == "Layers37-42Q4KExperts-OtherExpertLayersIQ2XXSExperts"
+    assert name_tag(r, res) == "IQ2XXSExperts"
 
 
 # -- row lengths and fallbacks ------------------------------------------------------------------------------------

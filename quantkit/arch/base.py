@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import numpy as np
@@ -230,6 +231,9 @@ class Arch:
     """(type, token content) set from the tokenizer's added tokens when the tokenizer files leave them unset."""
     shard_count_key: str | None = None
     """Hyperparameter giving how many shards a sharded source tensor has."""
+    default_chat_template: Callable[[str], str] | None = None
+    """Checkpoint directory name -> the chat template llama.cpp's converter writes when the tokenizer files carry
+    none (None: it writes none)."""
 
     def bind(self, config: Mapping[str, Any]) -> "ArchMap":
         """Normalize and check ``config``; the result resolves names and derives metadata."""
@@ -485,7 +489,7 @@ class ArchMap:
                  tensor_shapes: Mapping[str, Shape] | None = None, pre_tokenizer: str | None = None,
                  chat_template: str | None = None) -> list[tuple[str, KV]]:
         """GGUF metadata: ``general.architecture``, the hyperparameters and (with ``tokenizer_dir``) the
-        tokenizer.  ``general.file_type``, ``general.quantization_version``, names and provenance are the
+        tokenizer; ``chat_template`` (else the architecture's default) is written when the tokenizer has none.  ``general.file_type``, ``general.quantization_version``, names and provenance are the
         writer's."""
         from .tokenizer import tokenizer_metadata
 
@@ -493,6 +497,8 @@ class ArchMap:
         meta.string("general.architecture", self.arch.gguf_arch)
         self.arch.metadata(meta, self.hp, MetadataInputs(tensor_values, tensor_shapes))
         if tokenizer_dir is not None:
+            if chat_template is None and self.arch.default_chat_template is not None:
+                chat_template = self.arch.default_chat_template(Path(tokenizer_dir).absolute().name)
             for key, kv in tokenizer_metadata(tokenizer_dir, self.hp, config=self.config, pre_tokenizer=pre_tokenizer,
                                               chat_template=chat_template,
                                               fallbacks=self.arch.special_token_fallbacks):

@@ -27,6 +27,7 @@ hyper-connection streams, compression ratios in {0, 4, 128} and an indexer head 
 """
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any, Mapping
 
 from gguf.constants import GGUFValueType
@@ -235,8 +236,19 @@ def metadata(meta: MetadataBuilder, hp: Hparams, inputs: MetadataInputs) -> None
     meta.u32("{arch}.embedding_length_out", hp["hidden_size"] * hp["hc_mult"])
 
 
+TEMPLATES = Path(__file__).parent / "templates"
+
+
+def default_chat_template(checkpoint_name: str) -> str:
+    """The template llama.cpp's converter embeds when the tokenizer has none: the 0731 checkpoint's when the
+    directory name says 0731 (the converter's test), else the DeepSeek V4 one (templates/README.md)."""
+    name = "deepseek-ai-DeepSeek-V4-Flash-0731.jinja" if "0731" in checkpoint_name else "deepseek-ai-DeepSeek-V4.jinja"
+    return (TEMPLATES / name).read_text(encoding="utf-8")
+
+
 ARCH = Arch(
     model_type="deepseek_v4", gguf_arch="deepseek4", rules=RULES, normalize=normalize, check=check,
     metadata=metadata, block_count=lambda hp: hp["num_hidden_layers"],
     expert_count=lambda hp: hp["n_routed_experts"], aliases=ALIASES, conditions={"hash_layer": hash_layer},
+    default_chat_template=default_chat_template,
 )

@@ -46,7 +46,8 @@ from ..formats.registry import GGMLType, ImatrixUse, get_format
 from ..io.checkpoint import Checkpoint, open_checkpoint
 from ..io.gguf import KV, type_name
 from ..io.gguf_writer import Layout, TensorSpec, plan_layout
-from ..recipes import Recipe, load_recipe, resolve
+from ..recipes import Recipe, Resolution, load_recipe, resolve
+from ..recipes import name_tag as file_name_tag
 
 #: Version of :meth:`Plan.to_json`'s layout (independent of the package version).
 PLAN_FORMAT_VERSION = 1
@@ -109,10 +110,13 @@ class Plan:
     """Entries of the imatrix given (None: no imatrix)."""
     skipped: list[OutputTensor] = field(default_factory=list)
     unused_rules: list[str] = field(default_factory=list)
+    """Each rule that decided no tensor, with why (:meth:`quantkit.recipes.Resolution.explain_unused`)."""
+    resolution: Resolution | None = field(default=None, repr=False)
 
     @property
     def name_tag(self) -> str:
-        return self.recipe.name_tag
+        """The tag of the planned file: only rules that decide a tensor's type here count."""
+        return file_name_tag(self.recipe, self.resolution)
 
     @property
     def tensor_bytes(self) -> int:
@@ -191,8 +195,8 @@ class Plan:
         if self.skipped:
             lines.append(f"skipped     {len(self.skipped)}: " + ", ".join(
                 sorted({o.tensor_class for o in self.skipped})))
-        if self.unused_rules:
-            lines.append("unused      " + "; ".join(self.unused_rules) + " (matched no tensor of this model)")
+        for explanation in self.unused_rules:
+            lines.append(f"unused      {explanation}")
         return "\n".join(lines)
 
 
@@ -359,4 +363,4 @@ def build_plan(source: str | os.PathLike, recipe: Recipe | str | os.PathLike, *,
                           f"bootstrap importance (--bootstrap-importance)", path=recipe.where())
     return Plan(Path(source), model_type, recipe, tensors, metadata, label=label, bootstrap=bootstrap,
                 imatrix_entries=len(imatrix) if imatrix is not None else None, skipped=skipped,
-                unused_rules=[r.describe() for r in resolution.unused_rules])
+                unused_rules=[resolution.explain_unused(r) for r in resolution.unused_rules], resolution=resolution)

@@ -8,6 +8,10 @@ Layouts accepted by :func:`open_checkpoint`:
 - a single ``.safetensors`` file (no config: ``config == {}``).
 
 A directory may hold ``config.json`` (its ``quantization_config``) and ``hf_quant_config.json`` (ModelOpt).
+DeepSeek V4's upstream release names its E8M0 block scales ``<prefix>.scale`` and may store them as F8_E8M0 or
+as U8 (the same bytes); such a checkpoint describes itself (FP8 weights with per-128x128 scales, packed FP4
+experts with per-32 scales, told apart by the weight's dtype), so it is read without a ``quantization_config``,
+as llama.cpp's converter reads it.
 
 Opening reads every shard's header and nothing else; :meth:`Checkpoint.raw` maps one tensor, and
 :meth:`Checkpoint.tensor_f32` decodes one tensor (or one expert of a fused ``[E, rows, n]`` tensor) with its
@@ -35,8 +39,11 @@ SINGLE_NAME = "model.safetensors"
 #: Largest config / index JSON we read: real ones are a few MB (an index lists every tensor name).
 MAX_JSON_BYTES = 64 << 20
 
-QUANTIZATIONS = ("none", "fp8-block", "fp8-block-e8m0", "nvfp4-modelopt", "nvfp4-compressed-tensors")
-_FP8_BLOCK_KINDS = ("fp8-block", "fp8-block-e8m0")
+QUANTIZATIONS = ("none", "fp8-block", "fp8-block-e8m0", "fp4-e8m0", "nvfp4-modelopt", "nvfp4-compressed-tensors")
+#: What ``quant_method: fp8`` covers: block FP8 (V3 F32 scales, V4 E8M0) and V4's packed FP4 experts beside it.
+_FP8_KINDS = ("fp8-block", "fp8-block-e8m0", "fp4-e8m0")
+#: Storage of E8M0 scale bytes: DeepSeek V4 releases use either.
+_E8M0_DTYPES = ("F8_E8M0", "U8")
 _NVFP4_ALGOS = ("NVFP4", "W4A16_NVFP4")
 _PLAIN_DTYPES = ("F64", "F32", "F16", "BF16")
 _PACKED_FP4_DTYPES = ("U8", "I8", "F4")
@@ -47,8 +54,9 @@ _WEIGHT_SUFFIXES = (".weight", ".weight_packed")
 _PREFIX_ROLES = ("scale", "weight_scale", "weight_scale_2", "weight_global_scale", "input_scale",
                  "input_global_scale")
 #: The dtypes of each scheme's companions on disk, in the order :meth:`Checkpoint._decode` takes them.
-_SCHEME_COMPANION_DTYPES = {"fp8-block": ("F32",), "fp8-block-e8m0": ("F8_E8M0",), "fp4-e8m0": ("F8_E8M0",),
-                            "nvfp4-modelopt": ("F8_E4M3", "F32"), "nvfp4-compressed-tensors": ("F8_E4M3", "F32")}
+_SCHEME_COMPANION_DTYPES = {"fp8-block": (("F32",),), "fp8-block-e8m0": (_E8M0_DTYPES,),
+                            "fp4-e8m0": (_E8M0_DTYPES,), "nvfp4-modelopt": (("F8_E4M3",), ("F32",)),
+                            "nvfp4-compressed-tensors": (("F8_E4M3",), ("F32",))}
 
 
 @dataclass(frozen=True)
@@ -98,18 +106,36 @@ def _declared_quantization(config: dict, hf_quant: dict | None, path: Path) -> s
                            f"{', '.join(QUANTIZATIONS[1:])}", path=path, field="quantization_config")
 
 
+def _e8m0_scale_kind(weight_dtype: str | None) -> str | None:
+    """The scheme of an E8M0 block scale, told by its weight's dtype: FP8 weights are block FP8, packed FP4
+    weights (two values per byte) are FP4 with one scale per 32; None when the weight is neither."""
+    if weight_dtype == "F8_E4M3":
+        return "fp8-block-e8m0"
+    if weight_dtype in _PACKED_FP4_DTYPES:
+        return "fp4-e8m0"
+    return None
+
+
 def _quantization_on_disk(dtypes: dict[str, str], path: Path) -> str:
-    """The quantization the tensor names and dtypes show (one scheme per checkpoint)."""
+    """The quantization the tensor names and dtypes show (one scheme per checkpoint; DeepSeek V4's FP4 experts
+    beside FP8 weights count as its block FP8 release, ``fp8-block-e8m0``)."""
     found = set()
     for name, dtype in dtypes.items():
         if name.endswith("_scale_inv"):
-            found.add("fp8-block-e8m0" if dtype == "F8_E8M0" else "fp8-block")
+            if dtype == "F8_E8M0":
+                found.add(_e8m0_scale_kind(dtypes.get(name.removesuffix("_scale_inv"))) or "fp8-block-e8m0")
+            else:
+                found.add("fp8-block")
         elif name.endswith(".weight_scale_2"):
             found.add("nvfp4-modelopt")
         elif name.endswith(".weight_global_scale"):
             found.add("nvfp4-compressed-tensors")
-        elif name.endswith(".scale") and dtype == "F8_E8M0":
-            found.add("fp8-block-e8m0")
+        elif name.endswith(".scale") and dtype in _E8M0_DTYPES:
+            kind = _e8m0_scale_kind(dtypes.get(name.removesuffix(".scale") + ".weight"))
+            if kind is not None:
+                found.add(kind)
+    if "fp4-e8m0" in found and "fp8-block-e8m0" in found:
+        found.discard("fp4-e8m0")
     if len(found) > 1:
         raise SourceError(f"tensors on disk mix quantization schemes: {sorted(found)}", path=path)
     if found:
@@ -141,14 +167,19 @@ class Checkpoint:
         self._where = where
         self.metadata: dict = dict(files[0].metadata) if files else {}
         self.block = _block_shape(config, path)
-        on_disk = _quantization_on_disk({n: f.entries[n].dtype for n, f in where.items()}, path)
+        dtypes = {n: f.entries[n].dtype for n, f in where.items()}
+        on_disk = _quantization_on_disk(dtypes, path)
         declared = _declared_quantization(config, hf_quant_config, path)
         if declared is None:
-            if config_found and on_disk != "none":
+            # DeepSeek V4's upstream layout (E8M0 ``<prefix>.scale``) describes itself; a transformers layout
+            # whose config lost its quantization_config may be another model's config
+            self_describing = on_disk in ("fp8-block-e8m0", "fp4-e8m0") and not any(
+                n.endswith("_scale_inv") for n in dtypes)
+            if config_found and on_disk != "none" and not self_describing:
                 raise SourceError(f"config declares no quantization_config but the tensors on disk are {on_disk}",
                                   path=path, field="quantization_config")
             self.quantization = on_disk
-        elif declared == on_disk or (declared == "fp8" and on_disk in _FP8_BLOCK_KINDS):
+        elif declared == on_disk or (declared == "fp8" and on_disk in _FP8_KINDS):
             self.quantization = on_disk
         else:
             raise SourceError(f"config declares {declared} quantization but the tensors on disk are {on_disk}",
@@ -202,14 +233,14 @@ class Checkpoint:
         if info.dtype in _PLAIN_DTYPES:
             return "plain", ()
         # Block scales: ``<name>_scale_inv`` (transformers and DeepSeek V3; F32, or F8_E8M0 under
-        # ``scale_fmt: ue8m0``) or ``<prefix>.scale`` (DeepSeek V4 upstream, F8_E8M0).
+        # ``scale_fmt: ue8m0``) or ``<prefix>.scale`` (DeepSeek V4 upstream, F8_E8M0 or U8).
         block_role = next((r for r in ("scale_inv", "scale") if r in comps), None)
         if info.dtype == "F8_E4M3":
             if block_role is None:
                 raise MissingSourceError(f"FP8 weight without its block scale: expected "
                                          f"{info.name + '_scale_inv'!r} or a '<prefix>.scale' tensor",
                                          path=info.file, tensor=info.name)
-            e8m0 = self.tensor_info(comps[block_role]).dtype == "F8_E8M0"
+            e8m0 = self.tensor_info(comps[block_role]).dtype in _E8M0_DTYPES
             return ("fp8-block-e8m0" if e8m0 else "fp8-block"), (block_role,)
         if info.dtype in _PACKED_FP4_DTYPES:
             for global_role, scheme in (("weight_scale_2", "modelopt"), ("weight_global_scale", "compressed-tensors")):
@@ -237,9 +268,9 @@ class Checkpoint:
 
         By dtype and companions: F32/F16/BF16 are cast exactly (F64 rounded to float32); F8_E4M3 + a block
         scale (``<name>_scale_inv`` or ``<prefix>.scale``) is block FP8: DeepSeek V3 when the scale is F32,
-        E8M0 (V4, transformers' ue8m0) when it is F8_E8M0 (block shape from ``weight_block_size``, default
+        E8M0 (V4, transformers' ue8m0) when it is F8_E8M0 or U8 (block shape from ``weight_block_size``, default
         128x128); U8/I8/F4 packed FP4 + ``weight_scale`` F8_E4M3 + ``weight_scale_2`` / ``weight_global_scale``
-        F32 is NVFP4 (ModelOpt / compressed-tensors), + an F8_E8M0 block scale is FP4 with E8M0 per 32.
+        F32 is NVFP4 (ModelOpt / compressed-tensors), + an F8_E8M0 or U8 block scale is FP4 with E8M0 per 32.
         Companions of a fused tensor are sliced with it when they have the expert axis (3-D, or 1-D of length E
         for per-expert global scales) and shared when they hold one value.
         """
@@ -273,10 +304,11 @@ class Checkpoint:
             raise FormatError(f"{scheme} decode with companions {[comps[r] for r in roles]}: {e.detail}",
                               path=info.file, tensor=name, field=e.field) from e
 
-    def _companion(self, cname: str, role: str, dtype: str, w: np.ndarray) -> np.ndarray:
+    def _companion(self, cname: str, role: str, dtypes: tuple[str, ...], w: np.ndarray) -> np.ndarray:
         info = self.tensor_info(cname)
-        if info.dtype != dtype:
-            raise FormatError(f"{role} companion must be {dtype}, found {info.dtype}", path=info.file, tensor=cname)
+        if info.dtype not in dtypes:
+            raise FormatError(f"{role} companion must be {' or '.join(dtypes)}, found {info.dtype}", path=info.file,
+                              tensor=cname)
         arr = self.raw(cname)
         if w.ndim == 3 and arr.size != 1 and (arr.ndim not in (1, 3) or arr.shape[0] != w.shape[0]):
             raise FormatError(f"{role} companion shape {arr.shape} has neither the fused weight's expert axis "

@@ -3,7 +3,8 @@ row-length fallbacks and lossless source encodings (the rules are the package do
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from collections import Counter
+from dataclasses import dataclass, field
 from typing import Iterable, Mapping
 
 import numpy as np
@@ -11,7 +12,7 @@ import numpy as np
 from ..arch import OutputTensor
 from ..errors import RecipeError
 from ..formats.registry import GGMLType, get_format
-from .model import Recipe, Rule
+from .model import Defaults, Recipe, Rule
 
 #: Classes kept in F32 unless a rule naming the class says otherwise (routing and recurrence parameters are
 #: tiny and quality-sensitive; position biases are added by ggml ops that take no BF16 operand on CPU).
@@ -61,7 +62,30 @@ class Resolution:
     choices: dict[str, Choice | None]
     """GGUF name -> choice; None for tensors the recipe skips."""
     unused_rules: tuple[Rule, ...]
-    """Rules that decided no tensor (e.g. a layer range beyond a small model)."""
+    """Rules that decided no tensor (e.g. a layer range beyond a small model, or rules every tensor of which a
+    protection or a more specific rule decided)."""
+    decided: Mapping[int, int] = field(default_factory=dict)
+    """Rule index -> how many tensors the rule decided."""
+    default_decided: int = 0
+    """How many tensors ``[defaults] type`` decided."""
+    passed_over: Mapping[int, tuple[tuple[str, str], ...]] = field(default_factory=dict)
+    """Rule index -> (GGUF name, label of what decided it instead) for each tensor the rule selects but did not
+    decide: a protection (``default: norm stays F32``) or a more specific rule."""
+
+    def explain_unused(self, rule: Rule) -> str:
+        """Why ``rule`` (one of :attr:`unused_rules`) decided no tensor, for the plan."""
+        passed = self.passed_over.get(rule.index, ())
+        if not passed:
+            return f"{rule.describe()}: matched no tensor of this model"
+        by_winner: dict[str, list[str]] = {}
+        for name, winner in passed:
+            by_winner.setdefault(winner, []).append(name)
+        parts = []
+        for winner, names in by_winner.items():
+            shown = ", ".join(names[:MAX_NAMED_TENSORS]) + (
+                f" and {len(names) - MAX_NAMED_TENSORS} more" if len(names) > MAX_NAMED_TENSORS else "")
+            parts.append(f"{winner} won for {len(names)} ({shown})")
+        return f"{rule.describe()}: selects {len(passed)} tensors, decided none: " + "; ".join(parts)
 
 
 def _steps(t: OutputTensor) -> set[str]:
@@ -145,11 +169,12 @@ def _apply(recipe: Recipe, t: OutputTensor, qtype: GGMLType | None, fallback: GG
     return Choice(final, label, fallback_from, kept)
 
 
-def _choose(recipe: Recipe, t: OutputTensor, encoding: str) -> tuple[Choice | None, Rule | None]:
+def _choose(recipe: Recipe, t: OutputTensor, encoding: str, selecting: list[Rule]
+            ) -> tuple[Choice | None, Rule | Defaults | None]:
+    """The choice for ``t`` and what decided it: a rule, the defaults, or None (a protection, or unclaimed)."""
     protection = _protection(t, encoding)
     kind = protection[0] if protection else None
-    candidates = [r for r in recipe.rules
-                  if r.selects(t.tensor_class, t.layer, t.gguf_name) and _reaches(r, kind)]
+    candidates = [r for r in selecting if _reaches(r, kind)]
     if candidates:
         rule = _winner(recipe, t, candidates)
         return _apply(recipe, t, rule.qtype, rule.fallback, rule.label, encoding), rule
@@ -157,7 +182,7 @@ def _choose(recipe: Recipe, t: OutputTensor, encoding: str) -> tuple[Choice | No
         return _apply(recipe, t, protection[1], None, protection[2], encoding), None
     if recipe.defaults.given:
         d = recipe.defaults
-        return _apply(recipe, t, d.qtype, d.fallback, d.label, encoding), None
+        return _apply(recipe, t, d.qtype, d.fallback, d.label, encoding), d
     return None, None
 
 
@@ -166,19 +191,27 @@ def resolve(recipe: Recipe, outputs: Iterable[OutputTensor], encodings: Mapping[
     (``F32``, ``BF16``, ``fp8-block``, ``fp4-e8m0``, ``nvfp4-modelopt``, ..., ``int``, ``mixed``)."""
     skipped = recipe.skipped_classes
     choices: dict[str, Choice | None] = {}
-    used: set[int] = set()
+    decided: Counter[int] = Counter()
+    default_decided = 0
+    passed_over: dict[int, list[tuple[str, str]]] = {}
     unclaimed: list[OutputTensor] = []
     for t in outputs:
         if t.tensor_class in skipped:
             choices[t.gguf_name] = None
             continue
-        choice, rule = _choose(recipe, t, encodings[t.gguf_name])
+        selecting = [r for r in recipe.rules if r.selects(t.tensor_class, t.layer, t.gguf_name)]
+        choice, decider = _choose(recipe, t, encodings[t.gguf_name], selecting)
         if choice is None:
             unclaimed.append(t)
             continue
         choices[t.gguf_name] = choice
-        if rule is not None:
-            used.add(rule.index)
+        if isinstance(decider, Rule):
+            decided[decider.index] += 1
+        elif isinstance(decider, Defaults):
+            default_decided += 1
+        for other in selecting:
+            if other is not decider:
+                passed_over.setdefault(other.index, []).append((t.gguf_name, choice.rule))
     if unclaimed:
         named = ", ".join(f"{t.gguf_name} ({t.tensor_class})" for t in unclaimed[:MAX_NAMED_TENSORS])
         more = f" and {len(unclaimed) - MAX_NAMED_TENSORS} more" if len(unclaimed) > MAX_NAMED_TENSORS else ""
@@ -186,4 +219,5 @@ def resolve(recipe: Recipe, outputs: Iterable[OutputTensor], encodings: Mapping[
         raise RecipeError(f"{len(unclaimed)} tensors are claimed by no rule and the recipe has no [defaults] type: "
                           f"{named}{more}; add rules for classes {classes}, a [defaults] type, or skip them",
                           path=recipe.where())
-    return Resolution(choices, tuple(r for r in recipe.rules if r.index not in used))
+    return Resolution(choices, tuple(r for r in recipe.rules if r.index not in decided), dict(decided),
+                      default_decided, {i: tuple(p) for i, p in passed_over.items()})

@@ -8,6 +8,7 @@ from .model import SOURCE, Layers, layers_text
 
 if TYPE_CHECKING:
     from .model import Recipe, Rule
+    from .resolve import Resolution
 
 #: The label of each class and class group in a name tag.
 CLASS_LABELS: Mapping[str, str] = {
@@ -42,17 +43,16 @@ def _is_expert_rule(r: "Rule") -> bool:
     return r.name is None and r.tag is None and r.classes <= frozenset(ROUTED)
 
 
-def _expert_types(recipe: "Recipe", layers: Layers | None) -> tuple[str | None, ...]:
+def _expert_types(rules: "list[Rule]", default: str | None, layers: Layers | None) -> tuple[str | None, ...]:
     """The type names that unnamed rules for ``layers`` exactly (or for all layers) give gate, up and down."""
     types = []
     for cls in ROUTED:
-        candidates = [r for r in recipe.rules
-                      if r.name is None and cls in r.classes and r.layers in (None, layers)]
+        candidates = [r for r in rules if r.name is None and cls in r.classes and r.layers in (None, layers)]
         if candidates:
             best = max(r.specificity for r in candidates)
             types.append(next(r for r in candidates if r.specificity == best).type_name)
         else:
-            types.append(recipe.defaults.type_name)
+            types.append(default)
     return tuple(types)
 
 
@@ -68,13 +68,21 @@ def _experts(types: tuple[str | None, ...], beside_ranges: bool) -> str:
     return "-".join(head + [f"w2{down}"])
 
 
-def name_tag(recipe: "Recipe") -> str:
-    """The file-name tag ``recipe`` implies, e.g. ``IQ2XXS-w2Q2K-AProjQ8-SExpQ8-OutQ8``."""
-    expert_rules = [r for r in recipe.rules if _is_expert_rule(r)]
+def name_tag(recipe: "Recipe", resolution: "Resolution | None" = None) -> str:
+    """The file-name tag ``recipe`` implies, e.g. ``IQ2XXS-w2Q2K-AProjQ8-SExpQ8-OutQ8``.  With the
+    ``resolution`` of a model, the tag of that model's file: only rules (and the default type) that decided at
+    least one tensor's type count, so a rule every tensor of which a protection kept in F32 adds nothing."""
+    rules = list(recipe.rules)
+    default = recipe.defaults.type_name
+    if resolution is not None:
+        rules = [r for r in rules if resolution.decided.get(r.index, 0) > 0]
+        if not resolution.default_decided:
+            default = None
+    expert_rules = [r for r in rules if _is_expert_rule(r)]
     fragments: list[str] = []
     if not expert_rules:
-        if recipe.defaults.given:
-            fragments.append(type_abbreviation(recipe.defaults.type_name))
+        if default is not None:
+            fragments.append(type_abbreviation(default))
     else:
         ranges: list[Layers] = []
         for r in expert_rules:
@@ -82,10 +90,10 @@ def name_tag(recipe: "Recipe") -> str:
                 ranges.append(r.layers)
         ranges.sort()
         for layers in ranges:
-            fragments.append(f"Layers{layers_text(layers)}{_experts(_expert_types(recipe, layers), True)}")
-        others = _experts(_expert_types(recipe, None), bool(ranges))
+            fragments.append(f"Layers{layers_text(layers)}{_experts(_expert_types(rules, default, layers), True)}")
+        others = _experts(_expert_types(rules, default, None), bool(ranges))
         fragments.append(f"OtherExpertLayers{others}" if ranges else others)
-    for r in recipe.rules:
+    for r in rules:
         if _is_expert_rule(r) or r.tag == "" or r.qtype is None or r.qtype in FLOAT_TYPES:
             continue
         prefix = f"Layers{layers_text(r.layers)}" if r.layers is not None else ""

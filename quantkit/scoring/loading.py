@@ -14,6 +14,7 @@ identity stays the checkpoint's, so a fixture captured from the plain checkpoint
 """
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 from typing import Callable, Mapping, Sequence
@@ -52,6 +53,38 @@ class RuntimeSource:
         self.model.close()
 
 
+def _with_added_tokens_in_place(backend, tokens: Sequence[str], token_types: Sequence[int]):
+    """``backend`` with every control and user-defined token of the GGUF an added token at its own id.
+
+    transformers' byte-level builder respells a vocabulary entry outside GPT-2's byte alphabet (DeepSeek's
+    ``<｜begin▁of▁sentence｜>``) into byte symbols and does not register it, so naming it as BOS would append it
+    as a new id past the model's vocabulary.  The GGUF's text is the token's content (what the converter wrote):
+    the entry takes that text back at its id and becomes an added token there, the vocabulary keeping the GGUF's
+    size."""
+    from tokenizers import Tokenizer
+
+    from ..arch.tokenizer import CONTROL, USER_DEFINED
+
+    data = json.loads(backend.to_str())
+    vocab = data["model"]["vocab"]
+    by_id = {i: token for token, i in vocab.items()}
+    added = {entry["id"]: entry for entry in data.get("added_tokens") or []}
+    for token_id, (text, kind) in enumerate(zip(tokens, token_types)):
+        if kind not in (CONTROL, USER_DEFINED):
+            continue
+        stored = by_id.get(token_id)
+        if stored is not None and stored != text:
+            del vocab[stored]
+        vocab[text] = token_id
+        added[token_id] = {"id": token_id, "content": text, "single_word": False, "lstrip": False,
+                           "rstrip": False, "normalized": False, "special": kind == CONTROL}
+    # the builder's own defaults (GPT-2's ``<|endoftext|>``) are not the GGUF's: ids past its vocabulary go
+    for token_id in [i for i in added if i >= len(tokens)]:
+        vocab.pop(added.pop(token_id)["content"], None)
+    data["added_tokens"] = [added[i] for i in sorted(added)]
+    return Tokenizer.from_str(json.dumps(data, ensure_ascii=False))
+
+
 def _gguf_tokenizer(path: Path):
     from transformers import PreTrainedTokenizerFast
     from transformers.integrations.gguf.gguf_tokenizer_mapping import convert_gguf_tokenizer, get_gguf_tokenizer
@@ -62,6 +95,9 @@ def _gguf_tokenizer(path: Path):
     except (KeyError, ValueError) as exc:
         raise SourceError(f"cannot rebuild the tokenizer from the GGUF metadata ({exc}); pass --tokenizer with "
                           "the source checkpoint's tokenizer", path=path) from None
+    if tokenizer_dict.get("tokenizer_type") == "gpt2":
+        backend = _with_added_tokens_in_place(backend, tokenizer_dict["tokens"],
+                                              tokenizer_dict.get("token_type") or ())
     specials = {k: v for k, v in tokenizer_config.items() if k.endswith("_token") and v is not None}
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, clean_up_tokenization_spaces=False, **specials)
     if tokenizer_config.get("chat_template"):

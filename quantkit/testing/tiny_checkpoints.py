@@ -38,6 +38,11 @@ encoding                      dense                                 routed exper
                               + F32 ``input_global_scale`` (``format: nvfp4-pack-quantized``)
 ============================  ====================================  ============================================
 
+Release variants of ``fp4-experts`` in the official layout (:data:`RELEASE_VARIANTS`), as DeepSeek V4 checkpoints
+circulate: ``fp4-experts-u8-scales`` stores the routed experts' E8M0 scales as U8 (the same bytes),
+``fp4-experts-no-config`` has no ``quantization_config`` in ``config.json`` (DeepSeek's own inference config,
+which keeps ``expert_dtype``).  Both hold the same weights as ``fp4-experts``.
+
 Scale names: ``<module>.weight_scale_inv`` in transformers layouts (transformers' FP8 integration stores E8M0
 scales under that name too, as ``float8_e8m0fnu``), ``<module>.scale`` in the official layout.
 The encoders are :mod:`quantkit.formats.blockscaled`; the values encoded are the BF16 release weights.  NVFP4
@@ -69,6 +74,8 @@ ENCODINGS = ("bf16", "f32", "fp8-block", "fp8-block-ue8m0", "fp8-e8m0", "fp4-exp
              "nvfp4-compressed-tensors")
 PLAIN_ENCODINGS = ("bf16", "f32")
 OFFICIAL_ENCODINGS = ("bf16", "f32", "fp8-e8m0", "fp4-experts")
+#: Variant -> the encoding whose weights it holds (module doc); official layout only.
+RELEASE_VARIANTS = {"fp4-experts-u8-scales": "fp4-experts", "fp4-experts-no-config": "fp4-experts"}
 FP8_BLOCK = [128, 128]
 #: NVFP4 activation amax assumed for the static input scales (no calibration data exists for tiny models).
 ASSUMED_ACTIVATION_AMAX = 16.0
@@ -353,11 +360,14 @@ def _write_tensors(out: Path, enc: Encoded, shards: int) -> None:
 def _check_request(arch: str, layout: str, encoding: str, shards: int) -> None:
     if layout not in LAYOUTS:
         raise UnsupportedError(f"unknown layout {layout!r}; expected one of {LAYOUTS}")
-    if encoding not in ENCODINGS:
-        raise UnsupportedError(f"unknown encoding {encoding!r}; expected one of {ENCODINGS}")
+    if encoding in RELEASE_VARIANTS and layout != "official":
+        raise UnsupportedError(f"the release variant {encoding!r} exists in the official layout only")
+    if encoding not in ENCODINGS and encoding not in RELEASE_VARIANTS:
+        raise UnsupportedError(f"unknown encoding {encoding!r}; expected one of {ENCODINGS} or "
+                               f"{tuple(RELEASE_VARIANTS)}")
     if layout == "official" and arch != "deepseek_v4":
         raise UnsupportedError(f"the official upstream layout exists for deepseek_v4 only, not {arch!r}")
-    if layout == "official" and encoding not in OFFICIAL_ENCODINGS:
+    if layout == "official" and RELEASE_VARIANTS.get(encoding, encoding) not in OFFICIAL_ENCODINGS:
         raise UnsupportedError(f"the official DeepSeek V4 layout has no {encoding!r} encoding; "
                                f"expected one of {OFFICIAL_ENCODINGS}")
     if layout == "fused" and encoding not in PLAIN_ENCODINGS:
@@ -394,8 +404,15 @@ def write_checkpoint(arch: str, out: Path, layout: str = "per-expert", encoding:
     converter_keys = spec.converter_keys(model.config)
     if layout == "official":
         tensors = official_tensors(model)
-        config = official_config(config, converter_keys, encoding)
-        enc = encode_tensors(tensors, encoding, ".scale")
+        base = RELEASE_VARIANTS.get(encoding, encoding)
+        config = official_config(config, converter_keys, base)
+        enc = encode_tensors(tensors, base, ".scale")
+        if encoding == "fp4-experts-u8-scales":
+            for weight, scales in enc.companions.items():
+                if enc.dtypes[weight] == "I8":   # packed FP4 experts
+                    enc.dtypes.update(dict.fromkeys(scales, "U8"))
+        elif encoding == "fp4-experts-no-config":
+            del config["quantization_config"]
     else:
         enc = encode_tensors(tensors, encoding, ".weight_scale_inv")
         (config["text_config"] if spec.nested else config).update(converter_keys)
