@@ -115,13 +115,19 @@ def _arch_map(config_path):
 
     from ..arch import get_arch
     from ..errors import SourceError
+    from ..io.config import check_config_sizes
 
     path = Path(config_path)
     path = path / "config.json" if path.is_dir() else path
     try:
-        config = json.loads(path.read_text())
-    except (OSError, ValueError) as exc:
-        raise SourceError(f"cannot read the config: {exc}", path=path) from None
+        config = json.loads(path.read_bytes().decode("utf-8"))
+    except OSError as exc:
+        raise SourceError(f"cannot read the config: {exc.strerror}", path=path) from None
+    except ValueError as exc:
+        raise SourceError(f"not valid JSON: {exc}", path=path) from None
+    if not isinstance(config, dict):
+        raise SourceError("must be a JSON object", path=path)
+    check_config_sizes(config, path=path)
     return get_arch(config.get("model_type", "")).bind(config)
 
 
@@ -149,6 +155,9 @@ def _arch_map(config_path):
 def collect(source, text, output, ctx, chunks, all_experts, process_output, synthetic, device, dtype, max_memory,
             save_every, restart, force, no_progress):
     """Run SOURCE (a Hugging Face checkpoint) over the text and collect its imatrix, like llama-imatrix."""
+    from ..extras import require_runtime
+
+    require_runtime("quantkit imatrix collect")
     from ..imatrix.collect import CollectOptions, collect_imatrix
 
     opts = CollectOptions(ctx=ctx, chunks=chunks, all_experts=all_experts, process_output=process_output,
