@@ -300,10 +300,10 @@ def test_gc_deletes_only_files_a_quantkit_manifest_records(model):
     write_safetensors(d / "adapter.safetensors", {"lora.weight": np.ones((2, 2), np.float32)})
     adapter = (d / "adapter.safetensors").read_bytes()
     old = build_swapset(SwapsetRequest(d, families=("inproj",), fmt="nvfp4", convention="modelopt", name="old"))
-    build_swapset(SwapsetRequest(d, families=("inproj",), fmt="fp8-channel", name="new",
-                                 supersedes=("adapter", "old", "edited")))
     edited = build_swapset(SwapsetRequest(d, families=("shared",), fmt="nvfp4", convention="modelopt",
                                           name="edited"))
+    build_swapset(SwapsetRequest(d, families=("inproj",), fmt="fp8-channel", name="new",
+                                 supersedes=("adapter", "old", "edited")))
     payload = bytearray(edited.safetensors.read_bytes())
     payload[-1] ^= 1     # same size, other bytes: not the file quantkit wrote
     edited.safetensors.write_bytes(bytes(payload))

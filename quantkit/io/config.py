@@ -54,7 +54,7 @@ SIZE_FIELDS: Mapping[str, tuple[int, int, str | None]] = {
     "intermediate_size": (1, MAX_WIDTH, _WIDTH),
     "moe_intermediate_size": (1, MAX_WIDTH, _WIDTH),
     "shared_expert_intermediate_size": (0, MAX_WIDTH, _WIDTH),
-    "head_dim": (1, MAX_WIDTH, _WIDTH),
+    "head_dim": (0, MAX_WIDTH, _WIDTH),    # 0: derived from hidden_size and heads (GLM)
     "q_lora_rank": (1, MAX_WIDTH, _WIDTH),
     "kv_lora_rank": (1, MAX_WIDTH, _WIDTH),
     "qk_nope_head_dim": (0, MAX_WIDTH, _WIDTH),
