@@ -151,9 +151,9 @@ def _arch_map(config_path):
 @click.option("--save-every", default=10, show_default=True, help="write the resume state every N chunks")
 @click.option("--restart", is_flag=True, help="ignore a resume state left by an interrupted run")
 @click.option("--force", is_flag=True, help="overwrite the output")
-@click.option("--no-progress", is_flag=True, help="no progress bar")
+@click.option("--progress/--no-progress", default=True, show_default=True, help="show a progress bar (as convert)")
 def collect(source, text, output, ctx, chunks, all_experts, process_output, synthetic, device, dtype, max_memory,
-            save_every, restart, force, no_progress):
+            save_every, restart, force, progress):
     """Run SOURCE (a Hugging Face checkpoint) over the text and collect its imatrix, like llama-imatrix."""
     from ..extras import require_runtime
 
@@ -163,7 +163,7 @@ def collect(source, text, output, ctx, chunks, all_experts, process_output, synt
     opts = CollectOptions(ctx=ctx, chunks=chunks, all_experts=all_experts, process_output=process_output,
                           synthetic=synthetic, device=device, dtype=dtype, max_memory=max_memory,
                           save_every=save_every, restart=restart,
-                          overwrite=force, progress=not no_progress)
+                          overwrite=force, progress=progress)
     imx = collect_imatrix(source, text, output, opts)
     click.echo(f"wrote {output}: {len(imx.entries)} entries, {imx.chunk_count} chunks of {ctx} tokens, "
                f"{imx.coverage()}")

@@ -62,10 +62,14 @@ _FILE = click.Path(exists=True, dir_okay=False, path_type=Path)
 @swapset.command(_MAKE)
 @click.argument("model_dir", type=_DIR)
 @click.option("--family", "families", multiple=True, help="family or comma-separated families (--list-families)")
-@click.option("--format", "fmt", type=click.Choice(FORMAT_CHOICES), help="target encoding (draft heads: nvfp4)")
+@click.option("--format", "fmt", type=click.Choice(FORMAT_CHOICES),
+              help="target encoding (draft heads: nvfp4); nvfp4 needs --convention unless the checkpoint is NVFP4")
 @click.option("--convention", type=click.Choice(CONVENTION_CHOICES),
-              help="NVFP4 convention (default: the checkpoint's)")
-@click.option("--name", help="sidecar name (default <format>-swapset-<families>)")
+              help="NVFP4 global-scale convention: modelopt (weight_scale_2 multiplies) or compressed-tensors "
+                   "(weight_global_scale divides); required with --format nvfp4 unless the checkpoint is NVFP4, "
+                   "whose convention is used")
+@click.option("--name", help="sidecar name (default nvfp4-swapset-<families>, or fp8-swapset-<families>-<variant>, "
+                             "e.g. fp8-swapset-attn-block128)")
 @click.option("--source", "source_dir", type=_DIR, help="read tensors from this checkpoint (default MODEL_DIR)")
 @click.option("--shared-experts", is_flag=True, help="serve shared experts as an extra routed expert")
 @click.option("--draft-lm-head", is_flag=True, help="make an lm_head for the MTP drafter")
