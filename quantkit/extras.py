@@ -17,15 +17,15 @@ RUNTIME_MODULES = ("torch", "transformers")
 RUNTIME_INSTALL = "pip install torch==2.13.0 'quantkit[runtime]'"
 
 
-def missing_runtime_modules() -> list[str]:
-    """The runtime extra's modules that cannot be imported here."""
-    missing = []
+def missing_runtime_module() -> str | None:
+    """The first of the runtime extra's modules that cannot be imported here (torch first: transformers without it
+    prints a warning of its own), or None."""
     for name in RUNTIME_MODULES:
         try:
             importlib.import_module(name)
         except ImportError:
-            missing.append(name)
-    return missing
+            return name
+    return None
 
 
 def runtime_message(what: str) -> str:
@@ -35,5 +35,5 @@ def runtime_message(what: str) -> str:
 def require_runtime(what: str) -> None:
     """Raise :class:`MissingDependencyError` naming ``what`` (e.g. ``"quantkit score"``) and the install command
     when torch or transformers cannot be imported."""
-    if missing_runtime_modules():
+    if missing_runtime_module() is not None:
         raise MissingDependencyError(runtime_message(what))

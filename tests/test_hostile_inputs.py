@@ -199,9 +199,6 @@ def test_os_errors_print_the_path_not_the_class():
 
 
 def test_a_mismatched_imatrix_is_exit_2_everywhere(tmp_path):
-    imatrix = examples.example_imatrix()
-    other = tmp_path / "other"
-    shutil.copytree(examples.example_model_dir(), other)
     out = tmp_path / "o.gguf"
     made = run("convert", examples.example_model_dir(), "-o", out, "--recipe", "tiny-moe-f16", "-j", "1",
                "--no-progress", "--pre-tokenizer", examples.PRE_TOKENIZER)
@@ -213,11 +210,14 @@ def test_a_mismatched_imatrix_is_exit_2_everywhere(tmp_path):
     alien = tmp_path / "alien.imatrix.gguf"
     save_imatrix(make_imatrix({"blk.99.ffn_up_exps.weight": Entry(np.ones((1, 256), np.float32),
                                                                   np.ones(1, np.float32))}), alien)
+    shorter = tmp_path / "shorter.imatrix.gguf"   # the same entry with another row length: not one model's
+    save_imatrix(make_imatrix({"blk.99.ffn_up_exps.weight": Entry(np.ones((1, 128), np.float32),
+                                                                  np.ones(1, np.float32))}), shorter)
     codes = {
         "convert": run("convert", examples.example_model_dir(), "-o", tmp_path / "q.gguf", "--recipe",
                        "tiny-moe-q4_k", "--imatrix", alien, "--pre-tokenizer", examples.PRE_TOKENIZER).exit_code,
         "info": run("imatrix", "info", alien, "--model", out).exit_code,
-        "merge": run("imatrix", "merge", alien, imatrix, "-o", tmp_path / "m.gguf").exit_code,
+        "merge": run("imatrix", "merge", alien, shorter, "-o", tmp_path / "m.gguf").exit_code,
     }
     assert set(codes.values()) == {EXIT_BAD_INPUT}, codes
 
