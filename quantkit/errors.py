@@ -64,7 +64,9 @@ class RecipeError(QuantkitError, ValueError):
 
 
 class ValidationError(QuantkitError, ValueError):
-    """An artifact does not match its source, recipe or format."""
+    """Inputs that are each readable do not belong together: an imatrix of another model, a journal or resume
+    state of other inputs, a sidecar of another checkpoint.  (A validation *report* that finds differences is
+    not an exception: ``quantkit validate`` prints it and exits 1.)"""
 
 
 class FixtureError(QuantkitError, ValueError):
@@ -73,6 +75,10 @@ class FixtureError(QuantkitError, ValueError):
 
 class OutputExistsError(QuantkitError, FileExistsError):
     """The output file exists and overwriting was not requested."""
+
+
+class MissingDependencyError(QuantkitError, ImportError):
+    """An optional dependency a command needs is not installed; the message gives the command that installs it."""
 
 
 class StateError(QuantkitError, RuntimeError):

@@ -279,17 +279,40 @@ def test_status_classifies_and_gc_removes_only_obsolete(model, tmp_path):
     assert run("swapset", "gc", d).exit_code == 2
     out = run("swapset", "gc", d, "--dry-run")
     assert out.exit_code == 0 and "would remove old" in out.output and (d / "old.json").exists()
-    removed = gc(d, dry_run=False)
-    assert {s.name for s in removed} == {"old", "fp8-swapset"}
+    report = gc(d, dry_run=False)
+    assert {s.name for s in report.removed} == {"old"}
+    assert {s.name for s, _ in report.kept} == {"fp8-swapset"}   # another tool's files: listed, never deleted
     names = files(d)
-    assert "old.json" not in names and "old.safetensors" not in names and "fp8-swapset.json" not in names
-    assert {"new.json", "mystery.json", "mystery.safetensors"} <= set(names)
+    assert "old.json" not in names and "old.safetensors" not in names
+    assert {"new.json", "mystery.json", "mystery.safetensors", "fp8-swapset.json", "fp8-swapset.safetensors"} \
+        <= set(names)
     assert validate_sidecar(new.manifest_path).ok and old.manifest_path.name not in names
 
     config = json.loads((d / "config.json").read_text())
     (d / "config.json").write_text(json.dumps({**config, "edited": True}))
     states = {s.name: s.state for s in status(d).sidecars}
     assert states["new"] == "stale" and states["nvfp4-swapset-shared"] == "stale"
+
+
+def test_gc_deletes_only_files_a_quantkit_manifest_records(model):
+    """Issue #18, defect 16: `--supersedes adapter` named a user's adapter.safetensors and `gc --yes` deleted it."""
+    d = model()
+    write_safetensors(d / "adapter.safetensors", {"lora.weight": np.ones((2, 2), np.float32)})
+    adapter = (d / "adapter.safetensors").read_bytes()
+    old = build_swapset(SwapsetRequest(d, families=("inproj",), fmt="nvfp4", convention="modelopt", name="old"))
+    edited = build_swapset(SwapsetRequest(d, families=("shared",), fmt="nvfp4", convention="modelopt",
+                                          name="edited"))
+    build_swapset(SwapsetRequest(d, families=("inproj",), fmt="fp8-channel", name="new",
+                                 supersedes=("adapter", "old", "edited")))
+    payload = bytearray(edited.safetensors.read_bytes())
+    payload[-1] ^= 1     # same size, other bytes: not the file quantkit wrote
+    edited.safetensors.write_bytes(bytes(payload))
+    out = run("swapset", "gc", d, "--yes")
+    assert out.exit_code == 0, out.output
+    assert (d / "adapter.safetensors").read_bytes() == adapter
+    assert "kept adapter" in out.output and "not made by quantkit" in out.output
+    assert edited.safetensors.exists() and "kept edited" in out.output
+    assert not old.safetensors.exists() and not old.manifest_path.exists() and "removed old" in out.output
 
 
 def test_record_quality(model):

@@ -158,6 +158,6 @@ def test_fp8_draft_head_over_the_whole_vocabulary(tmp_path, glm5):
     result = build_swapset(SwapsetRequest(d, draft_lm_head=True, fmt="fp8-channel"))
     info = result.manifest["draft_lm_head"]
     assert info["kept_rows"] == 512 and info["selection"] == "full vocabulary" and info["agreement"] is None
-    assert result.plan.name == "fp8-swapset-draft-lmhead"
+    assert result.plan.name == "fp8-swapset-draft-lmhead-channel"
     assert not any(t["role"] == "token_ids" for t in result.manifest["tensors"])
     assert validate_sidecar(result.manifest_path).ok

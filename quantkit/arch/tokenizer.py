@@ -7,7 +7,7 @@ Produces the keys llama.cpp's converter writes for a GPT-2-style BPE vocabulary 
 ``tokenizer.ggml.pre``    the pre-tokenizer name.  llama.cpp identifies it by hashing the token ids of a fixed check
                           text; :func:`detect_pre_tokenizer` does the same with the ``tokenizers`` library and
                           :data:`KNOWN_PRE_HASHES`.  Tiny or retrained vocabularies hash to nothing known, so the
-                          caller must name it (``pre_tokenizer=``).
+                          caller must name it (``--pre-tokenizer``; checked against :mod:`.pre_tokenizers`).
 ``tokenizer.ggml.tokens`` ``vocab_size`` entries (the config's, which may exceed the tokenizer's): the token text for
                           each id, ``[PAD<id>]`` for ids no token has.
 ``tokenizer.ggml.token_type``  NORMAL (1), CONTROL (3) for special or special-looking added tokens, USER_DEFINED (4)
@@ -35,6 +35,7 @@ from gguf.constants import GGUFValueType
 
 from ..errors import MissingSourceError, SourceError, UnsupportedError
 from ..io.gguf import KV, ArrayOf
+from .pre_tokenizers import check_pre_tokenizer
 
 # llama.cpp's token types (gguf TokenType)
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
@@ -100,13 +101,13 @@ def detect_pre_tokenizer(tokenizer_dir: str | Path) -> str:
         from tokenizers import Tokenizer
     except ImportError:
         raise UnsupportedError("detecting the pre-tokenizer needs the 'tokenizers' package; install it or name the "
-                               "pre-tokenizer (pre_tokenizer=...)") from None
+                               "pre-tokenizer (--pre-tokenizer NAME)") from None
     path = Path(tokenizer_dir) / "tokenizer.json"
     ids = Tokenizer.from_file(str(path)).encode(CHECK_TEXT).ids
     digest = sha256(str(ids).encode()).hexdigest()
     if digest not in KNOWN_PRE_HASHES:
         raise SourceError(f"pre-tokenizer not recognised (check-text hash {digest}); name it explicitly "
-                          f"(pre_tokenizer=..., e.g. one of {sorted(set(KNOWN_PRE_HASHES.values()))})", path=path)
+                          f"(--pre-tokenizer NAME, e.g. one of {sorted(set(KNOWN_PRE_HASHES.values()))})", path=path)
     return KNOWN_PRE_HASHES[digest]
 
 
@@ -320,7 +321,7 @@ def tokenizer_metadata(tokenizer_dir: str | Path, hp: Mapping[str, Any], *, conf
             tokens.append(token)
             types.append(NORMAL)
 
-    pre = pre_tokenizer if pre_tokenizer is not None else detect_pre_tokenizer(directory)
+    pre = check_pre_tokenizer(pre_tokenizer) if pre_tokenizer is not None else detect_pre_tokenizer(directory)
     entries: list[tuple[str, KV]] = [
         ("tokenizer.ggml.model", KV("gpt2", GGUFValueType.STRING)),
         ("tokenizer.ggml.pre", KV(pre, GGUFValueType.STRING)),

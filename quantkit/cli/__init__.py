@@ -3,8 +3,22 @@
 Each command group lives in its own module of this package (``quantkit.cli.<name>``) and is attached to
 :func:`main` in :data:`COMMAND_MODULES`, listed explicitly.
 
-Exit codes: 0 success; 1 a check failed (validation found a difference); 2 unreadable or malformed input, or a
-usage error; 3 a requested capability is not implemented.  Library errors print as one line; set
+Exit codes, the same for every command (errors map through :data:`ERROR_TABLE`, first match wins):
+
+====  ==========================================================================================================
+0     success
+1     a check ran and failed: ``validate`` found a difference, ``swapset status --record`` a missing sidecar
+2     the input cannot be used: a missing, unreadable, truncated or malformed file (GGUF, safetensors, config.json,
+      recipe, imatrix, fixture, sidecar), inputs that do not belong together (an imatrix of another model, a
+      resume of other inputs, a fixture of another checkpoint), an output that exists, a bad option value
+3     not available here: a capability quantkit does not implement, or an optional dependency that is not
+      installed (the message gives the ``pip install`` line)
+130   interrupted (Ctrl-C); ``convert`` keeps the partial output and its journal for ``--resume``
+141   the output pipe was closed (``quantkit recipes | head``): no message
+====  ==========================================================================================================
+
+An error prints one line, ``error: <file or tensor or field>: <what was expected and found>``, never a Python
+exception name or traceback; an unexpected exception prints ``error: internal error: ...`` (exit 2).  Set
 ``QUANTKIT_DEBUG=1`` to see the traceback.
 """
 from __future__ import annotations
@@ -16,24 +30,31 @@ import sys
 import click
 
 from .. import __version__
-from ..errors import (FixtureError, FormatError, OutputExistsError, QuantkitError, RecipeError, SourceError,
-                     UnsupportedError, ValidationError)
+from ..errors import (FixtureError, FormatError, MissingDependencyError, OutputExistsError, QuantkitError,
+                      RecipeError, SourceError, UnsupportedError, ValidationError)
+
+EXIT_OK = 0
+EXIT_CHECK_FAILED = 1
+EXIT_BAD_INPUT = 2
+EXIT_UNAVAILABLE = 3
+EXIT_INTERRUPTED = 130     # 128 + SIGINT, as shells report it
+EXIT_BROKEN_PIPE = 141     # 128 + SIGPIPE
 
 # One table: exception type -> (exit code, hint).  First match wins, so subclasses come first.
 ERROR_TABLE: list[tuple[type[BaseException], int, str]] = [
-    (OutputExistsError, 2, "pass --force to overwrite"),
-    (ValidationError, 1, ""),
-    (FormatError, 2, ""),
-    (SourceError, 2, ""),
-    (RecipeError, 2, ""),
-    (FixtureError, 2, ""),
-    (UnsupportedError, 3, ""),
-    (QuantkitError, 2, ""),
-    (FileNotFoundError, 2, ""),
-    (PermissionError, 2, ""),
-    (IsADirectoryError, 2, ""),
-    (OSError, 2, ""),
-    (MemoryError, 2, "the input asks for more memory than is available"),
+    (OutputExistsError, EXIT_BAD_INPUT, "pass --force to overwrite"),
+    (MissingDependencyError, EXIT_UNAVAILABLE, ""),
+    (UnsupportedError, EXIT_UNAVAILABLE, ""),
+    (ValidationError, EXIT_BAD_INPUT, ""),
+    (FormatError, EXIT_BAD_INPUT, ""),
+    (SourceError, EXIT_BAD_INPUT, ""),
+    (RecipeError, EXIT_BAD_INPUT, ""),
+    (FixtureError, EXIT_BAD_INPUT, ""),
+    (QuantkitError, EXIT_BAD_INPUT, ""),
+    (ImportError, EXIT_UNAVAILABLE, ""),
+    (OSError, EXIT_BAD_INPUT, ""),
+    (UnicodeDecodeError, EXIT_BAD_INPUT, ""),
+    (MemoryError, EXIT_BAD_INPUT, "the input asks for more memory than is available"),
 ]
 
 
@@ -41,23 +62,59 @@ def _exit_for(exc: BaseException) -> tuple[int, str]:
     for kind, code, hint in ERROR_TABLE:
         if isinstance(exc, kind):
             return code, hint
-    return 2, ""
+    return EXIT_BAD_INPUT, ""
+
+
+def error_line(exc: BaseException) -> str:
+    """The one line printed for ``exc`` (without ``error: `` and the hint): what and where, no exception class."""
+    if isinstance(exc, QuantkitError):
+        text = str(exc)
+    elif isinstance(exc, ImportError):
+        from ..extras import RUNTIME_MODULES, runtime_message
+
+        root = (exc.name or "").split(".")[0]
+        text = (runtime_message("this command") if root in RUNTIME_MODULES
+                else f"a required module is not installed: {exc.name or exc}")
+    elif isinstance(exc, OSError) and exc.strerror:
+        where = ": ".join(str(f) for f in (exc.filename, exc.filename2) if f is not None)
+        text = f"{where}: {exc.strerror}" if where else exc.strerror
+    elif isinstance(exc, UnicodeDecodeError):
+        text = f"input is not UTF-8 text ({exc.reason} at byte {exc.start})"
+    elif isinstance(exc, MemoryError):
+        text = "out of memory"
+    else:
+        text = f"internal error: {exc or type(exc).__name__} (QUANTKIT_DEBUG=1 shows the traceback; please report it)"
+    return " ".join(text.split())
+
+
+def _quiet_stdout() -> None:
+    """After the reader of stdout went away: no further write or the final flush may raise."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError, AttributeError):   # not a real file (tests capture output in memory)
+        pass
 
 
 class _Group(click.Group):
     def invoke(self, ctx):
         try:
-            return super().invoke(ctx)
-        except (click.exceptions.Exit, click.ClickException, click.Abort, KeyboardInterrupt):
+            result = super().invoke(ctx)
+            sys.stdout.flush()   # a closed pipe shows here, not at interpreter exit
+            return result
+        except (click.exceptions.Exit, click.ClickException, click.Abort):
             raise
+        except KeyboardInterrupt:
+            click.echo("interrupted", err=True)
+            sys.exit(EXIT_INTERRUPTED)
+        except BrokenPipeError:
+            _quiet_stdout()
+            sys.exit(EXIT_BROKEN_PIPE)
         except Exception as exc:  # noqa: BLE001 - the one place errors become exit codes
             if os.environ.get("QUANTKIT_DEBUG"):
                 raise
             code, hint = _exit_for(exc)
-            message = " ".join(str(exc).split()) or type(exc).__name__
-            if not isinstance(exc, QuantkitError):
-                message = f"{type(exc).__name__}: {message}"
-            click.echo(f"error: {message}" + (f" ({hint})" if hint else ""), err=True)
+            click.echo(f"error: {error_line(exc)}" + (f" ({hint})" if hint else ""), err=True)
             sys.exit(code)
 
 

@@ -8,8 +8,7 @@ from pathlib import Path
 
 import click
 
-#: Exit code after Ctrl-C (128 + SIGINT), as shells report it.
-EXIT_INTERRUPTED = 130
+from . import EXIT_INTERRUPTED
 
 
 def _default_jobs() -> int:

@@ -28,10 +28,12 @@ def _step(title: str) -> None:
 def demo(ctx, workdir, jobs):
     """Convert the bundled model (IQ2_XXS/Q2_K recipe with its imatrix), validate, score and compare with F16."""
     from .. import examples
+    from ..extras import require_runtime
     from .convert import convert
     from .score import compare, score
     from .validate import validate
 
+    require_runtime("quantkit demo")   # its scoring step; checked before the conversions, not after them
     source = str(examples.example_model_dir())
     with tempfile.TemporaryDirectory(prefix="quantkit-demo-") as tmp:
         out = Path(workdir) if workdir else Path(tmp)

@@ -115,13 +115,19 @@ def _arch_map(config_path):
 
     from ..arch import get_arch
     from ..errors import SourceError
+    from ..io.config import check_config_sizes
 
     path = Path(config_path)
     path = path / "config.json" if path.is_dir() else path
     try:
-        config = json.loads(path.read_text())
-    except (OSError, ValueError) as exc:
-        raise SourceError(f"cannot read the config: {exc}", path=path) from None
+        config = json.loads(path.read_bytes().decode("utf-8"))
+    except OSError as exc:
+        raise SourceError(f"cannot read the config: {exc.strerror}", path=path) from None
+    except ValueError as exc:
+        raise SourceError(f"not valid JSON: {exc}", path=path) from None
+    if not isinstance(config, dict):
+        raise SourceError("must be a JSON object", path=path)
+    check_config_sizes(config, path=path)
     return get_arch(config.get("model_type", "")).bind(config)
 
 
@@ -145,16 +151,19 @@ def _arch_map(config_path):
 @click.option("--save-every", default=10, show_default=True, help="write the resume state every N chunks")
 @click.option("--restart", is_flag=True, help="ignore a resume state left by an interrupted run")
 @click.option("--force", is_flag=True, help="overwrite the output")
-@click.option("--no-progress", is_flag=True, help="no progress bar")
+@click.option("--progress/--no-progress", default=True, show_default=True, help="show a progress bar (as convert)")
 def collect(source, text, output, ctx, chunks, all_experts, process_output, synthetic, device, dtype, max_memory,
-            save_every, restart, force, no_progress):
+            save_every, restart, force, progress):
     """Run SOURCE (a Hugging Face checkpoint) over the text and collect its imatrix, like llama-imatrix."""
+    from ..extras import require_runtime
+
+    require_runtime("quantkit imatrix collect")
     from ..imatrix.collect import CollectOptions, collect_imatrix
 
     opts = CollectOptions(ctx=ctx, chunks=chunks, all_experts=all_experts, process_output=process_output,
                           synthetic=synthetic, device=device, dtype=dtype, max_memory=max_memory,
                           save_every=save_every, restart=restart,
-                          overwrite=force, progress=not no_progress)
+                          overwrite=force, progress=progress)
     imx = collect_imatrix(source, text, output, opts)
     click.echo(f"wrote {output}: {len(imx.entries)} entries, {imx.chunk_count} chunks of {ctx} tokens, "
                f"{imx.coverage()}")

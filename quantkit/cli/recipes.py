@@ -14,8 +14,9 @@ DESCRIPTION_WIDTH = 100
 @click.argument("name", required=False)
 @click.option("--json", "as_json", is_flag=True, help="print as JSON")
 def recipes(name, as_json):
-    """List the shipped recipes; with NAME (a shipped name or a recipe file), show that recipe."""
+    """List the shipped recipes (and the example model's); with NAME (a recipe name or file), show that recipe."""
     from ..recipes import load_recipe, shipped_recipes
+    from ..recipes.catalog import EXAMPLE_DIR
 
     if name is not None:
         recipe = load_recipe(name)
@@ -26,7 +27,11 @@ def recipes(name, as_json):
         keys = ("name", "architectures", "name_tag", "description", "path", "sha256")
         click.echo(json.dumps([{k: r.to_dict()[k] for k in keys} for r in listed], indent=1))
         return
-    for r in listed:
+    examples = shipped_recipes(EXAMPLE_DIR)
+    for r in [*listed, None, *examples]:
+        if r is None:
+            click.echo("\nexample recipes (for the bundled tiny model, quantkit demo):")
+            continue
         click.echo(r.name)
         click.echo(f"    architectures  {', '.join(r.architectures)}")
         click.echo(f"    name tag       {r.name_tag}")

@@ -7,6 +7,8 @@ from pathlib import Path
 
 import click
 
+from ..extras import require_runtime
+
 DEVICES = ("cpu", "cuda")
 
 
@@ -67,6 +69,7 @@ def capture(source, prompts, tokens, top_logprobs, label, out, rendering, chat_t
             force):
     """Capture a fixture from SOURCE (safetensors checkpoint or GGUF): greedy continuations (the runtime with a KV
     cache) and top logprobs."""
+    require_runtime("quantkit fixture capture")
     from ..fixtures.capture import capture_fixture, read_prompts
     from ..fixtures.directory import check_label
     from ..scoring.loading import describe_model, load_source
@@ -104,6 +107,7 @@ def import_(src, out, label, source_model, rendering, chat_template_kwargs, toke
 
     identity = ModelIdentity()
     if source_model is not None:
+        require_runtime("quantkit fixture import --source")
         identity = describe_model(source_model, tokenizer=tokenizer)[1]
     result = import_fixture(src, out, label=label, source=identity,
                             rendering=_rendering(rendering, chat_template_kwargs), overwrite=force)
@@ -145,6 +149,7 @@ def check(path):
               help="apply this sidecar beside the checkpoint directory MODEL (repeatable; recorded in the table)")
 def score(model, fixture_dir, out, ctx, device, allow_cross_checkpoint, kld_base, save_logits, tokenizer, sidecars):
     """Score MODEL (GGUF or checkpoint) on FIXTURE; write the per-case table OUT.tsv."""
+    require_runtime("quantkit score")
     from ..fixtures.directory import read_fixture
     from ..scoring.loading import describe_model, load_source, open_sidecars
     from ..scoring.score import plan_scoring, run_scoring

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import click
 
+from . import EXIT_CHECK_FAILED
+
 FORMAT_CHOICES = ("nvfp4", "fp8-tensor", "fp8-channel", "fp8-block128", "fp8-block128-e8m0")
 CONVENTION_CHOICES = ("modelopt", "compressed-tensors")
 _MAKE = "make"
@@ -60,10 +62,14 @@ _FILE = click.Path(exists=True, dir_okay=False, path_type=Path)
 @swapset.command(_MAKE)
 @click.argument("model_dir", type=_DIR)
 @click.option("--family", "families", multiple=True, help="family or comma-separated families (--list-families)")
-@click.option("--format", "fmt", type=click.Choice(FORMAT_CHOICES), help="target encoding (draft heads: nvfp4)")
+@click.option("--format", "fmt", type=click.Choice(FORMAT_CHOICES),
+              help="target encoding (draft heads: nvfp4); nvfp4 needs --convention unless the checkpoint is NVFP4")
 @click.option("--convention", type=click.Choice(CONVENTION_CHOICES),
-              help="NVFP4 convention (default: the checkpoint's)")
-@click.option("--name", help="sidecar name (default <format>-swapset-<families>)")
+              help="NVFP4 global-scale convention: modelopt (weight_scale_2 multiplies) or compressed-tensors "
+                   "(weight_global_scale divides); required with --format nvfp4 unless the checkpoint is NVFP4, "
+                   "whose convention is used")
+@click.option("--name", help="sidecar name (default nvfp4-swapset-<families>, or fp8-swapset-<families>-<variant>, "
+                             "e.g. fp8-swapset-attn-block128)")
 @click.option("--source", "source_dir", type=_DIR, help="read tensors from this checkpoint (default MODEL_DIR)")
 @click.option("--shared-experts", is_flag=True, help="serve shared experts as an extra routed expert")
 @click.option("--draft-lm-head", is_flag=True, help="make an lm_head for the MTP drafter")
@@ -81,6 +87,11 @@ def make(model_dir, families, fmt, convention, name, source_dir, shared_experts,
          token_ids_file, calibration, sample, supersedes, optional, force, dry_run, list_families, as_json):
     """Make a sidecar beside MODEL_DIR."""
     from ..swapset import SwapsetRequest, build_swapset, list_families as families_of, plan_swapset
+
+    if (calibration or sample) and not (dry_run or list_families):
+        from ..extras import require_runtime
+
+        require_runtime("quantkit swapset --calibration/--sample")   # the reference model runs on torch
 
     if list_families:
         rows = families_of(model_dir)
@@ -155,7 +166,7 @@ def status(model_dir, record, full, as_json):
         totals = ", ".join(f"{state} {_size(n)}" for state, n in data["bytes_by_state"].items() if n)
         click.echo(f"{len(report.sidecars)} sidecars" + (f": {totals}" if totals else ""))
     if record is not None and not report.record_satisfied:
-        sys.exit(1)
+        sys.exit(EXIT_CHECK_FAILED)
 
 
 @swapset.command()
@@ -164,16 +175,20 @@ def status(model_dir, record, full, as_json):
 @click.option("--yes", is_flag=True, help="remove obsolete sidecars")
 @click.option("--record", type=_FILE, help="keep sidecars this record needs even when superseded")
 def gc(model_dir, dry_run, yes, record):
-    """Remove obsolete (superseded) sidecars beside MODEL_DIR."""
+    """Remove obsolete (superseded) sidecars beside MODEL_DIR: only files quantkit made (a quantkit manifest and
+    the payload whose SHA-256 it records); other superseded files are listed and kept."""
     from ..swapset import gc as collect
 
     if dry_run == yes:
         raise click.UsageError("pass exactly one of --dry-run and --yes")
-    removed = collect(model_dir, dry_run=dry_run, record=record)
+    report = collect(model_dir, dry_run=dry_run, record=record)
     verb = "would remove" if dry_run else "removed"
-    for s in removed:
+    for s in report.removed:
         click.echo(f"{verb} {s.name} ({_size(s.bytes)}; {s.reason}): {', '.join(s.files)}")
-    click.echo(f"{verb} {len(removed)} sidecars, {_size(sum(s.bytes for s in removed))}")
+    for s, why in report.kept:
+        click.echo(f"kept {s.name} ({_size(s.bytes)}; {s.reason}): {why}")
+    click.echo(f"{verb} {len(report.removed)} sidecars, {_size(sum(s.bytes for s in report.removed))}"
+               + (f"; kept {len(report.kept)} obsolete sidecars quantkit did not make" if report.kept else ""))
 
 
 @swapset.command()

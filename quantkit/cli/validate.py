@@ -12,8 +12,9 @@ from pathlib import Path
 
 import click
 
+from . import EXIT_BAD_INPUT
+
 PAYLOAD_CHOICES = ("none", "sample", "full")
-EXIT_UNREADABLE = 2
 
 
 def _write_json(path: Path, data: dict) -> None:
@@ -47,7 +48,7 @@ def validate(artifact, source, recipe, imatrix, payload, seed, structure_only, j
     except (QuantkitError, OSError) as exc:
         if json_path is not None:
             _write_json(json_path, {"format": "quantkit-validation", "artifact": str(artifact), "ok": False,
-                                    "exit_code": EXIT_UNREADABLE, "error": " ".join(str(exc).split())})
+                                    "exit_code": EXIT_BAD_INPUT, "error": " ".join(str(exc).split())})
         raise
     if json_path is not None:
         _write_json(json_path, report.to_json())

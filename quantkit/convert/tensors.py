@@ -246,6 +246,15 @@ def _encode_pieces(ctx: SourceContext, job: TensorJob) -> Iterator[Piece]:
     def chunk_rows(name: str, r0: int, selected: np.ndarray) -> np.ndarray:
         return np.asarray(ctx.checkpoint.raw(name)[r0 + selected], dtype=np.float32)
 
+    def expert_rows(m, e: int | None) -> Callable[[np.ndarray], np.ndarray] | None:
+        """Reads some rows of one expert alone where its source is a plain float matrix (an audit's edge rows)."""
+        info = ctx.checkpoint.tensor_info(m.hf_name)
+        if m.transform or info.dtype not in _PLAIN_DTYPES or len(info.shape) != (2 if e is None else 3):
+            return None
+        if e is None:
+            return functools.partial(chunk_rows, m.hf_name, 0)
+        return lambda selected: np.asarray(ctx.checkpoint.raw(m.hf_name)[e][selected], dtype=np.float32)
+
     def whole() -> Iterator[Piece]:
         load = functools.lru_cache(maxsize=1)(lambda: ctx.amap.assemble(out, ctx.array))   # shared by matrices
         if len(out.shape) == 3:
@@ -256,12 +265,13 @@ def _encode_pieces(ctx: SourceContext, job: TensorJob) -> Iterator[Piece]:
 
     if out.assembly == "stack_experts":
         for e, m in enumerate(out.sources):
-            yield Piece(e, e * per_matrix, per_matrix, _encoder(ctx, job, e, functools.partial(source, m)))
+            yield Piece(e, e * per_matrix, per_matrix,
+                        _encoder(ctx, job, e, functools.partial(source, m), expert_rows(m, None)))
         return
     if _expert_slices(out):
         for e in range(out.shape[0]):
             load = functools.partial(expert_slice, out.sources[0], e)
-            yield Piece(e, e * per_matrix, per_matrix, _encoder(ctx, job, e, load))
+            yield Piece(e, e * per_matrix, per_matrix, _encoder(ctx, job, e, load, expert_rows(out.sources[0], e)))
         return
     if len(out.sources) == 1 and (job.importance == "bootstrap" or None in job.bootstrap):
         yield from whole()   # Σw² needs the whole tensor at once

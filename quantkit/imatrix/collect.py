@@ -57,6 +57,7 @@ from .. import __version__
 from ..arch import ArchMap, get_arch
 from ..errors import OutputExistsError, SourceError, UnsupportedError, ValidationError
 from ..io.atomic import sha256_file
+from ..io.checkpoint import open_checkpoint
 from .formats import load_imatrix, save_imatrix
 from .model import Entry, Imatrix, make_imatrix
 from .names import OUTPUT_HEAD, column_map
@@ -530,9 +531,14 @@ def _read_config(source: Path) -> dict:
     if not path.is_file():
         raise SourceError("no config.json: collection needs a Hugging Face checkpoint directory", path=source)
     try:
-        return json.loads(path.read_text())
-    except ValueError as exc:
+        config = json.loads(path.read_bytes().decode("utf-8"))
+    except ValueError as exc:   # UnicodeDecodeError included
         raise SourceError(f"config.json is not valid JSON: {exc}", path=path) from None
+    if not isinstance(config, dict):
+        raise SourceError("config.json must be a JSON object", path=path)
+    with open_checkpoint(source):   # checks the config's sizes against the tensors, before anything is sized
+        pass
+    return config
 
 
 def collect_imatrix(source: str | os.PathLike, text_path: str | os.PathLike, out: str | os.PathLike,

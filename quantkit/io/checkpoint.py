@@ -31,6 +31,7 @@ import numpy as np
 from ..errors import FormatError, MissingSourceError, SourceError, UnsupportedError
 from ..formats import blockscaled
 from .safetensors import DEFAULT_MAX_HEADER_BYTES, SafetensorsFile
+from .config import check_config_sizes
 
 CONFIG_NAME = "config.json"
 HF_QUANT_CONFIG_NAME = "hf_quant_config.json"
@@ -166,6 +167,8 @@ class Checkpoint:
         self._files = files
         self._where = where
         self.metadata: dict = dict(files[0].metadata) if files else {}
+        if config_found:   # before anything is sized from the config's counts
+            check_config_sizes(config, {n: f.entries[n].shape for n, f in where.items()}, path=path / CONFIG_NAME)
         self.block = _block_shape(config, path)
         dtypes = {n: f.entries[n].dtype for n, f in where.items()}
         on_disk = _quantization_on_disk(dtypes, path)

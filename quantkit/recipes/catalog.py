@@ -9,6 +9,10 @@ from .model import Recipe, parse_recipe
 
 #: The recipes quantkit ships, one ``<name>.toml`` per published layout.
 SHIPPED_DIR = Path(__file__).with_name("shipped")
+#: The bundled example model's recipes (``quantkit demo``); nameable like shipped ones (``--recipe tiny-moe-q4_k``).
+EXAMPLE_DIR = Path(__file__).resolve().parent.parent / "examples" / "recipes"
+#: Where a recipe name is looked up, in order.
+NAMED_DIRS = (SHIPPED_DIR, EXAMPLE_DIR)
 RECIPE_SUFFIX = ".toml"
 #: Recipes are a few KB; anything this large is not one (checked before reading it whole).
 MAX_RECIPE_BYTES = 1 << 20
@@ -26,10 +30,11 @@ def _read(path: Path) -> Recipe:
     return parse_recipe(text, path)
 
 
-def shipped_recipes() -> list[Recipe]:
-    """Every shipped recipe, by name.  A shipped file whose ``name`` differs from its file name is an error."""
+def shipped_recipes(directory: Path = SHIPPED_DIR) -> list[Recipe]:
+    """Every shipped recipe (or example recipe, ``directory=EXAMPLE_DIR``), by name.  A file whose ``name`` differs
+    from its file name is an error."""
     recipes = []
-    for path in sorted(SHIPPED_DIR.glob(f"*{RECIPE_SUFFIX}")):
+    for path in sorted(directory.glob(f"*{RECIPE_SUFFIX}")):
         recipe = _read(path)
         if recipe.name != path.stem:
             raise RecipeError(f"shipped recipe is named {recipe.name!r} but its file is {path.name!r}", path=path,
@@ -43,8 +48,11 @@ def load_recipe(spec: str | os.PathLike) -> Recipe:
     path = Path(spec)
     if path.is_file():
         return _read(path)
-    shipped = SHIPPED_DIR / f"{spec}{RECIPE_SUFFIX}"
-    if isinstance(spec, str) and os.sep not in spec and shipped.is_file():
-        return _read(shipped)
-    names = ", ".join(p.stem for p in sorted(SHIPPED_DIR.glob(f"*{RECIPE_SUFFIX}")))
-    raise RecipeError(f"no such recipe file, and no shipped recipe of that name (shipped: {names})", path=path)
+    if isinstance(spec, str) and os.sep not in spec:
+        for directory in NAMED_DIRS:
+            named = directory / f"{spec}{RECIPE_SUFFIX}"
+            if named.is_file():
+                return _read(named)
+    names = ", ".join(p.stem for d in NAMED_DIRS for p in sorted(d.glob(f"*{RECIPE_SUFFIX}")))
+    raise RecipeError(f"no such recipe file, and no shipped recipe or example recipe of that name ({names})",
+                      path=path)

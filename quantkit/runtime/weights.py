@@ -50,6 +50,7 @@ from ..convert.provenance import SOURCE_CONFIG_KEY
 from ..errors import FormatError, MissingSourceError, SourceError, StateError, UnsupportedError
 from ..formats.registry import GGMLType
 from ..io.checkpoint import open_checkpoint
+from ..io.config import check_config_sizes
 from ..io.gguf import KV
 from ..io.gguf_reader import GGUFFile, is_gguf
 from .inverse import VALUE_INVERSES
@@ -327,6 +328,8 @@ def config_from_gguf(metadata: Mapping[str, KV], tensors: Mapping[str, StoredTen
             raise FormatError(f"is not JSON: {exc}", path=path, field=SOURCE_CONFIG_KEY) from None
         if not isinstance(config, dict) or "model_type" not in config:
             raise FormatError("must hold a config.json object with a model_type", path=path, field=SOURCE_CONFIG_KEY)
+        check_config_sizes(config, {n: tuple(t.shape) for n, t in tensors.items()},
+                           path=f"{path} [{SOURCE_CONFIG_KEY}]")
         return config
     arch = _value(metadata, "general.architecture", path)
     if arch not in CONFIG_BUILDERS:

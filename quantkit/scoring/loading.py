@@ -21,7 +21,7 @@ from typing import Callable, Mapping, Sequence
 
 import numpy as np
 
-from ..errors import SourceError
+from ..errors import FormatError, MissingSourceError, SourceError
 from ..fixtures.tokens import TextCodec
 from ..io.gguf_reader import is_gguf
 from .source import ModelIdentity, checkpoint_identity, gguf_identity
@@ -105,18 +105,43 @@ def _gguf_tokenizer(path: Path):
     return tokenizer
 
 
-def load_tokenizer(path: str | os.PathLike, tokenizer: str | os.PathLike | None = None):
-    """The Hugging Face tokenizer to score ``path`` with (module doc)."""
+#: Files one of which a Hugging Face tokenizer directory holds (the fast tokenizer, or what builds it).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def _tokenizer_dir(directory: Path, option: str):
+    """transformers' tokenizer of ``directory``, or one line naming the directory (transformers' own error for a
+    directory without tokenizer files asks to install sentencepiece)."""
     from transformers import AutoTokenizer
 
+    if not directory.is_dir():
+        raise MissingSourceError(f"no tokenizer directory here{option}", path=directory)
+    if not any((directory / name).is_file() for name in TOKENIZER_FILES):
+        raise MissingSourceError(f"no tokenizer files ({', '.join(TOKENIZER_FILES)}) in the directory{option}",
+                                 path=directory)
+    try:
+        return AutoTokenizer.from_pretrained(str(directory))
+    except (OSError, ValueError, KeyError) as exc:
+        first = next((line for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
+        raise SourceError(f"cannot load the tokenizer: {first}", path=directory) from None
+
+
+def load_tokenizer(path: str | os.PathLike, tokenizer: str | os.PathLike | None = None):
+    """The Hugging Face tokenizer to score ``path`` with (module doc)."""
     if tokenizer is not None:
-        return AutoTokenizer.from_pretrained(str(tokenizer))
+        return _tokenizer_dir(Path(tokenizer), "")
     if is_gguf(path):
         return _gguf_tokenizer(Path(path))
     from ..convert.source import resolve_source
 
     resolved = resolve_source(path).path
-    return AutoTokenizer.from_pretrained(str(resolved if resolved.is_dir() else resolved.parent))
+    if resolved.is_file() and resolved.suffix != ".safetensors":
+        size = resolved.stat().st_size
+        raise FormatError("not a GGUF file (empty)" if size == 0 else
+                          f"not a GGUF file (no GGUF magic in its first bytes) nor a .safetensors checkpoint",
+                          path=resolved)
+    return _tokenizer_dir(resolved if resolved.is_dir() else resolved.parent,
+                          "; pass --tokenizer DIR (the source checkpoint's tokenizer)")
 
 
 def model_identity(path: str | os.PathLike, codec: TextCodec) -> ModelIdentity:

@@ -94,7 +94,10 @@ def read_table(path: str | os.PathLike, *, max_bytes: int = MAX_TABLE_BYTES) -> 
     size = path.stat().st_size
     if size > max_bytes:
         raise FixtureError(f"table is {size} bytes, more than the limit of {max_bytes} (max_bytes)", path=path)
-    lines = path.read_text(encoding="utf-8").split("\n")
+    try:
+        lines = path.read_bytes().decode("utf-8").split("\n")
+    except UnicodeDecodeError as exc:
+        raise FixtureError(f"not a score table: not UTF-8 text ({exc.reason} at byte {exc.start})", path=path) from None
     if lines and lines[-1] == "":
         lines.pop()
     if len(lines) < 2:

@@ -380,8 +380,10 @@ def _plan(request: SwapsetRequest, ckpt: Checkpoint, src: Checkpoint) -> Swapset
         planned, token_ids, selection = _plan_module(ctx, module, family, weight)
         modules.append(planned)
 
+    # fp8 encodings differ in layout, so each gets its own default name: fp8-swapset-attn-block128, ...-channel
+    variant = "" if fmt == "nvfp4" else "-" + fmt.removeprefix("fp8-")
     default_name = f"{'nvfp4' if fmt == 'nvfp4' else 'fp8'}-swapset-" + (
-        "draft-lmhead" if kind == "draft-lm-head" else "-".join(f.name for f in families))
+        "draft-lmhead" if kind == "draft-lm-head" else "-".join(f.name for f in families)) + variant
     name = request.name or default_name
     check_name(name)
     optional = request.optional if request.optional is not None else any(f.optional for f in families)

@@ -23,7 +23,12 @@ tensors were copied into the sidecar.
 
 A record is a JSON object with ``"sidecars"``: a list of names, or of ``{"name", "sha256"}`` objects (the
 sidecar safetensors' SHA-256, checked against the manifest); names it lists that are absent are reported as
-``missing``.  :func:`gc` removes the files of ``obsolete`` sidecars only.
+``missing``.
+
+**Removing** (:func:`gc`).  Only files quantkit made, and only of ``obsolete`` sidecars: a valid quantkit manifest,
+and the payload it records when the payload's SHA-256 still equals the recorded one.  A superseded sidecar
+without a quantkit manifest (another tool's, or a user's file that ``--supersedes`` happened to name) and a
+payload whose bytes are not the ones recorded are kept and reported, never deleted.
 """
 from __future__ import annotations
 
@@ -260,16 +265,47 @@ def _classify(d: Path, c: Candidate, ckpt: Checkpoint, needed: dict | None, supe
     return state, ("opt-in sidecar" if c.manifest["optional"] else "in service") + (f"; {notes}" if notes else "")
 
 
-def gc(model_dir: str | Path, *, dry_run: bool, record: str | Path | None = None) -> list[SidecarStatus]:
-    """Remove (unless ``dry_run``) the files of every obsolete sidecar; returns what was (or would be) removed."""
-    report = status(model_dir, record)
-    obsolete = [s for s in report.sidecars if s.state == "obsolete"]
-    if not dry_run:
-        for s in obsolete:
+@dataclass
+class GcReport:
+    removed: list[SidecarStatus]
+    """Obsolete sidecars whose files quantkit made (removed, or to be removed with ``dry_run``)."""
+    kept: list[tuple[SidecarStatus, str]]
+    """Obsolete sidecars left in place, with why (not made by quantkit, or changed since)."""
+
+
+def _made_by_quantkit(model_dir: Path, name: str) -> str | None:
+    """None when sidecar ``name`` is a quantkit manifest and (if present) the payload it records, byte for byte;
+    otherwise why its files are not quantkit's to delete."""
+    st, js = sidecar_paths(model_dir, name)
+    if not (js.is_file() and is_manifest(js)):
+        return "no quantkit manifest records its files: not made by quantkit, remove it by hand if unwanted"
+    try:
+        manifest = read_manifest(js)
+    except (FormatError, OSError) as e:
+        return f"its manifest cannot be read ({e})"
+    if st.is_file() and (st.stat().st_size != manifest["sidecar"]["bytes"]
+                         or sha256_file(st) != manifest["sidecar"]["sha256"]):
+        return f"{st.name} is not the file its manifest records (size or SHA-256 differs)"
+    return None
+
+
+def gc(model_dir: str | Path, *, dry_run: bool, record: str | Path | None = None) -> GcReport:
+    """Remove (unless ``dry_run``) the files quantkit made of every obsolete sidecar (module docstring)."""
+    d = Path(model_dir)
+    report = GcReport([], [])
+    for s in status(d, record).sidecars:
+        if s.state != "obsolete":
+            continue
+        why = _made_by_quantkit(d, s.name)
+        if why is not None:
+            report.kept.append((s, why))
+            continue
+        report.removed.append(s)
+        if not dry_run:
             # the manifest goes last: an interrupted removal still shows up as a sidecar
-            for name in sorted(s.files, key=lambda n: n.endswith(".json")):
-                (Path(model_dir) / name).unlink(missing_ok=True)
-    return obsolete
+            for path in sidecar_paths(d, s.name):
+                path.unlink(missing_ok=True)
+    return report
 
 
 def record_quality(model_dir: str | Path, name: str, quality: dict) -> dict:

@@ -201,3 +201,27 @@ def draw_case(data, block_size: int, max_blocks: int = 4):
     x = data.draw(arrays(np.float32, (data.draw(st.integers(1, 3)), n), elements=weights))
     im = data.draw(st.none() | arrays(np.float32, n, elements=importance))
     return x, im
+
+
+#: Hostile ``config.json`` edits (field, value) for the example model (8 experts, 4 layers, vocabulary 512):
+#: counts that would size petabytes, counts the tensors do not hold, and values of the wrong type or zero.  Each
+#: must be refused naming config.json and the field before anything is allocated (``quantkit.io.config``).
+MALFORMED_CONFIGS: tuple[tuple[str, object], ...] = (
+    ("num_local_experts", 10 ** 12),
+    ("num_local_experts", 9),
+    ("num_local_experts", 0),
+    ("num_local_experts", "8"),
+    ("num_hidden_layers", 10 ** 9),
+    ("num_hidden_layers", 5),
+    ("num_hidden_layers", -1),
+    ("num_hidden_layers", 4.0),
+    ("vocab_size", 2 ** 40),
+    ("vocab_size", 513),
+    ("vocab_size", True),
+    ("hidden_size", 0),
+    ("hidden_size", [256]),
+    ("num_attention_heads", 0),
+    ("num_key_value_heads", "two"),
+    ("moe_intermediate_size", 10 ** 7),
+    ("num_experts_per_tok", 0),
+)

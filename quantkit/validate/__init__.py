@@ -77,6 +77,9 @@ def _gguf(f: GGUFFile, reader: ArtifactReader, *, source, recipe, imatrix, paylo
         report.checks += [*inventory_checks(f, plan, reader), source_check(f, plan, shards_hashed=mode == "full")]
         report.notes = list(plan.notes)
     report.checks += payload_checks
+    if mode == "sample":
+        report.sampled_bytes = (sum(t["bytes_compared"] for t in report.tensors),
+                                sum(t.nbytes for t in f.tensors.values()))
     report.io = {"artifact_bytes": f.file_size, "header_bytes": f.data_offset,
                  "artifact_bytes_read": reader.bytes_read,
                  "source_files_hashed_bytes": 0 if plan is None else plan.hashed_bytes}

@@ -7,7 +7,9 @@ Modes:
   source shard they read, and each shard is hashed just before its group, so a shard is read from disk once and
   re-read from the page cache (the artifact is read once: the bytes compared are the bytes scanned for scales).
 - ``sample``: every tensor that is neither an expert tensor nor a row table in full; for each routed-expert tensor
-  (3-D, class in :data:`EXPERT_CLASSES`) the first, one seeded middle and the last expert; for each row table
+  (3-D, class in :data:`EXPERT_CLASSES`) the first, one seeded middle and the last expert in full, and the first
+  and last row of *every* expert (so one corrupted expert is caught whatever the seed; an edge row costs a row
+  read where the source stores plain floats, else one expert's decode); for each row table
   (class in :data:`ROW_TABLE_CLASSES`) rows 0, 1 and the last, every power-of-two boundary ``2^k - 1, 2^k``, and
   :data:`RANDOM_ROWS` seeded random rows.  Only those regions of the artifact (and of the source, where it allows)
   are read.  The seed of a tensor's choice is ``(seed, crc32(name))``, so choices differ between tensors and
@@ -94,6 +96,14 @@ def sample_experts(n: int, rng: np.random.Generator) -> list[int]:
     """The first, a seeded middle and the last of ``n`` experts."""
     middle = [int(rng.integers(1, n - 1))] if n > 2 else []
     return sorted({0, *middle, n - 1})
+
+
+def expert_edge_rows(n_experts: int, rows_per_expert: int, full: list[int]) -> np.ndarray:
+    """Rows of a ``[n_experts, rows_per_expert, n]`` tensor's ``[rows, n]`` view: the first and last row of every
+    expert, and every row of the experts in ``full``."""
+    starts = np.arange(n_experts, dtype=np.int64) * rows_per_expert
+    whole = [np.arange(e * rows_per_expert, (e + 1) * rows_per_expert, dtype=np.int64) for e in full]
+    return np.unique(np.concatenate([starts, starts + rows_per_expert - 1, *whole]))
 
 
 def sample_rows(n: int, rng: np.random.Generator, random_rows: int = RANDOM_ROWS) -> np.ndarray:
@@ -245,7 +255,8 @@ def _selection(t: GGUFTensor, job: TensorJob, mode: str, seed: int) -> tuple[str
     """(how compared, experts, rows) of a tensor in ``mode``; experts/rows None: all of them."""
     cls = job.output.tensor_class
     if mode == "sample" and len(t.shape) == 3 and cls in EXPERT_CLASSES:
-        return "sample", sample_experts(t.shape[0], sample_rng(seed, t.name)), None
+        experts = sample_experts(t.shape[0], sample_rng(seed, t.name))
+        return "sample", experts, expert_edge_rows(t.shape[0], t.shape[1], experts)
     if mode == "sample" and cls in ROW_TABLE_CLASSES:
         return "sample", None, sample_rows(tensor_rows(t.shape), sample_rng(seed, t.name))
     return "full", None, None
@@ -257,7 +268,7 @@ def _audit_tensor(ctx: SourceContext, job: TensorJob, t: GGUFTensor, comparer: _
     result = TensorResult(t.name, t.type.name, list(t.shape), compared, experts)
     if job.kind in _LOSSLESS_KINDS:
         result.note = "lossless: bytes compared, no error to measure"
-    honoured, parts = chosen(ctx, job, experts, rows)
+    honoured, parts = chosen(ctx, job, None if rows is not None else experts, rows)
     if not honoured:
         result.compared = "full"
         result.note = "row positions known only after loading: every row compared"

@@ -12,7 +12,8 @@ JSON layout (:meth:`Report.to_json`, format version :data:`REPORT_VERSION`)::
      "tensors": [{"name", "type", "shape", "compared": "full" | "sample", "experts" (sampled ones), "rows",
                   "bytes_compared", "match", "differing_rows", "differing_experts", "differences" (the first few:
                   expert, row, block and file offset), "rel_rmse", "max_abs", "bound", "error_ok", "note"}],
-     "io": {"artifact_bytes", "header_bytes", "artifact_bytes_read", "source_files_hashed_bytes"}}
+     "io": {"artifact_bytes", "header_bytes", "artifact_bytes_read", "source_files_hashed_bytes"},
+     "sampled_bytes": [payload bytes compared, payload bytes in the file] (``sample``) | null}
 
 A report is valid (exit code 0) when no check failed; skipped checks say why they did not run.  When the input
 cannot be read at all, ``quantkit validate --json`` writes ``{"format", "artifact", "ok": false, "exit_code": 2,
@@ -81,6 +82,8 @@ class Report:
     imatrix: dict | None = None
     io: dict = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+    sampled_bytes: tuple[int, int] | None = None
+    """(payload bytes compared, payload bytes in the file) of a ``sample`` audit."""
 
     @property
     def ok(self) -> bool:
@@ -95,7 +98,7 @@ class Report:
                 "kind": self.kind, "payload": self.payload, "seed": self.seed, "ok": self.ok,
                 "exit_code": self.exit_code, "source": self.source, "recipe": self.recipe, "imatrix": self.imatrix,
                 "checks": [c.to_json() for c in self.checks], "notes": self.notes, "tensors": self.tensors,
-                "io": self.io}
+                "io": self.io, "sampled_bytes": self.sampled_bytes}
 
     def render(self) -> str:
         """One line per check, the first few items of failed checks, and a verdict."""
@@ -110,5 +113,8 @@ class Report:
                     lines.append(f"          … {len(c.items) - ITEMS_SHOWN} more (--json lists them)")
         lines += [f"  note: {note}" for note in self.notes]
         failed = sum(c.failed for c in self.checks)
-        lines.append("valid" if not failed else f"INVALID: {failed} of {len(self.checks)} checks failed")
+        sampled = ""
+        if self.sampled_bytes is not None:
+            sampled = f" (sampled: {self.sampled_bytes[0]:,} of {self.sampled_bytes[1]:,} payload bytes compared)"
+        lines.append(f"valid{sampled}" if not failed else f"INVALID: {failed} of {len(self.checks)} checks failed")
         return printable("\n".join(lines))
