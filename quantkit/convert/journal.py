@@ -126,11 +126,13 @@ class Journal:
         return cls(path, fd)
 
     def _append(self, record: dict) -> None:
-        line = (json.dumps(record, separators=(",", ":")) + "\n").encode()
-        written = os.write(self._fd, line)
-        if written != len(line):
-            raise OSError(f"short write to the journal {self.path} ({written} of {len(line)} bytes)")
-        os.fsync(self._fd)
+        line = memoryview((json.dumps(record, separators=(",", ":")) + "\n").encode())
+        try:
+            while line:   # a short write (a disk filling up) goes on until the rest fits or the error comes
+                line = line[os.write(self._fd, line):]
+            os.fsync(self._fd)
+        except OSError as exc:   # name the journal (a full disk is reported with its path)
+            raise OSError(exc.errno, exc.strerror, str(self.path)) from None
 
     def record(self, tensor: str, sha256: str, sources: Mapping[str, str] | None = None) -> None:
         self._append({"tensor": tensor, "sha256": sha256, "sources": dict(sources or {})})
