@@ -492,7 +492,7 @@ def test_crash_then_resume(qwen, reference, tmp_path, jobs):
     crashed = subprocess.run([sys.executable, "-c", script, "convert", *args], capture_output=True, text=True,
                              timeout=600)
     assert crashed.returncode == -signal.SIGKILL, crashed.stderr
-    assert leftovers(out) == {"q.gguf.partial", "q.gguf.journal"}
+    assert leftovers(out) == {"q.gguf.partial", "q.gguf.journal", "q.gguf.lock"}   # the lock died with its holder
     resumed = subprocess.run([sys.executable, "-c", "from quantkit.cli import main; main()", "convert", *args,
                               "--resume"], capture_output=True, text=True, timeout=600)
     assert resumed.returncode == 0, resumed.stderr
@@ -572,19 +572,18 @@ def test_journal_tolerates_a_cut_last_line(tmp_path):
     path = tmp_path / "x.journal"
     source = FileHash("a.safetensors", 3, 4, "")
     journal = Journal.create(path, "abc", [source])
-    journal.record("t1", "1" * 64)
-    journal.record_source(FileHash("a.safetensors", 3, 4, "f" * 64))
+    journal.record("t1", "1" * 64, {"a.safetensors": "f" * 64})
     journal.close()
     with open(path, "ab") as f:
         f.write(b'{"tensor": "t2", "sha')
-    done, hashes = read_journal(path, "abc", [source])
-    assert done == {"t1": "1" * 64} and hashes["a.safetensors"].sha256 == "f" * 64
+    state = read_journal(path, "abc", [source])
+    assert state.done == {"t1": "1" * 64} and state.sources == {"t1": {"a.safetensors": "f" * 64}}
     with pytest.raises(ValidationError, match="another plan"):
         read_journal(path, "abd", [source])
     with pytest.raises(ValidationError, match="'a.safetensors' changed"):
         read_journal(path, "abc", [FileHash("a.safetensors", 3, 5, "")])
     Journal.reopen(path).close()
     assert path.read_bytes().endswith(b"\n")
-    path.write_bytes(b'{"journal": 1, "layout_sha256": "abc", "sources": []}\nnot json\n{"tensor": "t"}\n')
+    path.write_bytes(b'{"journal": 2, "layout_sha256": "abc", "sources": []}\nnot json\n{"tensor": "t"}\n')
     with pytest.raises(FormatError, match="line 2"):
         read_journal(path, "abc", [])

@@ -91,14 +91,14 @@ def journal_lines(out: Path) -> int:
 def test_kill_9_at_random_points_then_resume(qwen, recipe, reference, tmp_path):
     """KILL_POINTS seeded points over a --jobs 2 conversion (the whole process group, workers included): before the
     journal exists, after a seeded number of journal lines (tensors, the rename note) plus a seeded delay.  The runs
-    chain: each resumes the one killed before it.  Never a file under the final name unless it is complete; every
-    chain's last resume ends byte-identical to the reference."""
+    chain: each resumes the one killed before it.  Never a file under the final name unless it is complete (killed
+    after the rename); every chain's last resume ends byte-identical to the reference."""
     tensors = len(GGUFFile(reference).tensors)
     rng = random.Random(18)
     out = tmp_path / "q.gguf"
     killed = resumed_to_end = 0
     for point in range(KILL_POINTS):
-        if point % 5 == 0:   # four chains of five kills, each from a fresh start
+        if point % 10 == 0:   # two chains of ten kills, each from a fresh start
             for name in leftovers(out):
                 (out.parent / name).unlink()
         target = rng.randint(0, tensors + 1)
@@ -120,8 +120,17 @@ def test_kill_9_at_random_points_then_resume(qwen, recipe, reference, tmp_path):
             resumed_to_end += 1
             continue
         assert process.returncode == -signal.SIGKILL, stderr
-        assert not out.exists(), f"point {point}: a file under the final name after kill -9"
-        if point % 5 == 4:   # the chain's end: resume to completion
+        if out.exists():   # killed after the rename: the verified file, and a resume that says so
+            assert sha256_file(out) == sha256_file(reference), f"point {point}: a wrong file under the final name"
+            if journal_path(out).exists():
+                finished = subprocess.run(CLI + ["convert", *args_for(qwen, out, recipe, "--resume")],
+                                          capture_output=True, text=True, timeout=300)
+                assert finished.returncode == 0 and "already complete" in finished.stdout, finished.stderr
+            for name in leftovers(out):
+                (out.parent / name).unlink()
+            resumed_to_end += 1
+            continue
+        if point % 10 == 9:   # the chain's end: resume to completion
             finished = subprocess.run(CLI + ["convert", *args_for(qwen, out, recipe, "-j", "2", "--resume")],
                                       capture_output=True, text=True, timeout=300)
             assert finished.returncode == 0, finished.stderr
@@ -130,7 +139,7 @@ def test_kill_9_at_random_points_then_resume(qwen, recipe, reference, tmp_path):
             out.unlink()
             resumed_to_end += 1
     assert killed >= KILL_POINTS // 2, f"only {killed} of {KILL_POINTS} points hit a running conversion"
-    assert resumed_to_end >= 4
+    assert resumed_to_end >= 2
 
 
 def test_killed_between_rename_and_journal_removal(qwen, recipe, reference, tmp_path, monkeypatch):
@@ -329,7 +338,7 @@ def test_second_convert_to_the_same_output_is_refused(qwen, recipe, reference, t
             "real = journal.Journal.record\n"
             "def record(self, *a):\n"
             "    real(self, *a)\n"
-            "    time.sleep(0.1)\n"
+            "    time.sleep(0.05)\n"
             "journal.Journal.record = record\n"
             "from quantkit.cli import main\n"
             "main()\n")
@@ -516,9 +525,8 @@ def test_jobs_are_bounded_by_cpus_and_memory():
     assert bound_jobs(8, per_worker, cpus=16, memory=per_worker // 2)[0] == 1
 
 
-def test_too_many_jobs_are_lowered_with_a_note(qwen, recipe, reference, tmp_path):
+def test_too_many_jobs_are_lowered_with_a_note(qwen, recipe, tmp_path):
     out = tmp_path / "q.gguf"
-    result = run(*args_for(qwen, out, recipe), jobs=1000)
+    result = run(*args_for(qwen, out, recipe, "--dry-run"), jobs=1000)
     assert result.exit_code == 0, result.output
-    assert "note: using" in result.stderr and "instead of 1000" in result.stderr
-    assert sha256_file(out) == sha256_file(reference)
+    assert "note: using" in result.stderr and "instead of 1000" in result.stderr and not leftovers(out)

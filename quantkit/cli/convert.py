@@ -53,11 +53,11 @@ def convert(source, out, recipe, imatrix, bootstrap, allow_synthetic_imatrix, jo
                              label=label, pre_tokenizer=pre_tokenizer, reserve_bytes=reserve, progress=progress)
     prepared = prepare(request)
     click.echo(prepared.plan.summary())
+    if prepared.workers_note:
+        click.echo(f"note: {prepared.workers_note}", err=True)
     if dry_run:
         return
     check_outputs(prepared, request, report)
-    if prepared.workers_note:
-        click.echo(f"note: {prepared.workers_note}", err=True)
     try:
         result = execute(prepared, request)
     except KeyboardInterrupt:
