@@ -26,6 +26,7 @@ from quantkit.cli import main
 from quantkit.convert import execute as execute_module
 from quantkit.convert.journal import Journal, journal_path, read_journal
 from quantkit.convert.plan import inspect_sources
+from quantkit.convert.pool import available_cpus
 from quantkit.convert.repack import mxfp4_from_fp4_e8m0, nvfp4_from_modelopt_layout, nvfp4_tensor_scale
 from quantkit.convert.source import FileHash
 from quantkit.errors import EncodeError, FormatError, ValidationError
@@ -180,13 +181,13 @@ def test_payloads_and_provenance(qwen, tmp_path):
 def test_worker_processes_write_the_same_bytes(qwen, tmp_path):
     single, pooled = tmp_path / "a.gguf", tmp_path / "b.gguf"
     recipe = write_recipe(tmp_path / "q2.toml", Q2_RECIPE)
-    for out, jobs in ((single, 1), (pooled, 3)):
+    for out, jobs in ((single, 1), (pooled, 2)):
         result = run(qwen, "-o", out, "--recipe", recipe, "--bootstrap-importance", "--pre-tokenizer", PRE,
                      "--report", out.with_suffix(".json"), jobs=jobs)
         assert result.exit_code == 0, result.output
     assert sha256_file(single) == sha256_file(pooled)
     report = json.loads(pooled.with_suffix(".json").read_text())
-    assert report["jobs"] == 3 and len(report["produced"]) == report["tensors"]
+    assert report["jobs"] == min(2, available_cpus()) and len(report["produced"]) == report["tensors"]
     f = GGUFFile(pooled)
     assert {d["name"]: d["sha256"] for d in report["produced"]} == {
         n: hashlib.sha256(f.data(n)).hexdigest() for n in f.tensors}
@@ -459,7 +460,7 @@ def test_write_error_then_resume(qwen, reference, tmp_path, monkeypatch):
         return real_pwrite(fd, data, offset)
     monkeypatch.setattr(os, "pwrite", failing_pwrite)
     line = one_line_error(run(*q2_args(qwen, out, recipe)))
-    assert "No space left on device" in line
+    assert "no space left" in line and "q.gguf.partial" in line and "--resume" in line
     monkeypatch.setattr(os, "pwrite", real_pwrite)
     assert leftovers(out) == {"q.gguf.partial", "q.gguf.journal"}
     journaled = sum('"tensor"' in line for line in journal_path(out).read_text().splitlines())
