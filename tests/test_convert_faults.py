@@ -149,7 +149,7 @@ def test_killed_between_rename_and_journal_removal(qwen, recipe, reference, tmp_
     real = GGUFWriter.finish
 
     def finish_then_die(self):
-        result = real(self)
+        real(self)
         raise KeyboardInterrupt
     monkeypatch.setattr(GGUFWriter, "finish", finish_then_die)
     assert run(*args_for(qwen, out, recipe)).exit_code == 130
