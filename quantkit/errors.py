@@ -83,3 +83,15 @@ class MissingDependencyError(QuantkitError, ImportError):
 
 class StateError(QuantkitError, RuntimeError):
     """An object was used out of order (e.g. a writer asked for payloads before its header was written)."""
+
+
+class OutputPathError(QuantkitError, ValueError):
+    """An output path cannot be used: it is (or links to) an input, it is a directory, or it is not writable."""
+
+
+class ConcurrentWriteError(QuantkitError, RuntimeError):
+    """Another process holds the output's lock, or renamed, replaced or removed a partial output in use."""
+
+
+class OutOfSpaceError(QuantkitError, OSError):
+    """The filesystem of an output is full (ENOSPC) or its quota is exhausted (EDQUOT)."""

@@ -26,6 +26,7 @@ from quantkit.cli import main
 from quantkit.convert import execute as execute_module
 from quantkit.convert.journal import Journal, journal_path, read_journal
 from quantkit.convert.plan import inspect_sources
+from quantkit.convert.pool import available_cpus
 from quantkit.convert.repack import mxfp4_from_fp4_e8m0, nvfp4_from_modelopt_layout, nvfp4_tensor_scale
 from quantkit.convert.source import FileHash
 from quantkit.errors import EncodeError, FormatError, ValidationError
@@ -180,13 +181,13 @@ def test_payloads_and_provenance(qwen, tmp_path):
 def test_worker_processes_write_the_same_bytes(qwen, tmp_path):
     single, pooled = tmp_path / "a.gguf", tmp_path / "b.gguf"
     recipe = write_recipe(tmp_path / "q2.toml", Q2_RECIPE)
-    for out, jobs in ((single, 1), (pooled, 3)):
+    for out, jobs in ((single, 1), (pooled, 2)):
         result = run(qwen, "-o", out, "--recipe", recipe, "--bootstrap-importance", "--pre-tokenizer", PRE,
                      "--report", out.with_suffix(".json"), jobs=jobs)
         assert result.exit_code == 0, result.output
     assert sha256_file(single) == sha256_file(pooled)
     report = json.loads(pooled.with_suffix(".json").read_text())
-    assert report["jobs"] == 3 and len(report["produced"]) == report["tensors"]
+    assert report["jobs"] == min(2, available_cpus()) and len(report["produced"]) == report["tensors"]
     f = GGUFFile(pooled)
     assert {d["name"]: d["sha256"] for d in report["produced"]} == {
         n: hashlib.sha256(f.data(n)).hexdigest() for n in f.tensors}
@@ -490,7 +491,7 @@ def test_write_error_then_resume(qwen, reference, tmp_path, monkeypatch):
         return real_pwrite(fd, data, offset)
     monkeypatch.setattr(os, "pwrite", failing_pwrite)
     line = one_line_error(run(*q2_args(qwen, out, recipe)))
-    assert "No space left on device" in line
+    assert "no space left" in line and "q.gguf.partial" in line and "--resume" in line
     monkeypatch.setattr(os, "pwrite", real_pwrite)
     assert leftovers(out) == {"q.gguf.partial", "q.gguf.journal"}
     journaled = sum('"tensor"' in line for line in journal_path(out).read_text().splitlines())
@@ -523,7 +524,7 @@ def test_crash_then_resume(qwen, reference, tmp_path, jobs):
     crashed = subprocess.run([sys.executable, "-c", script, "convert", *args], capture_output=True, text=True,
                              timeout=600)
     assert crashed.returncode == -signal.SIGKILL, crashed.stderr
-    assert leftovers(out) == {"q.gguf.partial", "q.gguf.journal"}
+    assert leftovers(out) == {"q.gguf.partial", "q.gguf.journal", "q.gguf.lock"}   # the lock died with its holder
     resumed = subprocess.run([sys.executable, "-c", "from quantkit.cli import main; main()", "convert", *args,
                               "--resume"], capture_output=True, text=True, timeout=600)
     assert resumed.returncode == 0, resumed.stderr
@@ -603,19 +604,18 @@ def test_journal_tolerates_a_cut_last_line(tmp_path):
     path = tmp_path / "x.journal"
     source = FileHash("a.safetensors", 3, 4, "")
     journal = Journal.create(path, "abc", [source])
-    journal.record("t1", "1" * 64)
-    journal.record_source(FileHash("a.safetensors", 3, 4, "f" * 64))
+    journal.record("t1", "1" * 64, {"a.safetensors": "f" * 64})
     journal.close()
     with open(path, "ab") as f:
         f.write(b'{"tensor": "t2", "sha')
-    done, hashes = read_journal(path, "abc", [source])
-    assert done == {"t1": "1" * 64} and hashes["a.safetensors"].sha256 == "f" * 64
+    state = read_journal(path, "abc", [source])
+    assert state.done == {"t1": "1" * 64} and state.sources == {"t1": {"a.safetensors": "f" * 64}}
     with pytest.raises(ValidationError, match="another plan"):
         read_journal(path, "abd", [source])
     with pytest.raises(ValidationError, match="'a.safetensors' changed"):
         read_journal(path, "abc", [FileHash("a.safetensors", 3, 5, "")])
     Journal.reopen(path).close()
     assert path.read_bytes().endswith(b"\n")
-    path.write_bytes(b'{"journal": 1, "layout_sha256": "abc", "sources": []}\nnot json\n{"tensor": "t"}\n')
+    path.write_bytes(b'{"journal": 2, "layout_sha256": "abc", "sources": []}\nnot json\n{"tensor": "t"}\n')
     with pytest.raises(FormatError, match="line 2"):
         read_journal(path, "abc", [])

@@ -316,7 +316,7 @@ def test_scales_padding_and_size(artifact, tmp_path):
     for path, at, what in [(gguf, header_pad, "header"), _tensor_padding(artifact("deepseek_v4")[1])]:
         padded = copy(path, tmp_path, "padded.gguf")
         poke(padded, at, b"\x01")
-        result, report = validate(padded, "--structure-only", json_path=tmp_path / "b.json")
+        result, report = validate(padded, "--structure-only", json_path=tmp_path / f"b-{what}.json")
         assert failed(report) == {"structure.padding"}
         assert checks(report)["structure.padding"]["items"] == [
             f"padding after {what} holds non-zero bytes at file offset {at:,}"]

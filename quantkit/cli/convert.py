@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -12,10 +11,9 @@ from . import EXIT_INTERRUPTED
 
 
 def _default_jobs() -> int:
-    try:
-        return max(1, len(os.sched_getaffinity(0)))
-    except AttributeError:   # not every platform has affinity
-        return max(1, os.cpu_count() or 1)
+    from ..convert.pool import available_cpus
+
+    return available_cpus()
 
 
 @click.command("convert")
@@ -30,28 +28,35 @@ def _default_jobs() -> int:
               help="weight-energy importance (sum of w^2 per column) for tensors without imatrix data")
 @click.option("--allow-synthetic-imatrix", is_flag=True, help="accept an imatrix made from synthetic or fixture data")
 @click.option("-j", "--jobs", type=click.IntRange(min=1), default=_default_jobs, show_default="CPUs available",
-              help="worker processes (1: encode in this process)")
+              help="worker processes (1: encode in this process); lowered to the CPUs available and to what the "
+                   "memory holds, with a note")
 @click.option("--resume", is_flag=True, help="continue an interrupted conversion of the same plan")
-@click.option("--force", is_flag=True, help="replace an existing output or an unfinished conversion")
+@click.option("--force", is_flag=True, help="replace an existing output, report or unfinished conversion")
 @click.option("--label", help="checkpoint label recorded in the file (e.g. 0731)")
 @click.option("--dry-run", is_flag=True, help="print the plan and stop")
 @click.option("--pre-tokenizer", help="llama.cpp pre-tokenizer name, for tokenizers its hash table does not know")
 @click.option("--report", type=click.Path(dir_okay=False, path_type=Path),
               help="write a JSON report: per tensor SHA-256, bytes and seconds, and the totals")
+@click.option("--free-space-reserve", "reserve", type=click.IntRange(min=0), metavar="BYTES",
+              help="free space to keep on the output's filesystem beyond the file [default: 1% of the file, "
+                   "1 MiB to 1 GiB]")
 @click.option("--progress/--no-progress", default=True, show_default=True, help="show a progress bar")
 def convert(source, out, recipe, imatrix, bootstrap, allow_synthetic_imatrix, jobs, resume, force, label, dry_run,
-            pre_tokenizer, report, progress):
+            pre_tokenizer, report, reserve, progress):
     """Convert checkpoint SOURCE (a directory or a Hugging Face repo id) to a GGUF laid out by a recipe."""
-    from ..convert.execute import ConvertRequest, execute, prepare
+    from ..convert.execute import ConvertRequest, check_outputs, execute, prepare
     from ..io.atomic import atomic_output
 
     request = ConvertRequest(source=source, out=out, recipe=recipe, imatrix=imatrix, bootstrap=bootstrap,
                              allow_synthetic_imatrix=allow_synthetic_imatrix, jobs=jobs, resume=resume, force=force,
-                             label=label, pre_tokenizer=pre_tokenizer, progress=progress)
+                             label=label, pre_tokenizer=pre_tokenizer, reserve_bytes=reserve, progress=progress)
     prepared = prepare(request)
     click.echo(prepared.plan.summary())
+    if prepared.workers_note:
+        click.echo(f"note: {prepared.workers_note}", err=True)
     if dry_run:
         return
+    check_outputs(prepared, request, report)
     try:
         result = execute(prepared, request)
     except KeyboardInterrupt:
@@ -59,8 +64,11 @@ def convert(source, out, recipe, imatrix, bootstrap, allow_synthetic_imatrix, jo
                    err=True)
         sys.exit(EXIT_INTERRUPTED)
     if report is not None:
-        with atomic_output(report, overwrite=True) as tmp:
+        with atomic_output(report, overwrite=force) as tmp:
             tmp.write_text(json.dumps({"name_tag": prepared.plan.name_tag, **result.report()}, indent=1) + "\n")
+    if result.finished_earlier:
+        click.echo(f"{result.path} was already complete (an earlier run finished it)")
+        return
     click.echo(f"wrote {result.path} ({result.file_size:,} bytes, {result.tensors} tensors"
                + (f", {result.resumed} from the journal" if result.resumed else "")
                + f") in {result.wall_seconds:.1f} s with {result.jobs} job{'s' if result.jobs > 1 else ''}")

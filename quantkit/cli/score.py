@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import click
@@ -151,9 +152,17 @@ def score(model, fixture_dir, out, ctx, device, allow_cross_checkpoint, kld_base
     """Score MODEL (GGUF or checkpoint) on FIXTURE; write the per-case table OUT.tsv."""
     require_runtime("quantkit score")
     from ..fixtures.directory import read_fixture
+    from ..io.atomic import check_output, input_files
     from ..scoring.loading import describe_model, load_source, open_sidecars
     from ..scoring.score import plan_scoring, run_scoring
 
+    # before the long work: the outputs are writable and are none of the inputs (or each other)
+    inputs = input_files([model, fixture_dir, kld_base, tokenizer])
+    check_output(out, inputs=inputs, overwrite=True, what="score table")
+    if save_logits is not None:
+        check_output(save_logits, inputs=[*inputs, out], overwrite=True, what="--save-logits file")
+    if kld_base is not None and not os.access(kld_base, os.R_OK):
+        raise click.BadParameter(f"{kld_base}: not readable", param_hint="--kld-base")
     replace, applied = None, []
     if sidecars:
         from ..swapset import sidecars_line

@@ -17,10 +17,10 @@ from . import EXIT_BAD_INPUT
 PAYLOAD_CHOICES = ("none", "sample", "full")
 
 
-def _write_json(path: Path, data: dict) -> None:
+def _write_json(path: Path, data: dict, overwrite: bool) -> None:
     from ..io.atomic import atomic_output
 
-    with atomic_output(path, overwrite=True) as tmp:
+    with atomic_output(path, overwrite=overwrite) as tmp:
         tmp.write_text(json.dumps(data, indent=1, default=str) + "\n")
 
 
@@ -37,21 +37,26 @@ def _write_json(path: Path, data: dict) -> None:
 @click.option("--structure-only", is_flag=True, help="check the file alone: no source, no re-plan, no payload")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path),
               help="write the full report (every check, every tensor) as JSON to this file")
-def validate(artifact, source, recipe, imatrix, payload, seed, structure_only, json_path):
+@click.option("--force", is_flag=True, help="replace an existing --json file")
+def validate(artifact, source, recipe, imatrix, payload, seed, structure_only, json_path, force):
     """Validate ARTIFACT: structure, inventory against a re-plan, and payload bytes against the source."""
     from ..errors import QuantkitError
+    from ..io.atomic import check_output, input_files
     from ..validate import validate as run
 
+    if json_path is not None:   # before the long work: never an input, never an existing file unless --force
+        check_output(json_path, inputs=input_files([artifact, source, recipe, imatrix]), overwrite=force,
+                     what="--json report")
     try:
         report = run(artifact, source=source, recipe=recipe, imatrix=imatrix, payload=payload, seed=seed,
                      structure_only=structure_only)
     except (QuantkitError, OSError) as exc:
         if json_path is not None:
             _write_json(json_path, {"format": "quantkit-validation", "artifact": str(artifact), "ok": False,
-                                    "exit_code": EXIT_BAD_INPUT, "error": " ".join(str(exc).split())})
+                                    "exit_code": EXIT_BAD_INPUT, "error": " ".join(str(exc).split())}, force)
         raise
     if json_path is not None:
-        _write_json(json_path, report.to_json())
+        _write_json(json_path, report.to_json(), force)
     click.echo(report.render())
     if not report.ok:
         sys.exit(report.exit_code)

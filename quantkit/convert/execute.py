@@ -14,22 +14,30 @@ Steps (:func:`convert`):
 4. **Layout**: the provenance keys (:mod:`quantkit.convert.provenance`) after the plan's metadata, with every
    source file's SHA-256 still pending (:data:`PENDING_SHA256`: a digest has a fixed length, so the header's size
    and every offset are already final); the file is laid out (:func:`quantkit.io.gguf_writer.plan_layout`).
-5. **Space**: the output's filesystem must hold what is still to be written plus ``reserve_bytes``.
-6. **Header**: ``<out>.partial`` is created at full size and ``<out>.journal`` started with the size and mtime of
-   every source file; or, with ``resume``, both are checked against this layout (the journal's layout hash and
-   source files, the partial's size and header bytes, and the SHA-256 of every payload the journal lists).
-7. **Payloads**: the remaining tensors, largest first, in ``jobs`` worker processes
-   (:mod:`quantkit.convert.pool`), each written at its planned offset and journaled with its SHA-256 as it
-   completes; a progress bar shows tensors, bytes and the ETA.  Meanwhile background threads hash the source
-   files (:class:`~quantkit.convert.source.Hashing`; hashes journaled earlier are reused), so reading the source
-   twice overlaps the encoding instead of preceding it.
-8. **Finish**: every tensor accounted for, the header with the real hashes replaces the pending one, the partial
-   is fsynced and renamed to ``out``; the journal is removed.
+5. **Space**: the output's filesystem must hold what is still to be written plus a reserve (by default 1% of the
+   file, 1 MiB to 1 GiB; ``reserve_bytes`` sets it).
+6. **Header**: ``<out>.journal`` is started with the size and mtime of every source file, then ``<out>.partial``
+   is created at full size (in that order: a partial never exists without its journal); or, with ``resume``,
+   both are checked against this layout (the journal's layout hash and source files, the source bytes every
+   journaled tensor was made from, the partial's size and header bytes, and the SHA-256 of every payload the
+   journal lists).
+7. **Payloads**: the remaining tensors, largest first, in worker processes (:mod:`quantkit.convert.pool`; at
+   most one per CPU and what the memory holds), each written at its planned offset and journaled with its
+   SHA-256 and its source bytes' SHA-256 as it completes; a progress bar shows tensors, bytes and the ETA.
+   Meanwhile background threads hash the source files (:class:`~quantkit.convert.source.Hashing`), so reading
+   the source twice overlaps the encoding instead of preceding it.
+8. **Finish**: every tensor accounted for, the header with the real hashes replaces the pending one, the header
+   and every payload are verified against the layout and the journal, the journal notes the rename, the
+   partial is fsynced and renamed to ``out``; the journal is removed.
 
-Nothing ever appears under the final name before step 8.  After an error, a crash or Ctrl-C the partial and the
-journal stay; running again with ``resume`` continues where the journal ends and produces the same bytes as an
-uninterrupted run.  Any change to the plan (recipe, imatrix, options that reach the metadata) changes the layout
-hash, and any change to a source file its size or mtime: a resume is refused.
+The whole run holds an exclusive lock on ``<out>.lock`` (:func:`quantkit.io.atomic.output_lock`): a second
+conversion to the same output is refused, whatever its options.  No output path may be an input (a source file,
+the imatrix, the recipe file, or a link to one).  Nothing ever appears under the final name before step 8, and
+nothing unverified: after an error, a crash, a full disk or Ctrl-C the partial and the journal stay; running
+again with ``resume`` continues where the journal ends and produces the same bytes as an uninterrupted run
+(also when the earlier run was killed between its rename and the journal's removal).  Any change to the plan
+(recipe, imatrix, options that reach the metadata) changes the layout hash, and any change to a source file its
+size, mtime or the bytes a kept tensor was made from: a resume is refused, naming the file.
 """
 from __future__ import annotations
 
@@ -43,21 +51,27 @@ from pathlib import Path
 from typing import Iterable
 
 from ..arch import get_arch
-from ..errors import MissingSourceError, OutputExistsError, QuantkitError
+from ..errors import MissingSourceError, OutOfSpaceError, OutputExistsError, QuantkitError, ValidationError
 from ..imatrix import Imatrix
+from ..io.atomic import LOCK_SUFFIX, check_output, input_files, is_out_of_space, output_lock
 from ..io.checkpoint import open_checkpoint
 from ..io.gguf import KV
 from ..io.gguf_writer import PARTIAL_SUFFIX, GGUFWriter, Layout, pwrite_all, plan_layout
 from ..recipes import Recipe, load_recipe
 from .consistency import check_config_against_tensors
-from .journal import Journal, journal_path, read_journal
+from .journal import Journal, JournalState, journal_path, read_journal
 from .plan import Plan, PlannedTensor, build_plan, inspect_sources
-from .pool import TensorDone, WorkerPool, WorkerSetup
+from .pool import (TensorDone, WorkerPool, WorkerSetup, bound_jobs, out_of_space, partial_gone, partial_identity,
+                   worker_memory)
 from .provenance import merged_metadata, provenance_metadata
 from .source import FileHash, Hashing, ResolvedSource, file_stats, provenance_files, resolve_source
-from .tensors import TensorJob, imatrix_shapes, load_model_imatrix
+from .tensors import TensorJob, imatrix_shapes, load_model_imatrix, source_digests
 
-#: Free space kept on the output's filesystem beyond the bytes still to be written.
+#: Free space kept on the output's filesystem beyond the bytes still to be written, by default: this fraction of
+#: the file, at least FREE_SPACE_RESERVE_MIN_BYTES and at most FREE_SPACE_RESERVE_BYTES (a fixed 1 GiB refused a
+#: 7.8 MB conversion onto a 20 MB filesystem).  ``ConvertRequest.reserve_bytes`` sets it outright.
+FREE_SPACE_RESERVE_FRACTION = 0.01
+FREE_SPACE_RESERVE_MIN_BYTES = 1 << 20
 FREE_SPACE_RESERVE_BYTES = 1 << 30
 #: Stands in for each source file's SHA-256 until it is known: a hex digest is always 64 characters, so the header
 #: has its final size and every offset is final from the start.
@@ -79,18 +93,28 @@ class ConvertRequest:
     force: bool = False
     label: str | None = None
     pre_tokenizer: str | None = None
-    reserve_bytes: int = FREE_SPACE_RESERVE_BYTES
+    reserve_bytes: int | None = None
+    """Free space to keep beyond the file; None: :func:`free_space_reserve` of the file's size."""
     progress: bool = True
 
 
 @dataclass
 class Prepared:
-    """A resolved source, its plan, and the imatrix conformed to the model (None without one)."""
+    """A resolved source, its plan, and the imatrix conformed to the model (None without one); the jobs, the
+    files the conversion reads, and how many workers will run."""
 
     source: ResolvedSource
     plan: Plan
     imatrix: Imatrix | None
     imatrix_shapes: dict[str, tuple[int, int]] = field(default_factory=dict)
+    jobs: dict[str, TensorJob] = field(default_factory=dict)
+    files: list[Path] = field(default_factory=list)
+    """The source files whose hashes the file records (shards read, config and tokenizer files)."""
+    inputs: list[Path] = field(default_factory=list)
+    """Every file the conversion reads (``files``, the imatrix, the recipe file): never an output."""
+    workers: int = 1
+    workers_note: str | None = None
+    """Why ``workers`` is below the jobs asked for (CPUs, memory), if it is."""
 
 
 @dataclass
@@ -105,6 +129,8 @@ class ConvertResult:
     jobs: int
     phases: dict[str, float]
     """Seconds spent hashing the source, writing (or checking) the header, producing tensors, finishing."""
+    finished_earlier: bool = False
+    """An earlier run had renamed the verified file into place when it was killed: nothing left to do."""
 
     def report(self) -> dict:
         busy = sum(d.seconds for d in self.produced)
@@ -133,7 +159,14 @@ def prepare(request: ConvertRequest) -> Prepared:
                       bootstrap=request.bootstrap, label=request.label, pre_tokenizer=request.pre_tokenizer)
     check_config_against_tensors(plan.metadata, {o.gguf_name: o.shape
                                                  for o in [t.output for t in plan.tensors] + list(plan.skipped)})
-    return Prepared(source, plan, imatrix, shapes)
+    jobs = {t.name: make_job(t, imatrix) for t in plan.tensors}
+    with open_checkpoint(source.path) as ckpt:
+        shards = {ckpt.tensor_info(n).file for n in ckpt.tensor_names()}
+    files = provenance_files(source, shards)
+    recipe_file = request.recipe if isinstance(request.recipe, str) and Path(request.recipe).is_file() else None
+    inputs = [*files, *input_files([request.imatrix, recipe_file])]
+    workers, note = bound_jobs(request.jobs, worker_memory(jobs.values()))
+    return Prepared(source, plan, imatrix, shapes, jobs, files, inputs, workers, note)
 
 
 _KINDS = {None: "encode", "copy": "copy", "mxfp4-repack": "mxfp4-repack", "nvfp4-repack": "nvfp4-repack",
@@ -157,6 +190,12 @@ def file_layout(plan: Plan, provenance: list[tuple[str, KV]], jobs: Iterable[Ten
     return plan_layout(merged_metadata(plan.metadata, provenance), [(j.name, j.output.shape, j.qtype) for j in jobs])
 
 
+def free_space_reserve(file_size: int) -> int:
+    """The default reserve: :data:`FREE_SPACE_RESERVE_FRACTION` of the file, within [1 MiB, 1 GiB]."""
+    return min(FREE_SPACE_RESERVE_BYTES, max(FREE_SPACE_RESERVE_MIN_BYTES,
+                                             int(file_size * FREE_SPACE_RESERVE_FRACTION)))
+
+
 def _check_output(out: Path, partial: Path, journal: Path, request: ConvertRequest) -> bool:
     """Whether to resume; refuses to touch an existing output or an unfinished run unless told."""
     if out.exists() and not request.force:
@@ -174,14 +213,42 @@ def _check_output(out: Path, partial: Path, journal: Path, request: ConvertReque
     return True
 
 
-def _check_space(out: Path, layout: Layout, partial: Path, resuming: bool, reserve: int) -> None:
+def _finished_earlier(out: Path, partial: Path, jpath: Path, layout: Layout, fingerprint: str,
+                      stats: list[FileHash]) -> bool:
+    """Whether an earlier run of this plan was killed after renaming its verified partial to ``out`` but before
+    removing the journal (its ``renaming`` line names the header ``out`` must have)."""
+    if partial.exists() or not jpath.is_file() or not out.is_file() or out.stat().st_size != layout.file_size:
+        return False
+    renaming = read_journal(jpath, fingerprint, stats).renaming
+    with open(out, "rb") as f:
+        return renaming is not None and hashlib.sha256(f.read(len(layout.header))).hexdigest() == renaming
+
+
+def _check_space(out: Path, layout: Layout, partial: Path, resuming: bool, reserve: int | None) -> None:
     allocated = partial.stat().st_blocks * 512 if resuming and partial.exists() else 0
+    reserve = free_space_reserve(layout.file_size) if reserve is None else reserve
     needed = max(0, layout.file_size - allocated) + reserve
     free = shutil.disk_usage(out.parent).free
     if free < needed:
-        raise QuantkitError(f"not enough free space: {needed:,} bytes needed ({layout.file_size:,} for the file "
-                            f"less {allocated:,} already written, plus a {reserve:,}-byte reserve), {free:,} free",
-                            path=out.parent)
+        raise OutOfSpaceError(f"not enough free space: {needed:,} bytes needed ({layout.file_size:,} for the file "
+                              f"less {allocated:,} already written, plus a {reserve:,}-byte reserve), {free:,} "
+                              f"free (a smaller reserve: --free-space-reserve BYTES)", path=out.parent)
+
+
+def _check_sources(source: Path, jobs: dict[str, TensorJob], journaled: JournalState) -> None:
+    """Refuse to keep a journaled payload whose source bytes are not the ones it was made from: a source edited in
+    place keeping its size and mtime passes the journal's first check, not this one."""
+    with open_checkpoint(source) as ckpt:
+        for name in journaled.done:
+            recorded = journaled.sources.get(name, {})
+            found = source_digests(ckpt, jobs[name])
+            if found != recorded:
+                changed = sorted(f for f in set(found) | set(recorded) if found.get(f) != recorded.get(f))
+                raise ValidationError(f"source file {changed[0]!r} changed since the partial output was started: "
+                                      f"the bytes tensor {name!r} was made from differ from the journal's hash "
+                                      f"(size and modification time unchanged); start over with --force",
+                                      path=source / changed[0] if source.is_dir() else source)
+            ckpt.close()   # unmap what was read (the next tensor maps again)
 
 
 @contextlib.contextmanager
@@ -233,19 +300,36 @@ def _write_header(partial: Path, header: bytes) -> None:
         os.close(fd)
 
 
-def execute(prepared: Prepared, request: ConvertRequest) -> ConvertResult:
-    """Steps 3-8 (see the module docstring)."""
-    clock = _Clock()
-    plan, source = prepared.plan, prepared.source
+def check_outputs(prepared: Prepared, request: ConvertRequest, report: Path | None = None) -> None:
+    """Before any work: no output path (the GGUF, its partial, journal and lock, the report) is an input, and each
+    can be created; an existing report is kept unless ``force``."""
     out = Path(request.out)
+    for path in (out, out.with_name(out.name + PARTIAL_SUFFIX), journal_path(out),
+                 out.with_name(out.name + LOCK_SUFFIX)):
+        check_output(path, inputs=prepared.inputs, overwrite=True, what="output")
+    if report is not None:
+        check_output(report, inputs=[*prepared.inputs, out], overwrite=request.force, what="report")
+
+
+def execute(prepared: Prepared, request: ConvertRequest) -> ConvertResult:
+    """Steps 3-8 (see the module docstring), holding the output's lock throughout."""
+    out = Path(request.out)
+    check_outputs(prepared, request)
+    with output_lock(out):
+        try:
+            return _execute(prepared, request, out)
+        except OSError as exc:
+            if is_out_of_space(exc):
+                raise out_of_space(exc.filename or out.with_name(out.name + PARTIAL_SUFFIX)) from None
+            raise
+
+
+def _execute(prepared: Prepared, request: ConvertRequest, out: Path) -> ConvertResult:
+    clock = _Clock()
+    plan, source, jobs = prepared.plan, prepared.source, prepared.jobs
     partial = out.with_name(out.name + PARTIAL_SUFFIX)
     jpath = journal_path(out)
-    resuming = _check_output(out, partial, jpath, request)
-    jobs = {t.name: make_job(t, prepared.imatrix) for t in plan.tensors}
-    with open_checkpoint(source.path) as ckpt:
-        shards = {ckpt.tensor_info(n).file for n in ckpt.tensor_names()}
-    files = provenance_files(source, shards)
-    stats = file_stats(files)
+    stats = file_stats(prepared.files)
 
     def layout_with(hashes: list[FileHash]) -> Layout:
         provenance = provenance_metadata(jobs=list(jobs.values()), recipe=plan.recipe, recipe_tag=plan.name_tag,
@@ -259,26 +343,34 @@ def execute(prepared: Prepared, request: ConvertRequest) -> ConvertResult:
             raise QuantkitError(f"the plan sized this tensor {job.nbytes} bytes, the layout "
                                 f"{layout.tensor(name).nbytes}", tensor=name)
     fingerprint = hashlib.sha256(layout.header).hexdigest()
+    if request.resume and not request.force and _finished_earlier(out, partial, jpath, layout, fingerprint, stats):
+        jpath.unlink()
+        return ConvertResult(out, layout.file_size, len(jobs), len(jobs), [], clock.total(), prepared.workers,
+                             clock.phases, finished_earlier=True)
+    resuming = _check_output(out, partial, jpath, request)
+    journaled = read_journal(jpath, fingerprint, stats) if resuming else JournalState()
+    resuming = bool(journaled.done)   # a partial with no tensor journaled yet holds nothing worth keeping
     _check_space(out, layout, partial, resuming, request.reserve_bytes)
 
-    with WorkerPool(request.jobs) as pool:   # the workers start up while the header is written
-        writer = GGUFWriter(out, layout, overwrite=request.force)
+    with WorkerPool(prepared.workers) as pool:   # the workers start up while the header is written
+        writer = GGUFWriter(out, layout, overwrite=True)   # output and partial: checked by _check_output
         if resuming:
-            done, known = read_journal(jpath, fingerprint, stats)
+            _check_sources(source.path, jobs, journaled)
             _write_header(partial, layout.header)   # back to pending hashes, had a run died while finishing
-            writer.resume(done, verify=True)
+            writer.resume(journaled.done, verify=True, threads=prepared.workers)
             journal = Journal.reopen(jpath)
-        else:
-            writer.write_header()
-            done, known = {}, {}
+        else:   # the journal first: a partial never exists without the journal that says what it holds
             journal = Journal.create(jpath, fingerprint, stats)
+            writer.write_header()
         writer.close()
-        hashing = Hashing(files, stats, jobs=request.jobs, known=known)   # overlaps the encoding
+        done = dict(journaled.done)
+        identity = partial_identity(partial)
+        hashing = Hashing(prepared.files, stats, jobs=prepared.workers)   # overlaps the encoding
         clock.lap("header")
 
         setup = WorkerSetup(str(source.path), plan.model_type, request.imatrix, str(partial), jobs,
                             {n: layout.data_offset + t.offset for n, t in layout.tensors.items()},
-                            prepared.imatrix_shapes, request.allow_synthetic_imatrix)
+                            prepared.imatrix_shapes, request.allow_synthetic_imatrix, identity)
         todo = _order(jobs, [n for n in jobs if n not in done])
         produced: list[TensorDone] = []
         try:
@@ -286,15 +378,12 @@ def execute(prepared: Prepared, request: ConvertRequest) -> ConvertResult:
                            len(done), request.progress, out.name) as advance, \
                     contextlib.closing(pool.run(setup, todo)) as results:
                 for result in results:
-                    journal.record(result.name, result.sha256)
+                    journal.record(result.name, result.sha256, result.sources)
                     done[result.name] = result.sha256
                     produced.append(result)
                     advance(result.nbytes)
             clock.lap("tensors")
             hashes = hashing.result()
-            for h in hashes:
-                if known.get(h.name) != h:
-                    journal.record_source(h)
             clock.lap("hash")
         finally:
             hashing.cancel()
@@ -304,14 +393,21 @@ def execute(prepared: Prepared, request: ConvertRequest) -> ConvertResult:
     if len(final_layout.header) != len(layout.header) or final_layout.file_size != layout.file_size:
         raise QuantkitError(f"the header with the source hashes is {len(final_layout.header)} bytes, with them "
                             f"pending {len(layout.header)}: the hashes must not change the layout", path=partial)
+    if partial_identity(partial) != identity:
+        raise partial_gone(partial)
     _write_header(partial, final_layout.header)
     final = GGUFWriter(out, final_layout, overwrite=request.force)
-    final.resume(done, verify=False)
+    final.resume(done, verify=True, threads=prepared.workers)   # never rename bytes nobody checked
+    journal = Journal.reopen(jpath)
+    try:
+        journal.record_renaming(hashlib.sha256(final_layout.header).hexdigest())
+    finally:
+        journal.close()
     final.finish()
     jpath.unlink(missing_ok=True)
     clock.lap("finish")
     return ConvertResult(out, layout.file_size, len(jobs), len(jobs) - len(todo), produced, clock.total(),
-                         request.jobs, clock.phases)
+                         prepared.workers, clock.phases)
 
 
 def convert(request: ConvertRequest) -> ConvertResult:
@@ -319,5 +415,5 @@ def convert(request: ConvertRequest) -> ConvertResult:
     return execute(prepare(request), request)
 
 
-__all__ = ["FREE_SPACE_RESERVE_BYTES", "ConvertRequest", "ConvertResult", "Prepared", "convert", "execute",
-           "file_layout", "make_job", "prepare"]
+__all__ = ["FREE_SPACE_RESERVE_BYTES", "ConvertRequest", "ConvertResult", "Prepared", "check_outputs", "convert",
+           "execute", "file_layout", "free_space_reserve", "make_job", "prepare"]

@@ -1,29 +1,35 @@
-"""The conversion journal: which tensors of a partial output are written, with the SHA-256 of their bytes.
+"""The conversion journal: which tensors of a partial output are written, with the SHA-256 of their bytes and of
+the source bytes they were made from.
 
 ``<out>.journal`` sits next to ``<out>.partial``; JSON lines, appended and fsynced one at a time::
 
-    {"journal": 1, "layout_sha256": "<hex>", "sources": [["<file>", size, mtime_ns], ...]}   first line
-    {"tensor": "<gguf name>", "sha256": "<hex>"}                   a payload written completely
-    {"source": "<file>", "size": N, "mtime_ns": N, "sha256": "<hex>"}   a source file's hash, once known
+    {"journal": 2, "layout_sha256": "<hex>", "sources": [["<file>", size, mtime_ns], ...]}   first line
+    {"tensor": "<gguf name>", "sha256": "<hex>", "sources": {"<file>": "<hex>", ...}}   a payload written completely
+    {"renaming": "<hex>"}                       the verified partial is being renamed to the output
 
 ``layout_sha256`` is the SHA-256 of the planned header bytes with the source hashes still pending (metadata,
 tensor names, shapes, types, offsets), and ``sources`` the size and mtime of every source file when the partial
-was started: a journal is only ever applied to the partial of the same plan made from the same files.  A crash
-can cut the last line short: a final line that does not parse is ignored (its tensor is simply encoded again); a
-bad line anywhere else is an error.  Source lines let a resumed run skip re-hashing unchanged files.
+was started: a journal is only ever applied to the partial of the same plan made from the same files.  A tensor
+line's ``sources`` holds, per source file, the SHA-256 of the stored bytes the tensor was made from
+(:func:`quantkit.convert.tensors.source_digests`): a resumed run re-hashes them before it keeps the tensor, so a
+source edited in place with its size and mtime kept is caught, naming the file.  ``renaming`` carries the SHA-256
+of the final header: a run killed between the rename and the journal's removal left a finished output, which a
+resume recognizes by that header.  A crash can cut the last line short: a final line that does not parse is
+ignored (its tensor is simply encoded again); a bad line anywhere else is an error.
 """
 from __future__ import annotations
 
 import json
 import os
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable
+from typing import Iterable, Mapping
 
 from ..errors import FormatError, ValidationError
 from .source import FileHash
 
 JOURNAL_SUFFIX = ".journal"
-JOURNAL_VERSION = 1
+JOURNAL_VERSION = 2
 
 
 def journal_path(out: str | os.PathLike) -> Path:
@@ -53,13 +59,24 @@ def _stat(h: FileHash) -> list:
     return [h.name, h.size, h.mtime_ns]
 
 
-def read_journal(path: Path, layout_sha256: str, sources: Iterable[FileHash]
-                 ) -> tuple[dict[str, str], dict[str, FileHash]]:
-    """(tensor name → SHA-256 of the payloads written, source file → its recorded hash), after checking that the
-    journal belongs to this layout and that no source file changed since the partial was started."""
+@dataclass
+class JournalState:
+    """What a journal says about its partial output."""
+
+    done: dict[str, str] = field(default_factory=dict)
+    """Tensor name → SHA-256 of its payload, for every payload written completely."""
+    sources: dict[str, dict[str, str]] = field(default_factory=dict)
+    """Tensor name → {source file name → SHA-256 of the stored bytes the tensor was made from}."""
+    renaming: str | None = None
+    """SHA-256 of the final header, once the verified partial was being renamed to the output."""
+
+
+def read_journal(path: Path, layout_sha256: str, sources: Iterable[FileHash]) -> JournalState:
+    """The journal's record, after checking that it belongs to this layout and that no source file's size or
+    mtime changed since the partial was started."""
     records = _parse(path)
     if not records or records[0].get("journal") != JOURNAL_VERSION:
-        raise FormatError(f"not a version-{JOURNAL_VERSION} conversion journal", path=path)
+        raise FormatError(f"not a version-{JOURNAL_VERSION} conversion journal; start over with --force", path=path)
     head = records[0]
     if head.get("layout_sha256") != layout_sha256:
         raise ValidationError("the journal was written for another plan (recipe, source, imatrix or options "
@@ -69,15 +86,15 @@ def read_journal(path: Path, layout_sha256: str, sources: Iterable[FileHash]
         if then.get(h.name) != _stat(h):
             raise ValidationError(f"source file {h.name!r} changed since the partial output was started (size or "
                                   f"modification time); start over with --force", path=path)
-    done: dict[str, str] = {}
-    hashes: dict[str, FileHash] = {}
+    state = JournalState()
     for record in records[1:]:
         if "tensor" in record:
-            done[str(record["tensor"])] = str(record["sha256"])
-        elif "source" in record:
-            hashes[record["source"]] = FileHash(record["source"], int(record["size"]), int(record["mtime_ns"]),
-                                                str(record["sha256"]))
-    return done, hashes
+            name = str(record["tensor"])
+            state.done[name] = str(record["sha256"])
+            state.sources[name] = {str(f): str(h) for f, h in dict(record.get("sources") or {}).items()}
+        elif "renaming" in record:
+            state.renaming = str(record["renaming"])
+    return state
 
 
 class Journal:
@@ -90,7 +107,8 @@ class Journal:
     @classmethod
     def create(cls, path: Path, layout_sha256: str, sources: Iterable[FileHash]) -> "Journal":
         """Start a fresh journal (replacing an old one): the layout and the size and mtime of each source file."""
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        path.unlink(missing_ok=True)   # a new file, never a truncated one (see GGUFWriter.write_header)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         journal = cls(path, fd)
         journal._append({"journal": JOURNAL_VERSION, "layout_sha256": layout_sha256,
                          "sources": [_stat(h) for h in sources]})
@@ -98,7 +116,7 @@ class Journal:
 
     @classmethod
     def reopen(cls, path: Path) -> "Journal":
-        """Append to an existing journal (after :func:`read_done` accepted it); a cut-short last line is dropped."""
+        """Append to an existing journal (after :func:`read_journal` accepted it); a cut-short last line is dropped."""
         data = path.read_bytes()
         keep = data[: data.rfind(b"\n") + 1]
         fd = os.open(path, os.O_WRONLY)
@@ -108,17 +126,19 @@ class Journal:
         return cls(path, fd)
 
     def _append(self, record: dict) -> None:
-        line = (json.dumps(record, separators=(",", ":")) + "\n").encode()
-        written = os.write(self._fd, line)
-        if written != len(line):
-            raise OSError(f"short write to the journal {self.path} ({written} of {len(line)} bytes)")
-        os.fsync(self._fd)
+        line = memoryview((json.dumps(record, separators=(",", ":")) + "\n").encode())
+        try:
+            while line:   # a short write (a disk filling up) goes on until the rest fits or the error comes
+                line = line[os.write(self._fd, line):]
+            os.fsync(self._fd)
+        except OSError as exc:   # name the journal (a full disk is reported with its path)
+            raise OSError(exc.errno, exc.strerror, str(self.path)) from None
 
-    def record(self, tensor: str, sha256: str) -> None:
-        self._append({"tensor": tensor, "sha256": sha256})
+    def record(self, tensor: str, sha256: str, sources: Mapping[str, str] | None = None) -> None:
+        self._append({"tensor": tensor, "sha256": sha256, "sources": dict(sources or {})})
 
-    def record_source(self, h: FileHash) -> None:
-        self._append({"source": h.name, "size": h.size, "mtime_ns": h.mtime_ns, "sha256": h.sha256})
+    def record_renaming(self, header_sha256: str) -> None:
+        self._append({"renaming": header_sha256})
 
     def close(self) -> None:
         fd, self._fd = self._fd, None

@@ -9,16 +9,23 @@ tensor).  Numba runs one thread per worker (the workers are the parallelism).  W
 :class:`WorkerPool` exists and receive the :class:`WorkerSetup` once the caller has planned the file.
 
 Workers die with their parent (``PR_SET_PDEATHSIG``), so a killed conversion leaves no process writing behind.
-Failures: an exception in a worker comes back with the tensor's name and is re-raised in the caller; a worker
-that dies (killed, out of memory) is reported with its exit code and the tensor it held.  On any failure or
-interrupt every worker is terminated: tensors not yet reported are simply produced again by a resumed run.
-With ``jobs == 1`` the same code runs in the calling process (no worker processes).
+Each worker opens the partial by name and checks that it is the very file the caller created (device and inode):
+a partial renamed, replaced or removed by another process is reported as such, never written blindly.
+Failures: an exception in a worker (also while it starts) comes back with the tensor's name and is re-raised in
+the caller; a worker that dies is reported with the signal or exit code and the tensor it held.  A full
+filesystem is an :class:`~quantkit.errors.OutOfSpaceError` naming the partial, with the resume hint.  On any
+failure or interrupt every worker is terminated: tensors not yet reported are simply produced again by a resumed
+run.  With ``jobs == 1`` the same code runs in the calling process (no worker processes).
+
+How many workers (:func:`bound_jobs`): at most one per CPU available, and no more than the memory available
+holds at :func:`worker_memory` bytes each; a request above either is lowered, with a note saying why.
 """
 from __future__ import annotations
 
 import contextlib
 import ctypes
 import hashlib
+import math
 import multiprocessing
 import os
 import pickle
@@ -29,14 +36,41 @@ from dataclasses import dataclass
 from multiprocessing.connection import wait
 from typing import Iterable, Iterator
 
-from ..errors import FormatError, QuantkitError
+from ..errors import ConcurrentWriteError, FormatError, OutOfSpaceError, QuantkitError
+from ..io.atomic import is_out_of_space
 from ..io.gguf_writer import pwrite_all
-from .tensors import SourceContext, TensorJob, tensor_bytes
+from .tensors import ROW_CHUNK_BYTES, SourceContext, TensorJob, source_digests, tensor_bytes
 
 #: Seconds to wait for workers to exit after they were told to stop, before terminating them.
 WORKER_EXIT_TIMEOUT = 10.0
 #: Linux prctl option: the signal a process gets when its parent dies.
 PR_SET_PDEATHSIG = 1
+#: Resident memory of a worker before its first tensor (Python, numpy, numba, quantkit): measured ~150 MB.
+WORKER_BASE_BYTES = 160 << 20
+#: A worker holds a unit as float32 plus its importance, encoder scratch and encoded bytes: about 3x the unit.
+UNIT_MEMORY_FACTOR = 3
+
+
+def out_of_space(path, tensor: str | None = None) -> OutOfSpaceError:
+    """The one message of a full filesystem under a conversion: what is kept and how to go on."""
+    return OutOfSpaceError("no space left on the device (disk full or quota exhausted); the partial output and its "
+                           "journal are kept: free some space, then run the same command again with --resume",
+                           path=path, tensor=tensor)
+
+
+def partial_identity(path) -> tuple[int, int] | None:
+    """(device, inode) of the file at ``path``; None when there is none."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return None
+    return st.st_dev, st.st_ino
+
+
+def partial_gone(path) -> ConcurrentWriteError:
+    return ConcurrentWriteError("the partial output was renamed, replaced or removed by another process while "
+                                "this conversion was writing it; nothing was renamed into place: start over with "
+                                "--force", path=path)
 
 
 @dataclass(frozen=True)
@@ -53,6 +87,8 @@ class WorkerSetup:
     imatrix_shapes: dict[str, tuple[int, int]]
     """(row length, matrices) of every tensor an imatrix may describe (to conform the imatrix the same way)."""
     allow_synthetic_imatrix: bool = False
+    partial_identity: tuple[int, int] | None = None
+    """(device, inode) of the partial the caller created: a worker writes into that file or into none."""
 
 
 @dataclass(frozen=True)
@@ -62,6 +98,8 @@ class TensorDone:
     nbytes: int
     seconds: float
     """Time spent producing and writing the tensor (reading, decoding, encoding, pwrite)."""
+    sources: dict[str, str] | None = None
+    """Source file name → SHA-256 of the stored bytes the tensor was made from (journaled for resume)."""
 
 
 class TensorWriter:
@@ -71,7 +109,14 @@ class TensorWriter:
         self.setup = setup
         self.context = SourceContext(setup.source_path, setup.model_type, setup.imatrix_path,
                                      setup.imatrix_shapes, setup.allow_synthetic_imatrix)
-        self._fd = os.open(setup.partial_path, os.O_RDWR)
+        try:
+            self._fd = os.open(setup.partial_path, os.O_RDWR)
+        except FileNotFoundError:
+            raise partial_gone(setup.partial_path) from None
+        st = os.fstat(self._fd)
+        if setup.partial_identity is not None and (st.st_dev, st.st_ino) != setup.partial_identity:
+            self.close()
+            raise partial_gone(setup.partial_path)
 
     def run(self, name: str) -> TensorDone:
         start = time.perf_counter()
@@ -80,17 +125,22 @@ class TensorWriter:
         digest = hashlib.sha256()
         written = 0
         try:
+            sources = source_digests(self.context.checkpoint, job)
             for piece in tensor_bytes(self.context, job):
                 if written + piece.nbytes > job.nbytes:
                     raise FormatError(f"produced more than the {job.nbytes} bytes planned", tensor=name)
                 pwrite_all(self._fd, piece, offset + written)
                 digest.update(piece)
                 written += piece.nbytes
+        except OSError as exc:
+            if is_out_of_space(exc):
+                raise out_of_space(self.setup.partial_path, name) from None
+            raise
         finally:
             self.context.release()
         if written != job.nbytes:
             raise FormatError(f"produced {written} bytes, the plan has {job.nbytes}", tensor=name)
-        return TensorDone(name, digest.hexdigest(), written, time.perf_counter() - start)
+        return TensorDone(name, digest.hexdigest(), written, time.perf_counter() - start, sources)
 
     def close(self) -> None:
         self.context.release()
@@ -126,7 +176,14 @@ def _worker_main(conn) -> None:
     setup = conn.recv()   # sent once the parent has planned the file; None: stopped before any work
     if setup is None:
         return
-    writer = TensorWriter(setup)
+    try:
+        writer = TensorWriter(setup)
+    except BaseException as exc:  # noqa: BLE001 - reported to the parent as the failure of its first tensor
+        failure = _portable(exc)
+        with contextlib.suppress(EOFError, OSError):
+            while (name := conn.recv()) is not None:
+                conn.send(("error", name, failure))
+        return
     try:
         while (name := conn.recv()) is not None:
             try:
@@ -146,20 +203,36 @@ class _Worker:
         child.close()
         self.task: str | None = None
 
-    def send(self, message) -> None:
+    def send(self, message, setup: "WorkerSetup") -> None:
         try:
             self.conn.send(message)
         except OSError:   # the worker is gone (BrokenPipeError and the like)
-            raise _died(self) from None
+            raise _died(self, setup) from None
 
 
-def _died(worker: _Worker) -> QuantkitError:
+def _signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"
+
+
+def _died(worker: _Worker, setup: "WorkerSetup") -> QuantkitError:
+    """What became of a worker that vanished: the partial taken away under it, or the signal / exit code."""
     worker.process.join(WORKER_EXIT_TIMEOUT)   # a killed process in the middle of I/O can take a moment to go
+    if setup.partial_identity is not None and partial_identity(setup.partial_path) != setup.partial_identity:
+        return partial_gone(setup.partial_path)
     code = worker.process.exitcode
-    why = ("still exiting" if code is None else
-           f"killed by signal {-code}" if code < 0 else f"exit code {code}")
-    return QuantkitError(f"worker process {worker.process.pid} died ({why}; out of memory?) while producing "
-                         f"this tensor", tensor=worker.task)
+    if code is None:
+        why = "it is still exiting"
+    elif code == -signal.SIGKILL:
+        why = "killed by signal 9, SIGKILL: the kernel's out-of-memory killer or another process"
+    elif code < 0:
+        why = f"killed by signal {-code}, {_signal_name(-code)}"
+    else:
+        why = f"exit code {code}"
+    return QuantkitError(f"worker process {worker.process.pid} died ({why}) while producing this tensor; the "
+                         f"partial output and its journal are kept: run again with --resume", tensor=worker.task)
 
 
 class WorkerPool:
@@ -196,10 +269,10 @@ class WorkerPool:
         def assign(worker: _Worker) -> None:
             worker.task = queue.popleft() if queue else None
             if worker.task is not None:
-                worker.send(worker.task)
+                worker.send(worker.task, setup)
 
         for worker in self._workers:
-            worker.send(setup)
+            worker.send(setup, setup)
             assign(worker)
         while any(w.task is not None for w in self._workers):
             busy = [w for w in self._workers if w.task is not None]
@@ -208,10 +281,10 @@ class WorkerPool:
                 try:
                     message = worker.conn.recv() if worker.conn in ready or worker.conn.poll() else None
                 except (EOFError, OSError):   # the pipe closed or was reset: the worker is gone
-                    raise _died(worker) from None
+                    raise _died(worker, setup) from None
                 if message is None:
                     if worker.process.sentinel in ready:
-                        raise _died(worker)
+                        raise _died(worker, setup)
                     continue
                 if message[0] == "error":
                     raise message[2]
@@ -238,3 +311,71 @@ class WorkerPool:
 
     def __exit__(self, kind, exc, tb) -> None:
         self.close(terminate=kind is not None)
+
+
+# -- how many workers ---------------------------------------------------------------------------------------------
+
+def available_cpus() -> int:
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:   # not every platform has affinity
+        return max(1, os.cpu_count() or 1)
+
+
+def _read_int(path: str) -> int | None:
+    try:
+        text = open(path).read().split()[0]
+    except (OSError, IndexError):
+        return None
+    return int(text) if text.isdigit() else None
+
+
+def available_memory() -> int | None:
+    """Bytes of memory this process can still use: the kernel's MemAvailable, lowered to what the cgroup (v2)
+    limit leaves; None where neither can be read."""
+    found = []
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    found.append(int(line.split()[1]) * 1024)
+    except (OSError, ValueError, IndexError):
+        pass
+    limit, used = _read_int("/sys/fs/cgroup/memory.max"), _read_int("/sys/fs/cgroup/memory.current")
+    if limit is not None and used is not None:
+        found.append(max(0, limit - used))
+    return min(found) if found else None
+
+
+def _unit_bytes(job: TensorJob) -> int:
+    """float32 bytes of the largest unit a job holds at once (see :mod:`quantkit.convert.tensors`)."""
+    shape = job.output.shape
+    if len(shape) == 3:
+        return 4 * math.prod(shape[1:])   # one expert
+    whole = 4 * math.prod(shape)
+    return whole if any(m.transform for m in job.output.sources) else min(whole, ROW_CHUNK_BYTES)
+
+
+def worker_memory(jobs: Iterable[TensorJob]) -> int:
+    """Estimated peak resident bytes of one worker over these jobs: its base plus a few copies of the largest
+    float32 unit it holds at once."""
+    return WORKER_BASE_BYTES + UNIT_MEMORY_FACTOR * max((_unit_bytes(j) for j in jobs), default=0)
+
+
+def bound_jobs(requested: int, per_worker_bytes: int, *, cpus: int | None = None,
+               memory: int | None = None) -> tuple[int, str | None]:
+    """(jobs to run, a note when fewer than ``requested``): no more workers than CPUs, nor than ``memory`` holds
+    at ``per_worker_bytes`` each (measured now unless given)."""
+    cpus = available_cpus() if cpus is None else cpus
+    memory = available_memory() if memory is None else memory
+    jobs, why = max(1, requested), []
+    if jobs > cpus:
+        jobs = cpus
+        why.append(f"{cpus} CPU{'s' if cpus > 1 else ''} available")
+    if memory is not None and jobs > 1 and jobs * per_worker_bytes > memory:
+        jobs = max(1, memory // per_worker_bytes)
+        why.append(f"{memory / 2**30:.1f} GiB of memory available at ~{per_worker_bytes / 2**20:.0f} MiB per "
+                   f"worker")
+    if jobs >= requested:
+        return requested, None
+    return jobs, f"using {jobs} job{'s' if jobs > 1 else ''} instead of {requested}: {'; '.join(why)}"

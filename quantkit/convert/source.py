@@ -10,8 +10,8 @@ Provenance files (:func:`provenance_files`): the safetensors shards the checkpoi
 configuration and tokenizer files (:data:`PROVENANCE_PATTERNS`).  Their SHA-256 is read from the Hugging Face
 cache when the file is a link to a blob named by its SHA-256 (the hub names large (LFS) blobs by the SHA-256 of
 their content and checks it on download); every other file is hashed, in ``jobs`` background threads
-(:class:`Hashing`; hashlib releases the GIL on large buffers) while the conversion encodes.  A cache of earlier
-hashes keyed by (name, size, mtime) lets a resumed conversion skip re-hashing unchanged files.
+(:class:`Hashing`; hashlib releases the GIL on large buffers) while the conversion encodes.  A resumed conversion
+hashes every file again: an equal size and mtime do not prove equal bytes, and the hashes go into the header.
 """
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ import re
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Mapping
+from typing import Iterable
 
 from ..errors import MissingSourceError, SourceError
 from ..io.atomic import sha256_file
@@ -121,21 +121,15 @@ class Hashing:
     """SHA-256 of files computed in background threads (one file per thread at a time).
 
     ``stats`` (:func:`file_stats`) are what the files were when the conversion planned; a file whose size or mtime
-    differs when its hash is finished is an error (the source changed under the conversion).  ``known`` hashes
-    (from a journal) are reused for files whose size and mtime are unchanged.
+    differs when its hash is finished is an error (the source changed under the conversion).
     """
 
-    def __init__(self, paths: list[Path], stats: list[FileHash], *, jobs: int = 1,
-                 known: Mapping[str, FileHash] | None = None):
+    def __init__(self, paths: list[Path], stats: list[FileHash], *, jobs: int = 1):
         self._pool = ThreadPoolExecutor(max_workers=max(1, jobs), thread_name_prefix="quantkit-hash")
-        known = known or {}
-        self._futures = [self._pool.submit(self._one, path, stat, known.get(stat.name))
-                         for path, stat in zip(paths, stats)]
+        self._futures = [self._pool.submit(self._one, path, stat) for path, stat in zip(paths, stats)]
 
     @staticmethod
-    def _one(path: Path, stat: FileHash, old: FileHash | None) -> FileHash:
-        if old is not None and (old.size, old.mtime_ns) == (stat.size, stat.mtime_ns):
-            return old
+    def _one(path: Path, stat: FileHash) -> FileHash:
         digest = _blob_sha256(path) or sha256_file(path)
         st = path.stat()
         if (st.st_size, st.st_mtime_ns) != (stat.size, stat.mtime_ns):
@@ -154,6 +148,6 @@ class Hashing:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
 
-def hash_files(paths: list[Path], *, jobs: int = 1, known: Mapping[str, FileHash] | None = None) -> list[FileHash]:
-    """SHA-256 of each file (in ``paths`` order), reusing ``known`` entries whose size and mtime are unchanged."""
-    return Hashing(paths, file_stats(paths), jobs=jobs, known=known).result()
+def hash_files(paths: list[Path], *, jobs: int = 1) -> list[FileHash]:
+    """SHA-256 of each file (in ``paths`` order)."""
+    return Hashing(paths, file_stats(paths), jobs=jobs).result()

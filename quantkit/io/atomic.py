@@ -8,15 +8,118 @@ final path is never touched, so a reader never sees a half-written artifact unde
 from __future__ import annotations
 
 import contextlib
+import errno
+import fcntl
 import hashlib
 import os
-from collections.abc import Iterator
+import socket
+import tempfile
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
-from ..errors import OutputExistsError
+from ..errors import ConcurrentWriteError, OutputExistsError, OutputPathError
 
 #: Read size for :func:`sha256_file`: large enough to amortize syscalls, small enough to bound memory.
 HASH_CHUNK_BYTES = 8 << 20
+LOCK_SUFFIX = ".lock"
+#: errno values of a full filesystem: no space (ENOSPC), the user's quota exhausted (EDQUOT).
+NO_SPACE_ERRNOS = frozenset({errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)})
+
+
+def is_out_of_space(exc: BaseException) -> bool:
+    return isinstance(exc, OSError) and exc.errno in NO_SPACE_ERRNOS
+
+
+def same_file(a: str | os.PathLike, b: str | os.PathLike) -> bool:
+    """Whether two paths name one file: the same path once links are resolved, or one inode (a hard link)."""
+    if os.path.realpath(a) == os.path.realpath(b):
+        return True
+    try:
+        sa, sb = os.stat(a), os.stat(b)
+    except OSError:   # one of them does not exist (or cannot be reached): not the same existing file
+        return False
+    return (sa.st_dev, sa.st_ino) == (sb.st_dev, sb.st_ino)
+
+
+def input_files(paths: Iterable[str | os.PathLike | None]) -> list[Path]:
+    """The files a command reads, for :func:`check_output`: each existing file, and every file directly inside
+    each existing directory (a checkpoint's shards, config and index; a fixture's files)."""
+    found = []
+    for given in paths:
+        if given is None:
+            continue
+        path = Path(given)
+        if path.is_dir():
+            found.extend(p for p in path.iterdir() if p.is_file())
+        elif path.exists():
+            found.append(path)
+    return found
+
+
+def check_output(path: str | os.PathLike, *, inputs: Iterable[str | os.PathLike] = (), overwrite: bool = False,
+                 what: str = "output") -> Path:
+    """Refuse an output ``path`` that is (or links to) one of ``inputs``, is a directory, exists while
+    ``overwrite`` is false, or lies in a directory where no file can be created; checked before the work starts,
+    so a long run cannot fail at its last step.  Returns ``path``."""
+    path = Path(path)
+    for source in inputs:
+        if same_file(path, source):
+            raise OutputPathError(f"the {what} would overwrite an input of this command ({source}); inputs are "
+                                  f"never written: choose another path", path=path)
+    if path.is_dir():
+        raise OutputPathError(f"the {what} is a directory; give a file path", path=path)
+    if path.exists() and not overwrite:
+        raise OutputExistsError(f"{what} exists; refusing to replace it", path=path)
+    directory = path.parent
+    if not directory.is_dir():
+        raise OutputPathError(f"the {what}'s directory {str(directory)!r} does not exist", path=path)
+    try:   # the one reliable test (read-only filesystems, ACLs, root): create a file there, then remove it
+        fd, probe = tempfile.mkstemp(dir=directory, prefix=f".{path.name}.", suffix=".probe")
+    except OSError as exc:
+        raise OutputPathError(f"cannot create the {what} in {str(directory)!r}: {exc.strerror or exc}",
+                              path=path) from None
+    os.close(fd)
+    os.unlink(probe)
+    return path
+
+
+def _holder(fd: int) -> str:
+    text = os.pread(fd, 200, 0).decode("utf-8", "replace").strip()
+    return text or "a process that is starting"
+
+
+@contextlib.contextmanager
+def output_lock(path: str | os.PathLike) -> Iterator[Path]:
+    """Hold an exclusive lock on ``<path>.lock`` (``flock``, released by the kernel when the holder dies, so a
+    killed run leaves no stale lock).  Raises :class:`ConcurrentWriteError` naming the holder when another process
+    holds it.  The lock file is removed on exit, while still locked: a waiter that opened the old file notices
+    that it is no longer the one at the path and opens again."""
+    final = Path(path)
+    lock = final.with_name(final.name + LOCK_SUFFIX)
+    while True:
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = _holder(fd)
+            os.close(fd)
+            raise ConcurrentWriteError(f"another process ({holder}) is writing this output (it holds {lock}); "
+                                       f"wait for it to finish or stop it", path=final) from None
+        mine = os.fstat(fd)
+        try:
+            there = os.stat(lock)
+        except FileNotFoundError:
+            there = None
+        if there is not None and (there.st_dev, there.st_ino) == (mine.st_dev, mine.st_ino):
+            break
+        os.close(fd)   # the previous holder removed this file between our open and our lock: take the new one
+    try:
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode(), 0)
+        yield lock
+    finally:
+        lock.unlink(missing_ok=True)
+        os.close(fd)
 
 
 def fsync_path(path: Path, *, directory: bool = False) -> None:

@@ -15,7 +15,8 @@ The layout is specified in :mod:`quantkit.io.gguf`.  Writing has two separate st
    ``pwrite`` (threads may share a writer; other processes open their own with ``resume``) and returns the
    payload's SHA-256 for the caller's journal.  ``resume`` reopens an existing partial after checking its size
    and header bytes against the same plan, and takes the journal of payloads already written (verifying their
-   hashes unless told not to).  ``finish`` checks that every planned tensor was written, fsyncs, and renames the
+   hashes unless told not to).  ``write_header(overwrite)`` removes an old partial and creates a new file, never
+   truncating one another process may still be writing.  ``finish`` checks that every planned tensor was written, fsyncs, and renames the
    partial to ``path``, refusing to replace an existing file unless ``overwrite=True``.
 
 A writer closed or abandoned before ``finish`` (an exception inside ``with``, a killed process) leaves the
@@ -37,6 +38,7 @@ import operator
 import os
 import struct
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Mapping, NamedTuple
@@ -331,9 +333,10 @@ class GGUFWriter:
         """Create the partial file: header, zero padding, and room for every payload."""
         self._expect("write_header", WriterState.LAYOUT)
         self._refuse_existing_output()
-        flags = os.O_RDWR | os.O_CREAT | (os.O_TRUNC if self.overwrite else os.O_EXCL)
+        if self.overwrite:   # a new file, never a truncated one: a process still writing the old partial keeps
+            self.partial.unlink(missing_ok=True)   # its own inode instead of mixing bytes into this one
         try:
-            self._fd = os.open(self.partial, flags, 0o644)
+            self._fd = os.open(self.partial, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
         except FileExistsError:
             raise OutputExistsError("an unfinished partial output exists; resume it (GGUFWriter.resume) or pass "
                                     "overwrite=True to start over", path=self.partial) from None
@@ -341,11 +344,11 @@ class GGUFWriter:
         os.ftruncate(self._fd, self.layout.file_size)
         self.state = WriterState.HEADER
 
-    def resume(self, done: Mapping[str, str] | None = None, *, verify: bool = True) -> None:
+    def resume(self, done: Mapping[str, str] | None = None, *, verify: bool = True, threads: int = 1) -> None:
         """Reopen the partial an earlier writer of the same layout left.
 
         ``done``: tensor name → SHA-256 hex of payloads already written (the journal).  With ``verify`` their
-        bytes are re-read and hashed; a mismatch is a :class:`ValidationError`.
+        bytes are re-read and hashed (in ``threads`` threads); a mismatch is a :class:`ValidationError`.
         """
         self._expect("resume", WriterState.LAYOUT)
         self._refuse_existing_output()
@@ -354,7 +357,7 @@ class GGUFWriter:
         except FileNotFoundError:
             raise MissingSourceError("no partial output to resume", path=self.partial) from None
         try:
-            self._check_partial(fd, done or {}, verify)
+            self._check_partial(fd, done or {}, verify, threads)
         except BaseException:
             os.close(fd)
             raise
@@ -362,7 +365,7 @@ class GGUFWriter:
         self._written = dict(done or {})
         self.state = WriterState.PAYLOADS if self._written else WriterState.HEADER
 
-    def _check_partial(self, fd: int, done: Mapping[str, str], verify: bool) -> None:
+    def _check_partial(self, fd: int, done: Mapping[str, str], verify: bool, threads: int) -> None:
         size = os.fstat(fd).st_size
         if size != self.layout.file_size:
             raise FormatError(f"partial is {size} bytes, the layout needs {self.layout.file_size}: it was written "
@@ -373,11 +376,14 @@ class GGUFWriter:
             at = next(i for i, (a, b) in enumerate(zip(found, header)) if a != b)
             raise FormatError("partial's header differs from the planned layout: it was written for another "
                               "layout", path=self.partial, offset=at)
-        for name, digest in done.items():
-            t = self.layout.tensor(name)
-            if verify and self._hash_payload(fd, t) != digest:
-                raise ValidationError(f"payload does not match its journal hash {digest}", path=self.partial,
-                                      tensor=name)
+        tensors = [self.layout.tensor(name) for name in done]
+        if not verify:
+            return
+        with ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="quantkit-verify") as pool:
+            for t, found in zip(tensors, pool.map(lambda t: self._hash_payload(fd, t), tensors)):
+                if found != done[t.name]:
+                    raise ValidationError(f"payload does not match its journal hash {done[t.name]}",
+                                          path=self.partial, tensor=t.name)
 
     def _hash_payload(self, fd: int, t: GGUFTensor) -> str:
         digest = hashlib.sha256()

@@ -35,14 +35,13 @@ from pathlib import Path
 
 from gguf.constants import GGUFValueType, Keys
 
-from ..convert.execute import ConvertRequest, Prepared, file_layout, make_job, prepare
+from ..convert.execute import ConvertRequest, Prepared, file_layout, prepare
 from ..convert.provenance import provenance_metadata
-from ..convert.source import FileHash, ResolvedSource, hash_files, provenance_files, resolve_source
+from ..convert.source import FileHash, ResolvedSource, hash_files, resolve_source
 from ..convert.tensors import TensorJob
 from ..errors import MissingSourceError, RecipeError, SourceError, UnsupportedError
 from ..imatrix.bootstrap import BOOTSTRAP_KEY, CALIBRATION_KEY
 from ..io.atomic import sha256_file
-from ..io.checkpoint import open_checkpoint
 from ..io.gguf import KV, ArrayOf, type_name
 from ..io.gguf_reader import GGUFFile
 from ..io.gguf_writer import Layout, plan_layout
@@ -242,10 +241,7 @@ def _candidate(f: GGUFFile, prepared: Prepared, resolved: ResolvedSource, recipe
     """The re-plan of one set of convert options: jobs, source files and hashes, expected layout."""
     prepared.source = replace(prepared.source, given=resolved.given, repo_id=resolved.repo_id,
                               revision=resolved.revision)
-    jobs = {t.name: make_job(t, prepared.imatrix) for t in prepared.plan.tensors}
-    with open_checkpoint(prepared.source.path) as ckpt:
-        shards = {ckpt.tensor_info(n).file for n in ckpt.tensor_names()}
-    files = provenance_files(prepared.source, shards)
+    jobs, files = prepared.jobs, prepared.files
     small = [p for p in files if not p.name.endswith(SHARD_SUFFIX)]
     computed = {h.name: h.sha256 for h in hash_files(small)}
     notes: list[str] = []

@@ -1,0 +1,532 @@
+"""Faults a user meets while converting, each ending as the user needs: kill -9 at seeded random points of a
+``--jobs 2`` conversion, a full disk, a source edited in place between runs, two conversions to one output, a
+partial taken away under the workers, outputs that name inputs, unwritable outputs, and more jobs than the machine
+holds.  Every interrupted run leaves nothing under the final name; every resume ends byte-identical to an
+uninterrupted run (the reference, made once per module)."""
+from __future__ import annotations
+
+import errno
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from quantkit.cli import main
+from quantkit.convert import execute as execute_module
+from quantkit.convert.journal import Journal, journal_path
+from quantkit.convert.pool import WORKER_BASE_BYTES, bound_jobs
+from quantkit.errors import ConcurrentWriteError, OutputPathError
+from quantkit.io.atomic import check_output, output_lock, sha256_file
+from quantkit.io.gguf import align
+from quantkit.io.gguf_reader import GGUFFile
+from quantkit.io.gguf_writer import GGUFWriter, plan_layout
+from quantkit.io.safetensors import SafetensorsFile, write_safetensors
+from quantkit.testing.recipe_texts import PRE_TOKENIZER as PRE, Q2_RECIPE
+from quantkit.testing.tiny_models import TinyCheckpointCache
+
+CLI = [sys.executable, "-c", "from quantkit.cli import main; main()"]
+#: Seeded kill points of the kill -9 test (issue: at least 20).
+KILL_POINTS = 20
+
+
+@pytest.fixture(scope="module")
+def qwen(tmp_path_factory) -> Path:
+    return TinyCheckpointCache(tmp_path_factory.mktemp("tiny-faults")).get("qwen3_moe", "per-expert", "bf16")
+
+
+@pytest.fixture(scope="module")
+def recipe(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("recipe") / "q2.toml"
+    path.write_text(Q2_RECIPE)
+    return path
+
+
+def args_for(src: Path, out: Path, recipe: Path, *more) -> list[str]:
+    return [str(a) for a in (src, "-o", out, "--recipe", recipe, "--bootstrap-importance", "--pre-tokenizer", PRE,
+                             "--no-progress", *more)]
+
+
+def run(*args, jobs: int = 1):
+    return CliRunner().invoke(main, ["convert", *map(str, args), "-j", str(jobs)])
+
+
+def one_line_error(result) -> str:
+    assert result.exit_code not in (0, None), result.output
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
+    return lines[0]
+
+
+def leftovers(out: Path) -> set[str]:
+    return {p.name for p in out.parent.iterdir() if p.name.startswith(out.name)}
+
+
+@pytest.fixture(scope="module")
+def reference(qwen, recipe, tmp_path_factory) -> Path:
+    """An uninterrupted conversion in one process."""
+    out = tmp_path_factory.mktemp("reference") / "ref.gguf"
+    result = run(*args_for(qwen, out, recipe))
+    assert result.exit_code == 0, result.output
+    return out
+
+
+# -- kill -9 at random points ---------------------------------------------------------------------------------------
+
+def journal_lines(out: Path) -> int:
+    try:
+        return journal_path(out).read_bytes().count(b"\n")
+    except FileNotFoundError:
+        return 0
+
+
+def test_kill_9_at_random_points_then_resume(qwen, recipe, reference, tmp_path):
+    """KILL_POINTS seeded points over a --jobs 2 conversion (the whole process group, workers included): before the
+    journal exists, after a seeded number of journal lines (tensors, the rename note) plus a seeded delay.  The runs
+    chain: each resumes the one killed before it.  Never a file under the final name unless it is complete (killed
+    after the rename); every chain's last resume ends byte-identical to the reference."""
+    tensors = len(GGUFFile(reference).tensors)
+    rng = random.Random(18)
+    out = tmp_path / "q.gguf"
+    killed = resumed_to_end = 0
+    for point in range(KILL_POINTS):
+        if point % 10 == 0:   # two chains of ten kills, each from a fresh start
+            for name in leftovers(out):
+                (out.parent / name).unlink()
+        target = rng.randint(0, tensors + 1)
+        delay = rng.uniform(0, 0.05)
+        more = ["-j", "2"] + (["--resume"] if leftovers(out) else [])
+        process = subprocess.Popen(CLI + ["convert", *args_for(qwen, out, recipe, *more)], start_new_session=True,
+                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        deadline = time.monotonic() + 120
+        while process.poll() is None and journal_lines(out) <= target and time.monotonic() < deadline:
+            time.sleep(0.002)
+        time.sleep(delay)
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            killed += 1
+        _, stderr = process.communicate(timeout=60)
+        if process.returncode == 0:   # finished before the kill point: complete and identical
+            assert sha256_file(out) == sha256_file(reference), f"point {point}"
+            out.unlink()
+            resumed_to_end += 1
+            continue
+        assert process.returncode == -signal.SIGKILL, stderr
+        if out.exists():   # killed after the rename: the verified file, and a resume that says so
+            assert sha256_file(out) == sha256_file(reference), f"point {point}: a wrong file under the final name"
+            if journal_path(out).exists():
+                finished = subprocess.run(CLI + ["convert", *args_for(qwen, out, recipe, "--resume")],
+                                          capture_output=True, text=True, timeout=300)
+                assert finished.returncode == 0 and "already complete" in finished.stdout, finished.stderr
+            for name in leftovers(out):
+                (out.parent / name).unlink()
+            resumed_to_end += 1
+            continue
+        if point % 10 == 9:   # the chain's end: resume to completion
+            finished = subprocess.run(CLI + ["convert", *args_for(qwen, out, recipe, "-j", "2", "--resume")],
+                                      capture_output=True, text=True, timeout=300)
+            assert finished.returncode == 0, finished.stderr
+            assert sha256_file(out) == sha256_file(reference), f"point {point}"
+            assert leftovers(out) == {"q.gguf"}
+            out.unlink()
+            resumed_to_end += 1
+    assert killed >= KILL_POINTS // 2, f"only {killed} of {KILL_POINTS} points hit a running conversion"
+    assert resumed_to_end >= 2
+
+
+def test_killed_between_rename_and_journal_removal(qwen, recipe, reference, tmp_path, monkeypatch):
+    """The rename happened, the journal stayed: --resume recognizes the finished file by the header its journal
+    noted, removes the journal, and succeeds."""
+    out = tmp_path / "q.gguf"
+    real = GGUFWriter.finish
+
+    def finish_then_die(self):
+        real(self)
+        raise KeyboardInterrupt
+    monkeypatch.setattr(GGUFWriter, "finish", finish_then_die)
+    assert run(*args_for(qwen, out, recipe)).exit_code == 130
+    monkeypatch.setattr(GGUFWriter, "finish", real)
+    assert {"q.gguf", "q.gguf.journal"} <= leftovers(out)
+    result = run(*args_for(qwen, out, recipe, "--resume"))
+    assert result.exit_code == 0 and "already complete" in result.output, result.output
+    assert leftovers(out) == {"q.gguf"} and sha256_file(out) == sha256_file(reference)
+
+
+def test_killed_before_any_tensor_resumes(qwen, recipe, reference, tmp_path, monkeypatch):
+    """A partial whose journal lists no tensor yet (killed while the header was being written: short, not yet
+    sized) is started over by --resume instead of being refused."""
+    out = tmp_path / "q.gguf"
+
+    def cut_header(self):
+        self.partial.write_bytes(b"GGUF\x03")
+        raise KeyboardInterrupt
+    monkeypatch.setattr(GGUFWriter, "write_header", cut_header)
+    assert run(*args_for(qwen, out, recipe)).exit_code == 130
+    monkeypatch.undo()
+    assert {"q.gguf.partial", "q.gguf.journal"} <= leftovers(out)
+    result = run(*args_for(qwen, out, recipe, "--resume"))
+    assert result.exit_code == 0, result.output
+    assert sha256_file(out) == sha256_file(reference)
+
+
+# -- a full disk ----------------------------------------------------------------------------------------------------
+
+def mount_tmpfs(path: Path, size: int) -> bool:
+    """A tmpfs of ``size`` bytes at ``path`` when this process may mount one (root in a mount-capable container)."""
+    if os.geteuid() != 0 or shutil.which("mount") is None:
+        return False
+    path.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True)
+    return done.returncode == 0
+
+
+def fill(directory: Path) -> Path:
+    """Write zeros into ``directory`` until the filesystem is full."""
+    filler = directory / "filler"
+    fd = os.open(filler, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+    try:
+        for size in (1 << 20, 4096, 1):
+            try:
+                while True:
+                    os.write(fd, bytes(size))
+            except OSError as exc:
+                assert exc.errno == errno.ENOSPC
+    finally:
+        os.close(fd)
+    return filler
+
+
+def test_full_disk_then_resume(qwen, recipe, reference, tmp_path, monkeypatch):
+    """The disk fills up mid-run (a real tmpfs filling up, where the test may mount one; else ENOSPC injected into
+    the writes): one line naming the path with the resume hint, the partial and the journal kept, and --resume
+    after space is freed ends byte-identical."""
+    mount = tmp_path / "small"
+    size = reference.stat().st_size
+    real_fs = mount_tmpfs(mount, align(size, 4096) + (2 << 20))   # the file, the 1 MiB reserve and a little more
+    try:
+        if not real_fs:
+            mount.mkdir(exist_ok=True)
+        out = mount / "q.gguf"
+        real_record, real_pwrite, filler = Journal.record, os.pwrite, []
+
+        def record_then_fill(self, *a):
+            real_record(self, *a)
+            if not filler and journal_lines(out) > 3:
+                filler.append(fill(mount) if real_fs else True)
+        monkeypatch.setattr(Journal, "record", record_then_fill)
+        if not real_fs:   # in-process (one job) so the workers' writes see the injection
+            def full_pwrite(fd, data, offset):
+                if filler:
+                    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+                return real_pwrite(fd, data, offset)
+            monkeypatch.setattr(os, "pwrite", full_pwrite)
+        line = one_line_error(run(*args_for(qwen, out, recipe), jobs=2 if real_fs else 1))
+        assert "no space left" in line and "--resume" in line and str(mount) in line, line
+        assert {"q.gguf.partial", "q.gguf.journal"} <= leftovers(out) and not out.exists()
+        monkeypatch.setattr(Journal, "record", real_record)
+        monkeypatch.setattr(os, "pwrite", real_pwrite)
+        if real_fs:
+            filler[0].unlink()
+        result = run(*args_for(qwen, out, recipe, "--resume"), jobs=2)
+        assert result.exit_code == 0, result.output
+        assert sha256_file(out) == sha256_file(reference) and leftovers(out) == {"q.gguf"}
+    finally:
+        if real_fs:
+            subprocess.run(["umount", str(mount)], check=True)
+
+
+def test_space_reserve_is_proportional(qwen, recipe, reference, tmp_path, monkeypatch):
+    """A small conversion onto a small filesystem is not refused for want of a fixed 1 GiB; the reserve can be set;
+    a real shortfall is one line naming the directory."""
+    assert execute_module.free_space_reserve(7_800_000) == 1 << 20
+    assert execute_module.free_space_reserve(500 << 30) == 1 << 30
+    out = tmp_path / "q.gguf"
+    size = reference.stat().st_size
+    usage = shutil.disk_usage(tmp_path)
+    monkeypatch.setattr(execute_module.shutil, "disk_usage",
+                        lambda path: usage._replace(free=size + (2 << 20)))   # what "20 MB free" is to 7.8 MB
+    assert run(*args_for(qwen, out, recipe)).exit_code == 0
+    out.unlink()
+    line = one_line_error(run(*args_for(qwen, out, recipe, "--free-space-reserve", 4 << 20)))
+    assert "not enough free space" in line and str(tmp_path) in line
+    assert not leftovers(out)
+
+
+# -- a source edited in place ---------------------------------------------------------------------------------------
+
+def interrupted_run(src: Path, out: Path, recipe: Path, monkeypatch, after: int) -> None:
+    real = Journal.record
+
+    def interrupt(self, *a):
+        real(self, *a)
+        if journal_lines(out) > after:
+            raise KeyboardInterrupt
+    monkeypatch.setattr(Journal, "record", interrupt)
+    assert run(*args_for(src, out, recipe)).exit_code == 130
+    monkeypatch.setattr(Journal, "record", real)
+
+
+def edit_in_place(path: Path, tensor: str) -> None:
+    """Change one value of ``tensor``, keeping the file's size and its access and modification times."""
+    st = path.stat()
+    with SafetensorsFile(path) as f:
+        arrays = {n: np.array(f.array(n)) for n in f.names()}
+        dtypes = {n: f.entry(n).dtype for n in f.names()}
+    arrays[tensor].reshape(-1).view(np.uint16)[7] ^= 0x0100
+    write_safetensors(path, arrays, metadata={"format": "pt"}, dtypes=dtypes, overwrite=True)
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert (path.stat().st_size, path.stat().st_mtime_ns) == (st.st_size, st.st_mtime_ns)
+
+
+def first_journaled_source(out: Path, src: Path, recipe: Path) -> tuple[str, str]:
+    """(GGUF name, its first Hugging Face source) of the first tensor the journal lists."""
+    record = json.loads(journal_path(out).read_text().splitlines()[1])
+    request = execute_module.ConvertRequest(source=str(src), out=out, recipe=str(recipe), bootstrap=True,
+                                            pre_tokenizer=PRE, progress=False)
+    job = execute_module.prepare(request).jobs[record["tensor"]]
+    return record["tensor"], job.output.sources[0].hf_name
+
+
+def test_source_edited_keeping_size_and_mtime_is_refused(qwen, recipe, tmp_path, monkeypatch):
+    src = tmp_path / "ckpt"
+    shutil.copytree(qwen, src)
+    out = tmp_path / "q.gguf"
+    interrupted_run(src, out, recipe, monkeypatch, after=3)
+    tensor, hf_name = first_journaled_source(out, src, recipe)
+    edit_in_place(src / "model.safetensors", hf_name)
+    line = one_line_error(run(*args_for(src, out, recipe, "--resume")))
+    assert "'model.safetensors' changed" in line and tensor in line and "--force" in line, line
+    assert {"q.gguf.partial", "q.gguf.journal"} <= leftovers(out) and not out.exists()
+
+
+def test_source_edited_where_nothing_was_kept_resumes_to_the_new_bytes(qwen, recipe, tmp_path, monkeypatch):
+    """An in-place edit of a tensor not yet converted: nothing kept depends on it, so the resume goes on and ends
+    byte-identical to an uninterrupted conversion of the edited source (its header hashes the new file)."""
+    src = tmp_path / "ckpt"
+    shutil.copytree(qwen, src)
+    out = tmp_path / "q.gguf"
+    interrupted_run(src, out, recipe, monkeypatch, after=1)
+    kept = {json.loads(line)["tensor"] for line in journal_path(out).read_text().splitlines()[1:]}
+    request = execute_module.ConvertRequest(source=str(src), out=out, recipe=str(recipe), bootstrap=True,
+                                            pre_tokenizer=PRE, progress=False)
+    jobs = execute_module.prepare(request).jobs
+    untouched = next(j.output.sources[0].hf_name for n, j in sorted(jobs.items()) if n not in kept
+                     and n.startswith("blk.1.attn_q"))
+    edit_in_place(src / "model.safetensors", untouched)
+    assert run(*args_for(src, out, recipe, "--resume")).exit_code == 0
+    fresh = tmp_path / "fresh.gguf"
+    assert run(*args_for(src, fresh, recipe)).exit_code == 0
+    assert sha256_file(out) == sha256_file(fresh)
+
+
+# -- two writers ----------------------------------------------------------------------------------------------------
+
+def test_second_convert_to_the_same_output_is_refused(qwen, recipe, reference, tmp_path):
+    """While one conversion runs (slowed down), a second one to the same output, even with --force, is refused
+    with one line naming the holder; the first ends with a valid file identical to the reference."""
+    out = tmp_path / "q.gguf"
+    slow = ("import time\n"
+            "from quantkit.convert import journal\n"
+            "real = journal.Journal.record\n"
+            "def record(self, *a):\n"
+            "    real(self, *a)\n"
+            "    time.sleep(0.05)\n"
+            "journal.Journal.record = record\n"
+            "from quantkit.cli import main\n"
+            "main()\n")
+    first = subprocess.Popen([sys.executable, "-c", slow, "convert", *args_for(qwen, out, recipe, "-j", "2")],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while journal_lines(out) < 2 and first.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        second = run(*args_for(qwen, out, recipe, "--force"), jobs=2)
+        line = one_line_error(second)
+        assert "another process (pid" in line and "q.gguf.lock" in line, line
+    finally:
+        _, stderr = first.communicate(timeout=300)
+    assert first.returncode == 0, stderr
+    assert sha256_file(out) == sha256_file(reference) and leftovers(out) == {"q.gguf"}
+
+
+def test_output_lock_is_exclusive_and_released(tmp_path):
+    out = tmp_path / "x.gguf"
+    with output_lock(out) as lock:
+        assert f"pid {os.getpid()}" in lock.read_text()
+        with pytest.raises(ConcurrentWriteError, match=f"pid {os.getpid()}"):
+            with output_lock(out):
+                pass
+    assert not lock.exists()
+    with output_lock(out):   # free again
+        pass
+
+
+def test_writer_never_truncates_a_partial_in_use(tmp_path):
+    """Starting over replaces the partial with a new file: a writer still holding the old one keeps its bytes."""
+    layout = plan_layout({"general.architecture": "llama"}, [("t", (4, 32), "F32")])
+    out = tmp_path / "x.gguf"
+    first = GGUFWriter(out, layout)
+    first.write_header()
+    first.write_tensor("t", np.ones((4, 32), np.float32))
+    old = os.open(first.partial, os.O_RDONLY)
+    second = GGUFWriter(out, layout, overwrite=True)
+    try:
+        second.write_header()
+        assert os.fstat(old).st_size == layout.file_size
+        assert np.frombuffer(os.pread(old, 512, layout.data_offset), np.float32).tolist() == [1.0] * 128
+        assert first.partial.read_bytes()[layout.data_offset:layout.data_offset + 512] == bytes(512)
+    finally:
+        os.close(old)
+        first.close()
+        second.close()
+
+
+def test_final_step_verifies_what_it_renames(qwen, recipe, tmp_path, monkeypatch):
+    """Bytes changed behind the journal's back (as another writer would) are caught at the last step: no file
+    under the final name, the partial kept."""
+    out = tmp_path / "q.gguf"
+    real = execute_module.Hashing.result
+
+    def corrupt_then_hash(self):
+        partial = out.with_name("q.gguf.partial")
+        middle = partial.stat().st_size // 2   # inside a payload (padding runs are shorter than 32 bytes)
+        with open(partial, "r+b") as f:
+            f.seek(middle)
+            flipped = bytes(b ^ 0xFF for b in f.read(64))
+            f.seek(middle)
+            f.write(flipped)
+        return real(self)
+    monkeypatch.setattr(execute_module.Hashing, "result", corrupt_then_hash)
+    line = one_line_error(run(*args_for(qwen, out, recipe)))
+    assert "does not match its journal hash" in line
+    assert not out.exists() and "q.gguf.partial" in leftovers(out)
+
+
+def test_partial_renamed_away_under_the_workers(qwen, recipe, tmp_path, monkeypatch):
+    """Not 'died … out of memory?': the workers find the partial gone and say so; nothing is renamed into place."""
+    out = tmp_path / "q.gguf"
+    real = execute_module.Hashing
+
+    def rename_then_hash(*a, **k):
+        out.with_name("q.gguf.partial").rename(tmp_path / "elsewhere")
+        return real(*a, **k)
+    monkeypatch.setattr(execute_module, "Hashing", rename_then_hash)
+    line = one_line_error(run(*args_for(qwen, out, recipe), jobs=2))
+    assert "renamed, replaced or removed by another process" in line and "memory" not in line, line
+    assert not out.exists()
+
+
+# -- outputs that are inputs, outputs that cannot be written --------------------------------------------------------
+
+@pytest.mark.parametrize("how", ["same path", "symlink", "hard link"])
+def test_convert_output_that_is_a_source_file_is_refused(qwen, recipe, tmp_path, how):
+    src = tmp_path / "ckpt"
+    shutil.copytree(qwen, src)
+    shard = src / "model.safetensors"
+    before = sha256_file(shard)
+    out = {"same path": shard, "symlink": tmp_path / "link.gguf", "hard link": tmp_path / "hard.gguf"}[how]
+    if how == "symlink":
+        out.symlink_to(shard)
+    elif how == "hard link":
+        os.link(shard, out)
+    line = one_line_error(run(*args_for(src, out, recipe, "--force")))
+    assert "would overwrite an input" in line and "model.safetensors" in line, line
+    assert sha256_file(shard) == before and not out.with_name(out.name + ".partial").exists()
+
+
+@pytest.mark.parametrize("target", ["config.json", "recipe", "existing"])
+def test_convert_report_never_replaces_inputs_or_files(qwen, recipe, tmp_path, target):
+    src = tmp_path / "ckpt"
+    shutil.copytree(qwen, src)
+    report = {"config.json": src / "config.json", "recipe": recipe, "existing": tmp_path / "r.json"}[target]
+    if target == "existing":
+        report.write_text("keep")
+    before = report.read_bytes()
+    out = tmp_path / "q.gguf"
+    line = one_line_error(run(*args_for(src, out, recipe, "--report", report, "--force")
+                              if target != "existing" else args_for(src, out, recipe, "--report", report)))
+    assert ("would overwrite an input" in line) if target != "existing" else ("exists" in line), line
+    assert report.read_bytes() == before and not leftovers(out)   # refused before any work
+
+
+def test_outputs_in_unwritable_places_are_refused_before_work(qwen, recipe, reference, tmp_path):
+    out = tmp_path / "q.gguf"
+    line = one_line_error(run(*args_for(qwen, out, recipe, "--report", tmp_path / "missing" / "r.json")))
+    assert "does not exist" in line and not leftovers(out)
+    blocked = tmp_path / "file"
+    blocked.write_text("")
+    line = one_line_error(run(*args_for(qwen, blocked / "q.gguf", recipe)))
+    assert "does not exist" in line
+    runner = CliRunner()
+    result = runner.invoke(main, ["validate", str(reference), "--structure-only", "--json",
+                                  str(tmp_path / "missing" / "v.json")])
+    assert "does not exist" in one_line_error(result)
+
+
+def test_validate_json_never_replaces_inputs_or_files(reference, tmp_path):
+    runner = CliRunner()
+    before = sha256_file(reference)
+    line = one_line_error(runner.invoke(main, ["validate", str(reference), "--structure-only", "--json",
+                                               str(reference), "--force"]))
+    assert "would overwrite an input" in line and sha256_file(reference) == before
+    existing = tmp_path / "v.json"
+    existing.write_text("keep")
+    assert "exists" in one_line_error(runner.invoke(main, ["validate", str(reference), "--structure-only",
+                                                           "--json", str(existing)]))
+    assert existing.read_text() == "keep"
+    result = runner.invoke(main, ["validate", str(reference), "--structure-only", "--json", str(existing), "--force"])
+    assert result.exit_code == 0, result.output
+    assert json.loads(existing.read_text())["ok"] is True
+
+
+def test_score_outputs_are_checked_before_scoring(reference, tmp_path):
+    fixture = tmp_path / "fixture"
+    fixture.mkdir()
+    (fixture / "cases.jsonl").write_text("")
+    runner = CliRunner()
+    for out, more in [(reference, []), (fixture / "cases.jsonl", []),
+                      (tmp_path / "s.tsv", ["--save-logits", str(reference)]),
+                      (tmp_path / "missing" / "s.tsv", [])]:
+        result = runner.invoke(main, ["score", str(reference), str(fixture), str(out), "--ctx", "64", *more])
+        line = one_line_error(result)
+        assert "would overwrite an input" in line or "does not exist" in line, line
+    assert (fixture / "cases.jsonl").read_text() == "" and GGUFFile(reference).tensors
+
+
+def test_check_output_unit(tmp_path):
+    source = tmp_path / "a.bin"
+    source.write_bytes(b"x")
+    (tmp_path / "link").symlink_to(source)
+    with pytest.raises(OutputPathError, match="would overwrite an input"):
+        check_output(tmp_path / "link", inputs=[source], overwrite=True)
+    with pytest.raises(OutputPathError, match="is a directory"):
+        check_output(tmp_path, overwrite=True)
+    assert check_output(tmp_path / "new.bin", inputs=[source]) == tmp_path / "new.bin"
+    assert [p.name for p in tmp_path.iterdir() if p.name.endswith(".probe")] == []
+
+
+# -- how many workers -----------------------------------------------------------------------------------------------
+
+def test_jobs_are_bounded_by_cpus_and_memory():
+    per_worker = WORKER_BASE_BYTES
+    assert bound_jobs(2, per_worker, cpus=4, memory=1 << 40) == (2, None)
+    jobs, note = bound_jobs(64, per_worker, cpus=4, memory=1 << 40)
+    assert jobs == 4 and "4 CPUs available" in note
+    jobs, note = bound_jobs(8, per_worker, cpus=16, memory=3 * per_worker)
+    assert jobs == 3 and "GiB of memory available" in note
+    assert bound_jobs(8, per_worker, cpus=16, memory=per_worker // 2)[0] == 1
+
+
+def test_too_many_jobs_are_lowered_with_a_note(qwen, recipe, tmp_path):
+    out = tmp_path / "q.gguf"
+    result = run(*args_for(qwen, out, recipe, "--dry-run"), jobs=1000)
+    assert result.exit_code == 0, result.output
+    assert "note: using" in result.stderr and "instead of 1000" in result.stderr and not leftovers(out)
