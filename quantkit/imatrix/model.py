@@ -81,7 +81,6 @@ class Entry:
         in_sum = None if self.in_sum is None else self.in_sum.reshape(n_mats, total // n_mats)
         return Entry(self.in_sum2.reshape(n_mats, total // n_mats), counts, in_sum)
 
-
     def fold(self, groups: int) -> "Entry":
         """The statistics of ``groups`` input slices of one matrix pooled into one (see the module docstring):
         ``in_sum2`` ``[1, groups * n]`` or ``[groups, n]`` summed over the groups, the counts added (a single count
