@@ -244,6 +244,50 @@ def test_conform_splits_a_single_count():
     assert imx.importance("blk.0.attn_k_b.weight", 1).tolist() == [2, 2.5, 3, 3.5]
 
 
+def test_grouped_entry_folds_from_every_stored_form(tmp_path):
+    """A grouped weight's statistics stored per group (llama-imatrix's GGUF with one count, an older GGUF with a
+    count per group, the legacy .dat with Σx²/count·ncall per group) fold to importance = mean of x² over every
+    group's slice of every token; the same form with a length for another group count is refused."""
+    rng = np.random.default_rng(5)
+    n, groups, tokens = 64, 4, 96
+    x = rng.standard_normal((tokens, groups, n)).astype(np.float32)
+    per_group = np.square(x.astype(np.float64)).sum(axis=0)                   # [groups, n]
+    pooled = np.square(x.astype(np.float64)).reshape(-1, n).mean(axis=0)      # what quantkit's collector keeps
+    name = "blk.0.attn_output_a.weight"
+    expected, grouped = {name: (n, 1)}, {name: groups}
+    one_count = make_imatrix({name: Entry(per_group.astype(np.float32).reshape(1, groups * n),
+                                          np.array([tokens], np.float32))}, chunk_size=tokens, chunk_count=1)
+    save_imatrix(one_count, tmp_path / "legacy.dat")
+    forms = {"one count": one_count, "legacy .dat": load_imatrix(tmp_path / "legacy.dat"),
+             "count per group": make_imatrix({name: Entry(per_group.astype(np.float32),
+                                                          np.full(groups, tokens, np.float32))})}
+    for label, imx in forms.items():
+        folded = imx.conform(expected, required=(), groups=grouped)
+        e = folded.entries[name]
+        assert e.in_sum2.shape == (1, n), label
+        assert e.counts.tolist() == [groups * (1 if label == "legacy .dat" else tokens)], label
+        # per-group sums rounded to float32, their sum rounded once more, then the quotient: a few float32 ulps
+        np.testing.assert_allclose(folded.importance(name), pooled, rtol=4 * 2**-24, atol=0, err_msg=label)
+    with pytest.raises(ValidationError, match="another model"):
+        one_count.conform({name: (n, 1)}, required=(), groups={name: groups // 2})
+    with pytest.raises(ValidationError, match="another model"):
+        one_count.conform(expected, required=())
+
+
+def test_gguf_input_groups_from_model_metadata():
+    from quantkit.io.gguf import KV
+    from quantkit.imatrix.names import gguf_input_groups
+
+    names = ["blk.0.attn_output_a.weight", "blk.1.attn_output_a.weight", "blk.0.attn_output_b.weight"]
+    arch = KV("deepseek4", GGUFValueType.STRING)
+    meta = {"general.architecture": arch, "deepseek4.attention.output_group_count": KV(8, GGUFValueType.UINT32)}
+    assert gguf_input_groups(meta, names) == {"blk.0.attn_output_a.weight": 8, "blk.1.attn_output_a.weight": 8}
+    assert gguf_input_groups({"general.architecture": KV("llama", GGUFValueType.STRING)}, names) == {}
+    for bad in ({}, {"deepseek4.attention.output_group_count": KV("8", GGUFValueType.STRING)}):
+        with pytest.raises(FormatError, match="deepseek4.attention.output_group_count.*positive integer"):
+            gguf_input_groups({"general.architecture": arch, **bad}, names, Path("m.gguf"))
+
+
 def test_importance_values():
     imx = sample()
     e = imx.entries["blk.0.ffn_up_exps.weight"]

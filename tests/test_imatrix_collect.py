@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import subprocess
+import sys
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -19,10 +22,13 @@ import quantkit
 from quantkit.arch import get_arch
 from quantkit.cli import main
 from quantkit.examples import example_model_dir
-from quantkit.imatrix import bootstrap_importance, load_imatrix, make_imatrix
+from quantkit.errors import ValidationError
+from quantkit.formats.registry import GGMLType
+from quantkit.imatrix import Entry, bootstrap_importance, load_imatrix, make_imatrix, save_imatrix
 from quantkit.imatrix.collect import (RESUME_SUFFIX, CollectOptions, Collector, calibration_chunks, chunk_tokens,
                                       collect_imatrix)
-from quantkit.imatrix.names import expected_entries
+from quantkit.imatrix.names import expected_entries, gguf_input_groups
+from quantkit.io.gguf_reader import GGUFFile
 from quantkit.runtime import load_model
 from quantkit.runtime.weights import CheckpointWeights
 from quantkit.testing.tiny_models import build_tiny_model, get_arch as tiny_arch
@@ -184,6 +190,264 @@ def test_all_experts_keeps_the_output_and_observes_every_expert():
     for name in routed.entries:    # non-expert statistics are those of the normal routing
         if "_exps" not in name:
             assert np.array_equal(imx.entries[name].in_sum2, routed.entries[name].in_sum2), name
+
+
+# -- a grouped weight: llama-imatrix's per-group entry folded ---------------------------------------------------------
+
+def per_group_sums(model, groups: int):
+    """Forward pre-hooks on DeepSeek V4's ``o_a_proj``: Σx² of each group's input slice (float64) and the token
+    count, as llama-imatrix accumulates them for ``attn_output_a`` (``values[g * n + j]``, one count per token)."""
+    sums: dict[str, tuple[torch.Tensor, int]] = {}
+
+    def hook(name):
+        def record(module, args):
+            x = args[0].detach().double()
+            x = x.reshape(-1, groups, x.shape[-1])        # [tokens, groups, n], as llama.cpp's wo_a input
+            old, rows = sums.get(name, (0, 0))
+            sums[name] = (old + x.square().sum(0), rows + x.shape[0])
+        return record
+
+    handles = [m.register_forward_pre_hook(hook(n + ".weight")) for n, m in model.named_modules()
+               if n.endswith("self_attn.o_a_proj")]
+    return sums, handles
+
+
+def ulps_apart(a: np.ndarray, b: np.ndarray) -> int:
+    """Largest distance in float32 units in the last place between two arrays of non-negative floats."""
+    return int(np.abs(a.astype(np.float32).view(np.int32).astype(np.int64)
+                      - b.astype(np.float32).view(np.int32).astype(np.int64)).max())
+
+
+def test_llama_imatrix_per_group_entry_folds_to_the_collected_one(tiny_checkpoints, tmp_path):
+    """llama-imatrix multiplies ``attn_output_a`` as ``o_groups`` matrices (llama.cpp loads ``wo_a`` 3-D) and stores
+    ``[1, o_groups * n]`` sums with one count of tokens; quantkit collects the sum over groups with ``o_groups``
+    times the count.  Statistics in llama-imatrix's layout, from hooks on transformers' forward, are refused as
+    they were before the arch declares the groups, and folded by ``conform`` they equal quantkit's own entry to one
+    float32 ulp: llama-imatrix rounds each group's sum to float32 before the fold adds them, the collector rounds
+    the total once (the counts are equal exactly; that ulp, like llama-imatrix's float32 accumulation, keeps the
+    two files' IQ4_NL bytes apart).  convert with the per-group file writes the bytes of a convert with its fold
+    saved in quantkit's form; validate and ``imatrix info --model`` accept it; a length that fits neither form is
+    still refused as another model's."""
+    model, _, amap = tiny("deepseek_v4")
+    groups = amap.hp["o_groups"]
+    chunk = torch.randint(0, 500, (96,), generator=torch.Generator().manual_seed(4)).tolist()
+    sums, handles = per_group_sums(model, groups)
+    try:
+        ours = collect(model, amap, [chunk])
+    finally:
+        for handle in handles:
+            handle.remove()
+    outputs = amap.outputs({n: tuple(p.shape) for n, p in model.state_dict().items()})
+    expected = expected_entries({o.gguf_name: o.shape for o in outputs})
+    grouped = amap.input_group_counts(expected)
+    assert grouped == {f"blk.{i}.attn_output_a.weight": groups for i in range(3)} and groups > 1
+
+    llama_form = dict(ours.entries)
+    for hf_name, (group_sums, rows) in sums.items():
+        (m,) = amap.resolve(hf_name)
+        n = expected[m.gguf_name][0]
+        assert tuple(group_sums.shape) == (groups, n)
+        llama_form[m.gguf_name] = Entry(group_sums.numpy().astype(np.float32).reshape(1, groups * n),
+                                        np.array([rows], np.float32))
+    llama_path = tmp_path / "llama-imatrix.gguf"
+    save_imatrix(make_imatrix(llama_form, datasets=["chunk"]), llama_path)
+    with GGUFFile(llama_path) as f:                # llama-imatrix's tensors: ggml [groups * n, 1] and [1, 1]
+        assert f.tensors["blk.0.attn_output_a.weight.in_sum2"].shape == (1, groups * n)
+        assert f.tensors["blk.0.attn_output_a.weight.counts"].shape == (1, 1)
+
+    llama = load_imatrix(llama_path)
+    with pytest.raises(ValidationError, match="another model"):
+        llama.conform(expected, required=())       # what every command did before the groups were declared
+    folded = llama.conform(expected, required=(), groups=grouped)
+    for name, e in ours.entries.items():
+        got = folded.entries[name]
+        assert np.array_equal(got.counts, e.counts), name
+        if name in grouped:
+            assert e.counts.tolist() == [groups * len(chunk)]
+            assert got.in_sum2.shape == e.in_sum2.shape and ulps_apart(got.in_sum2, e.in_sum2) <= 1, name
+            # in_sum2 one ulp (2^-23 relative) apart, and each quotient rounded once more: 2^-22 relative
+            np.testing.assert_allclose(folded.importance(name), ours.importance(name), rtol=2**-22, atol=0)
+        else:
+            assert np.array_equal(got.in_sum2, e.in_sum2), name
+
+    # one group more than the model has: another model's imatrix, named as such
+    wrong = dict(ours.entries)
+    name = "blk.1.attn_output_a.weight"
+    n = expected[name][0]
+    wrong[name] = Entry(np.ones((1, (groups + 1) * n), np.float32), np.ones(1, np.float32))
+    with pytest.raises(ValidationError, match=rf"needs 1 x {n} \(matrices x row length, or {groups} x {n} with its "
+                                              rf"{groups} input groups side by side.*another model"):
+        make_imatrix(wrong).conform(expected, required=(), groups=grouped)
+
+    # every command that reads an imatrix for a model folds it the same way
+    src = tiny_checkpoints.get("deepseek_v4", "per-expert", "f32")
+    recipe = tmp_path / "r.toml"
+    recipe.write_text(GROUPED_RECIPE)
+    runner = CliRunner()
+    outs = {}
+    folded_path = tmp_path / "folded.imatrix.gguf"
+    save_imatrix(replace(folded, path=None), folded_path)
+    for label, path in (("llama", llama_path), ("folded", folded_path)):
+        outs[label] = tmp_path / f"out-{label}.gguf"
+        result = runner.invoke(main, ["convert", str(src), "-o", str(outs[label]), "--recipe", str(recipe),
+                                      "--imatrix", str(path), "--pre-tokenizer", "deepseek-v3", "--no-progress"])
+        assert result.exit_code == 0, result.output
+    payloads = {label: tensor_payloads(out) for label, out in outs.items()}
+    assert payloads["llama"] == payloads["folded"]
+    with GGUFFile(outs["llama"]) as f:
+        assert f.tensors["blk.0.attn_output_a.weight"].type == GGMLType.IQ4_NL
+    result = runner.invoke(main, ["validate", str(outs["llama"]), "--source", str(src), "--imatrix", str(llama_path),
+                                  "--payload", "full"])
+    assert result.exit_code == 0, result.output
+    result = runner.invoke(main, ["imatrix", "info", str(llama_path), "--model", str(outs["llama"])])
+    assert result.exit_code == 0 and "matches" in result.output, result.output
+    save_imatrix(make_imatrix(wrong, datasets=["chunk"]), tmp_path / "wrong.gguf")
+    result = runner.invoke(main, ["imatrix", "info", str(tmp_path / "wrong.gguf"), "--model", str(outs["llama"])])
+    assert result.exit_code != 0 and name in result.output and "another model" in result.output, result.output
+
+
+#: llama-imatrix's collection rule (tools/imatrix/imatrix.cpp, its MUL_MAT path) as an eval callback on llama.cpp's
+#: own graph, for attn_output_a: ``values[mat * ne0 + j] += x[j]²`` in float32 with ``mat = i2 % src0.ne[2]``, and
+#: ``count += nrows(src1) / n_mat``.  Runs in a child process: a ggml abort must not end the test session.
+LLAMA_GROUPED_COLLECTOR = """
+import ctypes, pathlib, sys
+import numpy as np
+import llama_cpp
+
+path, out, tokens = sys.argv[1], sys.argv[2], [int(t) for t in sys.argv[3].split(",")]
+
+
+class Tensor(ctypes.Structure):   # struct ggml_tensor (ggml.h)
+    _fields_ = [("type", ctypes.c_int), ("buffer", ctypes.c_void_p), ("ne", ctypes.c_int64 * 4),
+                ("nb", ctypes.c_size_t * 4), ("op", ctypes.c_int), ("op_params", ctypes.c_int32 * 16),
+                ("flags", ctypes.c_int32), ("src", ctypes.c_void_p * 10), ("view_src", ctypes.c_void_p),
+                ("view_offs", ctypes.c_size_t), ("data", ctypes.c_void_p), ("name", ctypes.c_char * 64),
+                ("extra", ctypes.c_void_p), ("padding", ctypes.c_char * 8)]
+
+
+ggml = ctypes.CDLL(str(pathlib.Path(llama_cpp.__file__).parent / "lib" / "libggml-base.so"))
+ggml.ggml_op_name.restype, ggml.ggml_op_name.argtypes = ctypes.c_char_p, [ctypes.c_int]
+stats = {}
+
+
+def collect(t_ptr, ask, user_data):
+    t = Tensor.from_address(t_ptr)
+    if ggml.ggml_op_name(t.op) != b"MUL_MAT" or not t.src[1]:
+        return not ask
+    src0, src1 = Tensor.from_address(t.src[0]), Tensor.from_address(t.src[1])
+    name = src0.name.decode()
+    if not name.endswith("attn_output_a.weight"):
+        return not ask
+    if ask:
+        return src1.ne[1] >= 16 and src1.type == 0
+    n_mat, ne0 = src0.ne[2] * src0.ne[3], src1.ne[0]
+    end = sum((src1.ne[d] - 1) * src1.nb[d] for d in (1, 2, 3)) + ne0 * 4
+    x = np.lib.stride_tricks.as_strided(np.frombuffer((ctypes.c_char * end).from_address(src1.data), np.float32),
+                                        shape=tuple(src1.ne[::-1]), strides=tuple(src1.nb[::-1]))
+    values, count, _ = stats.get(name, (np.zeros(ne0 * n_mat, np.float32), 0, None))
+    for i3 in range(src1.ne[3]):
+        for i2 in range(src1.ne[2]):
+            mat = (i3 % src0.ne[3]) * src0.ne[2] + (i2 % src0.ne[2])
+            for row in x[i3, i2]:
+                values[mat * ne0:(mat + 1) * ne0] += row * row
+    stats[name] = (values, count + src1.ne[1] * src1.ne[2] * src1.ne[3] // n_mat, list(src0.ne))
+    return True
+
+
+callback = llama_cpp.ggml_backend_sched_eval_callback(collect)
+llama_cpp.llama_backend_init()
+model = llama_cpp.llama_model_load_from_file(path.encode(), llama_cpp.llama_model_default_params())
+params = llama_cpp.llama_context_default_params()
+params.n_ctx = params.n_batch = params.n_ubatch = max(64, len(tokens))
+params.type_k = params.type_v = llama_cpp.GGML_TYPE_F32
+params.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED
+params.n_threads = params.n_threads_batch = 2
+params.cb_eval = callback
+ctx = llama_cpp.llama_init_from_model(model, params)
+ids = (llama_cpp.llama_token * len(tokens))(*tokens)
+if llama_cpp.llama_decode(ctx, llama_cpp.llama_batch_get_one(ids, len(tokens))) != 0:
+    sys.exit("llama_decode failed")
+arrays = {}
+for name, (values, count, src0_ne) in stats.items():
+    arrays[name] = values
+    arrays[name + ".count"] = np.array(count)
+    arrays[name + ".src0_ne"] = np.array(src0_ne)
+np.savez(out, **arrays)
+"""
+#: F32 everywhere (the source-precision classes too): llama.cpp runs it as transformers does.
+F32_RECIPE = """name = "f32-grouped"
+architectures = ["deepseek_v4"]
+[defaults]
+type = "F32"
+[[rule]]
+class = "hc"
+type = "F32"
+[[rule]]
+class = "ape"
+type = "F32"
+[[rule]]
+class = "indexer"
+type = "F32"
+"""
+
+
+def test_llama_cpp_multiplies_attn_output_a_per_group_and_the_fold_agrees_with_collection(tiny_checkpoints,
+                                                                                         tmp_path):
+    """On llama.cpp's own graph (quantkit's F32 GGUF of the tiny DeepSeek V4, F32 KV cache), ``attn_output_a`` is a
+    MUL_MAT of a 3-D ``[n, o_lora_rank, o_groups]`` weight, so llama-imatrix's rule stores ``o_groups * n`` values
+    with one count per token: the refused form.  That entry, written in llama-imatrix's layout and folded with the
+    group count from the GGUF's own metadata, agrees with quantkit's collection on transformers for the same
+    tokens within the tolerance of :func:`test_agrees_with_llama_imatrix` (float32 forward and float32 sums)."""
+    src = tiny_checkpoints.get("deepseek_v4", "per-expert", "f32")
+    recipe = tmp_path / "f32.toml"
+    recipe.write_text(F32_RECIPE)
+    gguf_path = tmp_path / "v4-f32.gguf"
+    result = CliRunner().invoke(main, ["convert", str(src), "-o", str(gguf_path), "--recipe", str(recipe),
+                                       "--pre-tokenizer", "deepseek-v3", "--no-progress"])
+    assert result.exit_code == 0, result.output
+    chunk = torch.randint(0, 500, (96,), generator=torch.Generator().manual_seed(4)).tolist()
+    stats_path = tmp_path / "groups.npz"
+    run = subprocess.run([sys.executable, "-c", LLAMA_GROUPED_COLLECTOR, str(gguf_path), str(stats_path),
+                          ",".join(map(str, chunk))], capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    stats = np.load(stats_path)
+
+    model, _, amap = tiny("deepseek_v4")
+    ours = collect(model, amap, [chunk])
+    groups, rank = amap.hp["o_groups"], amap.hp["o_lora_rank"]
+    with GGUFFile(gguf_path) as f:
+        shapes = {name: t.shape for name, t in f.tensors.items()}
+        grouped = gguf_input_groups(f.metadata, shapes, gguf_path)
+    assert grouped == {f"blk.{i}.attn_output_a.weight": groups for i in range(3)}
+    entries = {}
+    for name in grouped:
+        n = shapes[name][-1]
+        assert stats[name + ".src0_ne"].tolist() == [n, rank, groups, 1], name
+        assert stats[name].shape == (groups * n,) and int(stats[name + ".count"]) == len(chunk), name
+        entries[name] = Entry(stats[name].reshape(1, groups * n), np.array([stats[name + ".count"]], np.float32))
+    llama_path = tmp_path / "llama-imatrix.gguf"
+    save_imatrix(make_imatrix(entries, datasets=["chunk"]), llama_path)
+    folded = load_imatrix(llama_path).conform(expected_entries(shapes), required=(), groups=grouped)
+    for name in grouped:
+        e = folded.entries[name]
+        assert np.array_equal(e.counts, ours.entries[name].counts), name
+        assert relative_difference(ours.entries[name].in_sum2, e.in_sum2) < REL_TOL, name
+
+
+#: attn_output_a (row length 256) and attn_output_b (128) in a 32-block type that uses importance.
+GROUPED_RECIPE = """name = "grouped-test"
+architectures = ["deepseek_v4"]
+[defaults]
+type = "Q8_0"
+[[rule]]
+class = "attn_output"
+type = "IQ4_NL"
+"""
+
+
+def tensor_payloads(path: Path) -> dict[str, bytes]:
+    with GGUFFile(path) as f:
+        return {n: bytes(f.data(n)) for n in f.tensors}
 
 
 # -- through the runtime: packed weights streamed from the checkpoint ----------------------------------------------

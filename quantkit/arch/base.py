@@ -212,6 +212,28 @@ Condition = Callable[[Hparams, Mapping[str, int]], bool]
 
 
 @dataclass(frozen=True)
+class InputGroups:
+    """A 2-D GGUF weight that llama.cpp multiplies as several matrices, each with its own slice of the input
+    (DeepSeek V4's ``attn_output_a``: loaded ``[group_dim, rank, groups]``, one group of heads per matrix).
+
+    Its importance is one vector of the row length, the statistics of every group pooled (what quantkit collects
+    and llama-quantize checks the length of); ``llama-imatrix`` stores the groups side by side instead (``groups``
+    times the row length, one count per group's tokens), which :meth:`quantkit.imatrix.Imatrix.conform` folds.
+    """
+
+    gguf: str
+    """GGUF name template (``{L}`` for the block index)."""
+    hparam: str
+    """Hyperparameter holding the number of groups."""
+    gguf_key: str
+    """GGUF metadata key holding it in a model file (``{arch}`` for the architecture name)."""
+    regex: re.Pattern = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "regex", compile_pattern(self.gguf))
+
+
+@dataclass(frozen=True)
 class Arch:
     """One architecture's tables and functions; :meth:`bind` a config to use them."""
 
@@ -234,6 +256,19 @@ class Arch:
     default_chat_template: Callable[[str], str] | None = None
     """Checkpoint directory name -> the chat template llama.cpp's converter writes when the tokenizer files carry
     none (None: it writes none)."""
+    input_groups: tuple[InputGroups, ...] = ()
+    """Weights llama.cpp multiplies as several matrices of input slices (see :class:`InputGroups`)."""
+
+    def group_counts(self, names: Iterable[str], count: Callable[[InputGroups], int]) -> dict[str, int]:
+        """Number of input groups of each of ``names`` that has more than one; ``count`` reads a declaration's
+        number (from a config's hyperparameters or a GGUF file's metadata)."""
+        out = {}
+        for declared in self.input_groups:
+            matched = [n for n in names if declared.regex.fullmatch(n)]
+            groups = count(declared) if matched else 1
+            if groups > 1:
+                out.update(dict.fromkeys(matched, groups))
+        return out
 
     def bind(self, config: Mapping[str, Any]) -> "ArchMap":
         """Normalize and check ``config``; the result resolves names and derives metadata."""
@@ -362,6 +397,11 @@ class ArchMap:
                           f"another model)", tensor=hf_name)
 
     # -- plan --------------------------------------------------------------------------------------------------
+
+    def input_group_counts(self, gguf_names: Iterable[str]) -> dict[str, int]:
+        """GGUF weight -> number of input groups, for the weights llama.cpp multiplies as several matrices
+        (:class:`InputGroups`; the others are left out)."""
+        return self.arch.group_counts(list(gguf_names), lambda d: _as_int(self.hp.get(d.hparam), d.hparam))
 
     def outputs(self, source_shapes: Mapping[str, Shape]) -> list[OutputTensor]:
         """Group every source into GGUF tensors, check completeness and compute each GGUF shape.

@@ -33,8 +33,8 @@ from typing import Any, Mapping
 from gguf.constants import GGUFValueType
 
 from ..errors import SourceError
-from .base import (Arch, Hparams, MetadataBuilder, MetadataInputs, drop, expert_rules, require, rope_parameters,
-                   rule, text_hparams, text_model_metadata)
+from .base import (Arch, Hparams, InputGroups, MetadataBuilder, MetadataInputs, drop, expert_rules, require,
+                   rope_parameters, rule, text_hparams, text_model_metadata)
 
 # transformers' DeepseekV4Config field defaults (those the conversion reads)
 DEFAULTS: Mapping[str, Any] = {
@@ -124,6 +124,12 @@ RULES = (
       for prefix, name in zip(("ffn.shared_experts", "mlp.shared_experts"), names)),
     *expert_rules(f"{L}.ffn.experts", gate="w1", up="w3", down="w2"),
     *expert_rules(f"{L}.mlp.experts"),
+)
+
+#: ``wo_a`` multiplies each group of heads' output by its own ``o_lora_rank`` rows (llama.cpp loads it
+#: ``[o_group_dim, o_lora_rank, o_groups]``): llama-imatrix stores one sum per group.
+INPUT_GROUPS = (
+    InputGroups("blk.{L}.attn_output_a.weight", hparam="o_groups", gguf_key="{arch}.attention.output_group_count"),
 )
 
 ALIASES = (
@@ -250,5 +256,5 @@ ARCH = Arch(
     model_type="deepseek_v4", gguf_arch="deepseek4", rules=RULES, normalize=normalize, check=check,
     metadata=metadata, block_count=lambda hp: hp["num_hidden_layers"],
     expert_count=lambda hp: hp["n_routed_experts"], aliases=ALIASES, conditions={"hash_layer": hash_layer},
-    default_chat_template=default_chat_template,
+    default_chat_template=default_chat_template, input_groups=INPUT_GROUPS,
 )

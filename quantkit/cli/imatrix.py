@@ -61,13 +61,16 @@ def info(path, as_json, show_all, model):
 
 def _conform_to_model(imx, model_path):
     """The imatrix checked against a GGUF model's tensors and laid out per matrix (legacy files get their
-    experts back)."""
-    from ..imatrix.names import expected_entries
+    experts back, llama-imatrix's per-group entries of grouped weights are folded)."""
+    from pathlib import Path
+
+    from ..imatrix.names import expected_entries, gguf_input_groups
     from ..io.gguf_reader import GGUFFile
 
     with GGUFFile(model_path) as f:
         shapes = {name: t.shape for name, t in f.tensors.items()}
-    return imx.conform(expected_entries(shapes), required=())
+        groups = gguf_input_groups(f.metadata, shapes, Path(model_path))
+    return imx.conform(expected_entries(shapes), required=(), groups=groups)
 
 
 @imatrix.command()

@@ -91,14 +91,15 @@ def imatrix_shapes(outputs: Iterable[OutputTensor]) -> dict[str, tuple[int, int]
 def load_model_imatrix(path: str | os.PathLike, amap, shapes: Mapping[str, tuple[int, int]], *,
                        allow_synthetic: bool = False):
     """Read an imatrix for this model: refused when synthetic (unless allowed), Hugging Face entry names mapped to
-    GGUF names, every entry checked against ``shapes`` (:func:`imatrix_shapes`) and split into one matrix per
-    expert.  The caller and every worker read it the same way."""
+    GGUF names, every entry checked against ``shapes`` (:func:`imatrix_shapes`), split into one matrix per
+    expert, and llama-imatrix's per-group entries of grouped weights folded (``Imatrix.conform``).  The caller and
+    every worker read it the same way."""
     imatrix = load_imatrix(path)
     require_release_imatrix(imatrix, allow_synthetic=allow_synthetic)
     if not all(is_gguf_name(name) for name in imatrix.entries):
         imatrix = to_gguf_names(imatrix, amap)
     # which tensors need an entry is the plan's decision (bootstrap or an error there); here: does it fit
-    return imatrix.conform(shapes, required=())
+    return imatrix.conform(shapes, required=(), groups=amap.input_group_counts(shapes))
 
 
 class SourceContext:

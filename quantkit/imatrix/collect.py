@@ -17,8 +17,8 @@ loop).  A packed weight has no storage: it is recognized by identity, and the fr
 view or ``weight[e]`` with are aliased to it (and to expert ``e``).  This needs no per-architecture hook for linear
 layers, experts or grouped projections (DeepSeek V4's ``o_a_proj`` multiplies each group's heads through ``bmm``;
 its GGUF tensor ``attn_output_a`` is one 2-D matrix, so its entry has one row-length-sized vector summed over
-groups, the size llama-quantize checks for; llama-imatrix instead writes ``o_groups`` times that length and
-llama-quantize then refuses it).
+groups, the size llama-quantize checks for; llama-imatrix instead writes ``o_groups`` times that length, which
+llama-quantize refuses and :meth:`~quantkit.imatrix.model.Imatrix.conform` folds into this form).
 
 Inputs the source model never forms: MLA's ``kv_b_proj`` becomes GGUF ``attn_k_b`` (multiplying each head's
 ``q_nope``) and ``attn_v_b`` (multiplying each head's attention-weighted latent) in llama.cpp's absorbed

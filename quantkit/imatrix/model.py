@@ -18,6 +18,14 @@ Stored layouts that are not ``[n_mat, n]`` yet: llama-imatrix writes one count f
 ``[1, n_mat * n]``.  :meth:`Imatrix.conform` reshapes every entry to the layout a model expects after
 :meth:`Imatrix.check_against` has checked it.
 
+Grouped weights: llama.cpp multiplies DeepSeek V4's ``attn_output_a`` (one 2-D GGUF matrix) as ``groups`` matrices,
+each with its own slice of the input (:class:`quantkit.arch.base.InputGroups`).  Its importance is one vector of the
+row length with every group's statistics pooled (quantkit's collector sums them; llama-quantize checks that length);
+``llama-imatrix`` stores the groups side by side, ``[1, groups * n]`` with one count of tokens.  ``conform`` with
+``groups`` folds that form exactly: ``in_sum2`` summed over the groups (float64, rounded once to float32), counts
+multiplied by ``groups`` (added, for a count per group), so ``in_sum2 / count`` is the mean over groups and tokens,
+as collected.
+
 Rule for names (``check_against``): ``expected`` lists every tensor of the model that an imatrix may describe
 with its ``(n_per_row, n_mats)``; ``required`` (default: all of ``expected``) the tensors that need importance
 because they will be encoded with a type that uses it.  A required tensor missing from the imatrix is an error;
@@ -72,6 +80,20 @@ class Entry:
         counts = self.counts if self.counts.size == n_mats else np.full(n_mats, self.counts[0], np.float32)
         in_sum = None if self.in_sum is None else self.in_sum.reshape(n_mats, total // n_mats)
         return Entry(self.in_sum2.reshape(n_mats, total // n_mats), counts, in_sum)
+
+    def fold(self, groups: int) -> "Entry":
+        """The statistics of ``groups`` input slices of one matrix pooled into one (see the module docstring):
+        ``in_sum2`` ``[1, groups * n]`` or ``[groups, n]`` summed over the groups, the counts added (a single count
+        is every group's)."""
+        n = self.in_sum2.size // groups
+
+        def pooled(a: np.ndarray) -> np.ndarray:
+            return a.reshape(groups, n).sum(axis=0, dtype=np.float64).astype(np.float32).reshape(1, n)
+
+        counts = self.counts.astype(np.float64)
+        total = counts.sum() * (groups if counts.size == 1 else 1)
+        return Entry(pooled(self.in_sum2), np.array([total], np.float32),
+                     None if self.in_sum is None else pooled(self.in_sum))
 
 
 def check_entry(name: str, entry: Entry, **where) -> Entry:
@@ -212,12 +234,14 @@ class Imatrix:
 
     # -- checks against a model -----------------------------------------------------------------------------------
 
-    def check_against(self, expected: Mapping[str, tuple[int, int]], *, required: Iterable[str] | None = None
-                      ) -> None:
+    def check_against(self, expected: Mapping[str, tuple[int, int]], *, required: Iterable[str] | None = None,
+                      groups: Mapping[str, int] | None = None) -> None:
         """Raise :class:`ValidationError` naming the first mismatch with a model (rules in the module docstring).
 
-        ``expected``: GGUF name -> ``(n_per_row, n_mats)`` for every tensor an imatrix may describe.
+        ``expected``: GGUF name -> ``(n_per_row, n_mats)`` for every tensor an imatrix may describe; ``groups``:
+        GGUF name -> input groups of a grouped weight, whose entry may also be stored per group.
         """
+        groups = groups or {}
         required = set(expected) if required is None else set(required)
         for name in sorted(required - set(expected)):
             raise ValidationError("listed as required but not among the expected tensors", tensor=name)
@@ -225,38 +249,52 @@ class Imatrix:
             if name not in expected:
                 raise ValidationError(f"imatrix entry names no tensor of the model ({len(expected)} tensors "
                                       f"expected): an imatrix of another model?", path=self.path, tensor=name)
-            self._check_shape(name, *expected[name])
+            self._check_shape(name, *expected[name], groups.get(name, 1))
         for name in sorted(required):
             if name not in self.entries:
                 raise ValidationError("tensor needs importance but the imatrix has no entry for it",
                                       path=self.path, tensor=name)
 
-    def _check_shape(self, name: str, n_per_row: int, n_mats: int) -> None:
+    def _check_shape(self, name: str, n_per_row: int, n_mats: int, groups: int = 1) -> None:
         e = self.entries[name]
+        if groups > 1 and _stored_per_group(e, n_per_row, n_mats, groups):
+            return
         if e.in_sum2.size != n_per_row * n_mats:
+            per_group = (f", or {groups} x {n_per_row} with its {groups} input groups side by side as llama-imatrix "
+                         f"writes it" if groups > 1 else "")
             raise ValidationError(f"imatrix entry has {e.n_mat} x {e.n_per_row} values, the model's tensor needs "
-                                  f"{n_mats} x {n_per_row} (row length x matrices): an imatrix of another model?",
-                                  path=self.path, tensor=name)
+                                  f"{n_mats} x {n_per_row} (matrices x row length{per_group}): an imatrix of "
+                                  f"another model?", path=self.path, tensor=name)
         if e.counts.size not in (1, n_mats):
             raise ValidationError(f"imatrix entry has {e.counts.size} counts, the model's tensor has {n_mats} "
                                   f"matrices (mismatched expert counts)", path=self.path, tensor=name)
 
-    def conform(self, expected: Mapping[str, tuple[int, int]], *, required: Iterable[str] | None = None
-                ) -> "Imatrix":
-        """:meth:`check_against`, then a copy whose entries are ``[n_mats, n_per_row]`` with one count per matrix.
+    def conform(self, expected: Mapping[str, tuple[int, int]], *, required: Iterable[str] | None = None,
+                groups: Mapping[str, int] | None = None) -> "Imatrix":
+        """:meth:`check_against`, then a copy whose entries are ``[n_mats, n_per_row]`` with one count per matrix;
+        an entry of a grouped weight (``groups``) stored per group is folded (see the module docstring).
 
         Legacy files store an unobserved expert as importance 1.0 exactly (llama-imatrix writes ``1 * ncall``);
         after splitting, such matrices get count 0 again so they are reported and bootstrapped.
         """
-        self.check_against(expected, required=required)
+        groups = groups or {}
+        self.check_against(expected, required=required, groups=groups)
         entries = {}
         for name, e in self.entries.items():
             n_per_row, n_mats = expected[name]
+            n_groups = groups.get(name, 1)
+            if n_groups > 1 and _stored_per_group(e, n_per_row, n_mats, n_groups):
+                e = e.fold(n_groups)
             split = e.split(n_mats)
             if self.counts_unit == "chunks" and n_mats > 1:
                 split = _legacy_unobserved(split)
             entries[name] = split
         return replace(self, entries=entries)
+
+
+def _stored_per_group(e: Entry, n_per_row: int, n_mats: int, groups: int) -> bool:
+    """The entry of a grouped 2-D weight holds each input group's sums (one count, or one per group)."""
+    return n_mats == 1 and e.in_sum2.size == groups * n_per_row and e.counts.size in (1, groups)
 
 
 def _legacy_unobserved(e: Entry) -> Entry:

@@ -11,11 +11,14 @@ entries, experts absent from it count as unobserved).
 """
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Iterable, Mapping
+
 import numpy as np
 
-from ..arch import ArchMap, TensorMapping
+from ..arch import ARCHITECTURES, ArchMap, TensorMapping
 from ..arch import transforms
-from ..errors import ValidationError
+from ..errors import FormatError, ValidationError
 from .model import Entry, Imatrix, make_imatrix
 
 #: Steps that only select or reorder rows: a weight's columns, and so its statistics, are unchanged.
@@ -96,3 +99,23 @@ def expected_entries(shapes: dict[str, tuple[int, ...]]) -> dict[str, tuple[int,
         if len(shape) >= 2 and is_gguf_name(name):
             out[name] = (int(shape[-1]), int(np.prod(shape[:-2], dtype=np.int64)))
     return out
+
+
+def gguf_input_groups(metadata: Mapping, names: Iterable[str], path: Path | None = None) -> dict[str, int]:
+    """Input groups of a GGUF model's grouped weights (:class:`quantkit.arch.base.InputGroups`) from its metadata,
+    for :meth:`Imatrix.conform`; none for an architecture quantkit does not map."""
+    arch_kv = metadata.get("general.architecture")
+    arch = next((a for a in ARCHITECTURES.values() if arch_kv is not None and a.gguf_arch == arch_kv.value), None)
+    if arch is None:
+        return {}
+
+    def count(declared) -> int:
+        key = declared.gguf_key.format(arch=arch.gguf_arch)
+        kv = metadata.get(key)
+        value = None if kv is None else kv.value
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise FormatError(f"must be a positive integer (input groups of {declared.gguf}), found {value!r}",
+                              path=path, field=key)
+        return value
+
+    return arch.group_counts(list(names), count)
