@@ -39,16 +39,18 @@ def _default_jobs() -> int:
 @click.option("--pre-tokenizer", help="llama.cpp pre-tokenizer name, for tokenizers its hash table does not know")
 @click.option("--report", type=click.Path(dir_okay=False, path_type=Path),
               help="write a JSON report: per tensor SHA-256, bytes and seconds, and the totals")
+@click.option("--dialect", type=click.Choice(["llama.cpp", "ds4"]), default="llama.cpp", show_default=True,
+              help="GGUF dialect: llama.cpp's tensor names and keys, or ds4's (quantkit.arch.dialects)")
 @click.option("--progress/--no-progress", default=True, show_default=True, help="show a progress bar")
 def convert(source, out, recipe, imatrix, bootstrap, allow_synthetic_imatrix, jobs, resume, force, label, dry_run,
-            pre_tokenizer, report, progress):
+            pre_tokenizer, report, dialect, progress):
     """Convert checkpoint SOURCE (a directory or a Hugging Face repo id) to a GGUF laid out by a recipe."""
     from ..convert.execute import ConvertRequest, execute, prepare
     from ..io.atomic import atomic_output
 
     request = ConvertRequest(source=source, out=out, recipe=recipe, imatrix=imatrix, bootstrap=bootstrap,
                              allow_synthetic_imatrix=allow_synthetic_imatrix, jobs=jobs, resume=resume, force=force,
-                             label=label, pre_tokenizer=pre_tokenizer, progress=progress)
+                             label=label, pre_tokenizer=pre_tokenizer, dialect=dialect, progress=progress)
     prepared = prepare(request)
     click.echo(prepared.plan.summary())
     if dry_run:

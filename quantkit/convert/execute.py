@@ -79,6 +79,8 @@ class ConvertRequest:
     force: bool = False
     label: str | None = None
     pre_tokenizer: str | None = None
+    dialect: str = "llama.cpp"
+    """GGUF dialect of names, keys and order (:mod:`quantkit.arch.dialects`)."""
     reserve_bytes: int = FREE_SPACE_RESERVE_BYTES
     progress: bool = True
 
@@ -130,7 +132,8 @@ def prepare(request: ConvertRequest) -> Prepared:
         imatrix = load_model_imatrix(request.imatrix, amap, shapes, allow_synthetic=request.allow_synthetic_imatrix)
     plan = build_plan(source.path, recipe,
                       imatrix=None if imatrix is None else {n: e.in_sum2 for n, e in imatrix.entries.items()},
-                      bootstrap=request.bootstrap, label=request.label, pre_tokenizer=request.pre_tokenizer)
+                      bootstrap=request.bootstrap, label=request.label, pre_tokenizer=request.pre_tokenizer,
+                      dialect=request.dialect)
     check_config_against_tensors(plan.metadata, {o.gguf_name: o.shape
                                                  for o in [t.output for t in plan.tensors] + list(plan.skipped)})
     return Prepared(source, plan, imatrix, shapes)
