@@ -14,8 +14,10 @@ from quantkit.cli import main
 from quantkit.convert.execute import ConvertRequest, convert
 from quantkit.convert.redialect import redialect
 from quantkit.errors import UnsupportedError
+from quantkit.io.gguf import type_name
 from quantkit.io.gguf_reader import GGUFFile
 from quantkit.io.gguf_writer import GGUFWriter, plan_layout
+from test_arch import PRE_TOKENIZER
 
 DATA = Path(__file__).parent / "data" / "dialects"
 
@@ -50,13 +52,14 @@ def glm_checkpoint(tmp_path_factory):
 def converted(tmp_path_factory, tiny_checkpoints, glm_checkpoint):
     """(arch, dialect) -> a Q8_0 GGUF of the tiny model in that dialect."""
     out = tmp_path_factory.mktemp("dialects")
-    sources = {"glm5-next": glm_checkpoint, "deepseek4": tiny_checkpoints.get("deepseek_v4")}
+    sources = {"glm5-next": ("glm5_next", glm_checkpoint),
+               "deepseek4": ("deepseek_v4", tiny_checkpoints.get("deepseek_v4"))}
     files = {}
-    for arch, source in sources.items():
+    for arch, (model_type, source) in sources.items():
         for dialect in (LLAMA_CPP, DS4):
             path = out / f"{arch}-{dialect}.gguf"
             convert(ConvertRequest(source=str(source), out=path, recipe="q8_0", jobs=1, progress=False,
-                                   dialect=dialect))
+                                   pre_tokenizer=PRE_TOKENIZER[model_type], dialect=dialect))
             files[arch, dialect] = path
     return files
 
@@ -78,19 +81,17 @@ def _dims(expr: str, symbols: dict[str, int]) -> tuple[int, ...]:
     return tuple(int(eval(part, {"__builtins__": {}}, symbols)) for part in expr.split(","))  # noqa: S307
 
 
-_TYPES = {"UINT32": "UINT32", "UINT64": "UINT64", "FLOAT32": "FLOAT32", "BOOL": "BOOL"}
-
-
 def _type_ok(kv, spec: str) -> bool:
-    name = str(kv.type)
-    return any(name.endswith(alt) or name == alt for alt in spec.replace("ARRAY[", "").rstrip("]").split("|")) \
-        and (("ARRAY" in spec) == ("ARRAY" in name.upper() or hasattr(kv.type, "item")))
+    """``spec``: a GGUF type name, alternatives joined by ``|`` (``FLOAT32|UINT32``, ``ARRAY[INT32|UINT32]``)."""
+    array = spec.startswith("ARRAY[")
+    alternatives = spec[len("ARRAY["):-1].split("|") if array else spec.split("|")
+    return type_name(kv.type) in {f"ARRAY[{a}]" if array else a for a in alternatives}
 
 
 def _census(path: Path, reference: Path, rows: list[dict[str, str]], block_kind, symbols_of):
     with GGUFFile(path) as ds4, GGUFFile(reference) as ref:
         md = ds4.metadata
-        assert dialect_of(md) == (DS4 if "layer_types" in " ".join(md) else LLAMA_CPP)
+        assert dialect_of(md) == DS4
         arch = md["general.architecture"].value
         keys = [r for r in rows if r["kind"] == "key"]
         for r in keys:

@@ -16,8 +16,8 @@ Library API (used by ``quantkit convert --dialect``, ``quantkit redialect`` and 
                                                # unless move.layout is LAYOUT_A_LOG)
 
 ``dialect_of`` recognizes ds4 by the keys only ds4 writes (``glm5-next.layer_types`` ...).  For ``deepseek4`` the
-dialects share every tensor name and key ds4.c reads (ds4 only adds ``deepseek4.vocab_size``), so such a file is
-reported as ``llama.cpp`` and loads as either.
+dialects share every tensor name and key ds4.c reads but ``deepseek4.vocab_size``, which ds4.c requires and
+llama.cpp's converter does not write (llama.cpp ignores it): that key marks the ds4 dialect.
 
 Lossless round trips.  What one dialect holds and the other cannot say (llama.cpp keys ds4 drops, such as
 ``glm5-next.rope.freq_base``; a tensor order; a value the inverse mapping would not reproduce) is kept in the
@@ -331,7 +331,11 @@ def _assemble(md: Mapping[str, KV], mapped: Mapping[str, KV], table: ArchDialect
         if missing:
             raise FormatError(f"the stored {to} key order names keys that cannot be rebuilt: {missing[:4]}",
                               field=stash + "keys")
-        out = {k: out[k] for k in order.value}
+        # a key the tables derived that the order does not list was not in the original: dropped; a key carried
+        # over unchanged that it does not list was added after the translation (convert's provenance): kept last
+        listed = set(order.value)
+        out = {**{k: out[k] for k in order.value},
+               **{k: v for k, v in out.items() if k not in listed and k not in mapped}}
     return out
 
 
@@ -411,10 +415,8 @@ def translate(metadata: Mapping[str, KV] | Iterable[tuple[str, KV]],
         raise UnsupportedError(f"unknown GGUF dialect {to!r}; known: {', '.join(DIALECTS)}", field="dialect")
     frm = dialect_of(md)
     table = arch_dialect(arch, DS4)
-    if frm == to and (table.markers or to == LLAMA_CPP and not any(k.startswith(STASH_PREFIX) for k in md)):
+    if frm == to:
         raise FormatError(f"the file is already in the {to} dialect", field="general.architecture")
-    if frm == to:   # deepseek4: both dialects read the same names; translate relative to the other one
-        frm = _other(to)
     result = _translate_once(md, tensors, table, to)
     # translate back; whatever does not come back is stashed in the output under the source dialect's prefix
     out = dict(result.metadata)

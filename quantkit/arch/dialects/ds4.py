@@ -159,7 +159,7 @@ DEEPSEEK4 = ArchDialect(
     keys=(KeyRow("{arch}.vocab_size", U32, None, None, "vocab_from_tokens"),),
     keep_order=True,   # ds4's quantizer keeps its template's (the llama.cpp converter's) tensor order
     passthrough_arch_keys=True,   # every other deepseek4.* key is llama.cpp's, read by ds4.c as it is
-    markers=(),
+    markers=("{arch}.vocab_size",),   # required by ds4.c, never written by llama.cpp's converter
 )
 
 #: Architectures with no lossless ds4 table, and why (``--dialect ds4`` refuses them with this message).
