@@ -39,8 +39,9 @@ def _default_jobs() -> int:
 @click.option("--pre-tokenizer", help="llama.cpp pre-tokenizer name, for tokenizers its hash table does not know")
 @click.option("--report", type=click.Path(dir_okay=False, path_type=Path),
               help="write a JSON report: per tensor SHA-256, bytes and seconds, and the totals")
-@click.option("--dialect", type=click.Choice(["llama.cpp", "ds4"]), default="llama.cpp", show_default=True,
-              help="GGUF dialect: llama.cpp's tensor names and keys, or ds4's (quantkit.arch.dialects)")
+@click.option("--dialect", type=click.Choice(["llama.cpp", "ds4"]),
+              help="GGUF dialect: llama.cpp's tensor names and keys, or ds4's  [default: the recipe's dialect, "
+                   "else llama.cpp]")
 @click.option("--progress/--no-progress", default=True, show_default=True, help="show a progress bar")
 def convert(source, out, recipe, imatrix, bootstrap, allow_synthetic_imatrix, jobs, resume, force, label, dry_run,
             pre_tokenizer, report, dialect, progress):

@@ -79,8 +79,8 @@ class ConvertRequest:
     force: bool = False
     label: str | None = None
     pre_tokenizer: str | None = None
-    dialect: str = "llama.cpp"
-    """GGUF dialect of names, keys and order (:mod:`quantkit.arch.dialects`)."""
+    dialect: str | None = None
+    """GGUF dialect of names, keys and order (:mod:`quantkit.arch.dialects`); None: the recipe's, else llama.cpp."""
     reserve_bytes: int = FREE_SPACE_RESERVE_BYTES
     progress: bool = True
 
@@ -148,8 +148,9 @@ def make_job(t: PlannedTensor, imatrix) -> TensorJob:
     bootstrap: set[int | None] = set()
     if t.importance == "imatrix":
         matrices = range(t.output.shape[0]) if len(t.output.shape) == 3 else (None,)
-        bootstrap = {m for m in matrices if imatrix.importance(t.name, expert=m) is None}
-    return TensorJob(t.name, t.qtype, t.output, t.nbytes, _KINDS[t.lossless], t.importance, frozenset(bootstrap))
+        bootstrap = {m for m in matrices if imatrix.importance(t.imatrix_name, expert=m) is None}
+    return TensorJob(t.name, t.qtype, t.output, t.nbytes, _KINDS[t.lossless], t.importance, frozenset(bootstrap),
+                     t.imatrix_name)
 
 
 # -- executing ----------------------------------------------------------------------------------------------------

@@ -41,7 +41,7 @@ import numpy as np
 
 from ..arch import OutputTensor, get_arch
 from ..arch.dialects import LAYOUT_A_LOG, LAYOUT_CONV, LLAMA_CPP, translate
-from ..errors import RecipeError, SourceError, UnsupportedError
+from ..errors import RecipeError, SourceError
 from ..formats.api import tensor_nbytes
 from ..formats.registry import GGMLType, ImatrixUse, get_format
 from ..io.checkpoint import Checkpoint, open_checkpoint
@@ -74,10 +74,17 @@ class PlannedTensor:
     importance: str
     lossless: str | None
     nbytes: int
+    llama_cpp_name: str | None = None
+    """The llama.cpp name, where the dialect renamed the tensor: imatrices name tensors the llama.cpp way."""
 
     @property
     def name(self) -> str:
         return self.output.gguf_name
+
+    @property
+    def imatrix_name(self) -> str:
+        """The name this tensor's imatrix entry has."""
+        return self.llama_cpp_name or self.name
 
     @property
     def n_elements(self) -> int:
@@ -311,20 +318,18 @@ def _nvfp4_scale(weight: PlannedTensor) -> PlannedTensor:
 
 def build_plan(source: str | os.PathLike, recipe: Recipe | str | os.PathLike, *,
                imatrix: Mapping[str, Any] | None = None, bootstrap: bool = False, label: str | None = None,
-               pre_tokenizer: str | None = None, dialect: str = LLAMA_CPP) -> Plan:
+               pre_tokenizer: str | None = None, dialect: str | None = None) -> Plan:
     """Plan the conversion of checkpoint ``source`` with ``recipe`` (a Recipe, a file, or a shipped name).
 
     ``imatrix``: GGUF tensor name -> importance values (any array-like; only names and sizes are read here).
     ``bootstrap``: use weight energy where the imatrix has no entry.  ``label``: the checkpoint label.
     ``pre_tokenizer``: llama.cpp's pre-tokenizer name, for tokenizers its hash table does not know.
-    ``dialect``: the GGUF dialect of names, keys and order (:mod:`quantkit.arch.dialects`).
+    ``dialect``: the GGUF dialect of names, keys and order (:mod:`quantkit.arch.dialects`); None: the recipe's
+    ``dialect``, else llama.cpp's.
     """
-    if dialect != LLAMA_CPP and imatrix is not None:
-        raise UnsupportedError(f"--dialect {dialect} with an imatrix is not implemented (importance is looked up "
-                               f"by llama.cpp names); convert with --dialect llama.cpp, then quantkit redialect",
-                               field="dialect")
     if not isinstance(recipe, Recipe):
         recipe = load_recipe(recipe)
+    dialect = dialect or recipe.dialect or LLAMA_CPP
     with open_checkpoint(source) as ckpt:
         model_type = ckpt.config.get("model_type")
         if not isinstance(model_type, str):
@@ -386,5 +391,6 @@ def in_dialect(plan: Plan, dialect: str) -> Plan:
         swap = _DIALECT_STEPS.get(move.layout, {})
         sources = tuple(replace(m, transform=tuple(swap.get(s, s) for s in m.transform if swap.get(s, s)))
                         for m in t.output.sources)
-        tensors.append(replace(t, output=replace(t.output, gguf_name=move.name, shape=move.shape, sources=sources)))
+        tensors.append(replace(t, output=replace(t.output, gguf_name=move.name, shape=move.shape, sources=sources),
+                               llama_cpp_name=move.source))
     return replace(plan, tensors=tensors, metadata=translation.metadata, dialect=dialect)

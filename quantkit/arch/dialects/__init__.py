@@ -160,8 +160,8 @@ def _match(table: ArchDialect, name: str, side: str, linear_layers: Iterable[int
         layer = int(m.group("L")) if "L" in m.groupdict() else None
         if (row.linear_only or row.attention_only) and side == "llama_cpp":
             if linear is None:
-                raise FormatError(f"{name!r} names a different ds4 tensor in linear-attention and attention "
-                                  f"blocks: the layer types are needed", tensor=name)
+                raise FormatError(f"names a different ds4 tensor in linear-attention and attention blocks: the "
+                                  f"layer types are needed", tensor=name)
             if (layer in linear) != row.linear_only:
                 continue
         return index, row, layer
@@ -179,7 +179,7 @@ def to_llamacpp_name(name: str, arch: str) -> str:
         return name
     found = _match(table, name, "ds4", None)
     if found is None:
-        raise FormatError(f"no llama.cpp name for ds4 tensor {name!r} of {arch}", tensor=name)
+        raise FormatError(f"no llama.cpp name for this ds4 tensor of {arch}", tensor=name)
     return _rename(found[1].llama_cpp, found[2])
 
 
@@ -190,7 +190,7 @@ def to_dialect_name(name: str, arch: str, dialect: str, linear_layers: Iterable[
         return name
     found = _match(table, name, "llama_cpp", linear_layers)
     if found is None:
-        raise FormatError(f"no {dialect} name for tensor {name!r} of {arch}", tensor=name)
+        raise FormatError(f"no {dialect} name for this tensor of {arch}", tensor=name)
     return _rename(found[1].ds4, found[2])
 
 
@@ -375,8 +375,8 @@ def _translate_tensors(tensors: Sequence[tuple[str, tuple[int, ...], Any]], md: 
     for position, (name, shape, qtype) in enumerate(tensors):
         found = _match(table, name, side_in, linear)
         if found is None:
-            raise FormatError(f"tensor {name!r} has no {to} name in the {table.gguf_arch} table (a tensor the "
-                              f"{to} dialect does not know)", tensor=name)
+            raise FormatError(f"no {to} name in the {table.gguf_arch} table (a tensor the {to} dialect does not "
+                              f"know): nothing written", tensor=name)
         index, row, layer = found
         shape = tuple(shape)
         if row.layout == LAYOUT_CONV:
@@ -464,7 +464,7 @@ def convert_payload(move: TensorMove, raw: bytes | memoryview | np.ndarray, to: 
     with np.errstate(invalid="ignore", divide="ignore"):
         a = np.log(np.negative(x.astype(np.float64))).astype(np.float32)
     if not np.array_equal(_neg_exp(a).view(np.uint32), x.view(np.uint32)):
-        raise FormatError(f"{move.source}: -exp(A_log) does not map back to the same float32 bytes from its log; "
+        raise FormatError(f"-exp(A_log) does not map back to the same float32 bytes from its log; "
                           f"convert ds4's A_log from the source checkpoint instead", tensor=move.source)
     return a.astype("<f4").tobytes()
 
