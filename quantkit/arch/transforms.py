@@ -147,6 +147,16 @@ def _conv_4d(x: np.ndarray, hp: Hparams) -> np.ndarray:
     return x.reshape(_conv_4d_shape(x.shape, hp))
 
 
+def _conv_3d_shape(shape: Shape, hp: Hparams) -> Shape:
+    _need(len(shape) in (2, 3) and (len(shape) == 2 or shape[1] == 1),
+          "a [channels, 1, kernel] or [channels, kernel] convolution", shape, "conv_3d")
+    return (shape[0], 1, shape[-1])
+
+
+def _conv_3d(x: np.ndarray, hp: Hparams) -> np.ndarray:
+    return x.reshape(_conv_3d_shape(x.shape, hp))
+
+
 def _kda_conv_part(index: int) -> tuple[Callable[[np.ndarray, Hparams], np.ndarray], Callable[[Shape, Hparams], Shape]]:
     # transformers' internal layout concatenates the q, k and v short convolutions along the channels
     def sizes(shape: Shape, hp: Hparams) -> int:
@@ -253,6 +263,7 @@ def _steps() -> dict[str, Step]:
         Step("to_int32", _to_int32, _same, "integer ids to int32 (range checked)"),
         Step("first_heads", _first_heads, _first_heads_shape, "flatten, keep the first num_attention_heads values"),
         Step("conv_4d", _conv_4d, _conv_4d_shape, "[C, 1, K] short convolution -> [1, C, 1, K]"),
+        Step("conv_3d", _conv_3d, _conv_3d_shape, "[C, 1, K] or [C, K] short convolution -> [C, 1, K] (ds4)"),
         Step("kda_conv_q", q_apply, q_shape, "q channels of transformers' fused KDA conv1d"),
         Step("kda_conv_k", k_apply, k_shape, "k channels of transformers' fused KDA conv1d"),
         Step("kda_conv_v", v_apply, v_shape, "v channels of transformers' fused KDA conv1d"),

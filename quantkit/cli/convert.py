@@ -40,16 +40,20 @@ def _default_jobs() -> int:
 @click.option("--free-space-reserve", "reserve", type=click.IntRange(min=0), metavar="BYTES",
               help="free space to keep on the output's filesystem beyond the file [default: 1% of the file, "
                    "1 MiB to 1 GiB]")
+@click.option("--dialect", type=click.Choice(["llama.cpp", "ds4"]),
+              help="GGUF dialect: llama.cpp's tensor names and keys, or ds4's  [default: the recipe's dialect, "
+                   "else llama.cpp]")
 @click.option("--progress/--no-progress", default=True, show_default=True, help="show a progress bar")
 def convert(source, out, recipe, imatrix, bootstrap, allow_synthetic_imatrix, jobs, resume, force, label, dry_run,
-            pre_tokenizer, report, reserve, progress):
+            pre_tokenizer, report, reserve, dialect, progress):
     """Convert checkpoint SOURCE (a directory or a Hugging Face repo id) to a GGUF laid out by a recipe."""
     from ..convert.execute import ConvertRequest, check_outputs, execute, prepare
     from ..io.atomic import atomic_output
 
     request = ConvertRequest(source=source, out=out, recipe=recipe, imatrix=imatrix, bootstrap=bootstrap,
                              allow_synthetic_imatrix=allow_synthetic_imatrix, jobs=jobs, resume=resume, force=force,
-                             label=label, pre_tokenizer=pre_tokenizer, reserve_bytes=reserve, progress=progress)
+                             label=label, pre_tokenizer=pre_tokenizer, reserve_bytes=reserve, dialect=dialect,
+                             progress=progress)
     prepared = prepare(request)
     click.echo(prepared.plan.summary())
     if prepared.workers_note:

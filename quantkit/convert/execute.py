@@ -93,6 +93,8 @@ class ConvertRequest:
     force: bool = False
     label: str | None = None
     pre_tokenizer: str | None = None
+    dialect: str | None = None
+    """GGUF dialect of names, keys and order (:mod:`quantkit.arch.dialects`); None: the recipe's, else llama.cpp."""
     reserve_bytes: int | None = None
     """Free space to keep beyond the file; None: :func:`free_space_reserve` of the file's size."""
     progress: bool = True
@@ -156,7 +158,8 @@ def prepare(request: ConvertRequest) -> Prepared:
         imatrix = load_model_imatrix(request.imatrix, amap, shapes, allow_synthetic=request.allow_synthetic_imatrix)
     plan = build_plan(source.path, recipe,
                       imatrix=None if imatrix is None else {n: e.in_sum2 for n, e in imatrix.entries.items()},
-                      bootstrap=request.bootstrap, label=request.label, pre_tokenizer=request.pre_tokenizer)
+                      bootstrap=request.bootstrap, label=request.label, pre_tokenizer=request.pre_tokenizer,
+                      dialect=request.dialect)
     check_config_against_tensors(plan.metadata, {o.gguf_name: o.shape
                                                  for o in [t.output for t in plan.tensors] + list(plan.skipped)})
     jobs = {t.name: make_job(t, imatrix) for t in plan.tensors}
@@ -178,8 +181,9 @@ def make_job(t: PlannedTensor, imatrix) -> TensorJob:
     bootstrap: set[int | None] = set()
     if t.importance == "imatrix":
         matrices = range(t.output.shape[0]) if len(t.output.shape) == 3 else (None,)
-        bootstrap = {m for m in matrices if imatrix.importance(t.name, expert=m) is None}
-    return TensorJob(t.name, t.qtype, t.output, t.nbytes, _KINDS[t.lossless], t.importance, frozenset(bootstrap))
+        bootstrap = {m for m in matrices if imatrix.importance(t.imatrix_name, expert=m) is None}
+    return TensorJob(t.name, t.qtype, t.output, t.nbytes, _KINDS[t.lossless], t.importance, frozenset(bootstrap),
+                     t.imatrix_name)
 
 
 # -- executing ----------------------------------------------------------------------------------------------------

@@ -40,6 +40,7 @@ from typing import Any, Iterable, Mapping
 import numpy as np
 
 from ..arch import OutputTensor, get_arch
+from ..arch.dialects import LAYOUT_A_LOG, LAYOUT_CONV, LLAMA_CPP, translate
 from ..errors import RecipeError, SourceError
 from ..formats.api import tensor_nbytes
 from ..formats.registry import GGMLType, ImatrixUse, get_format
@@ -74,10 +75,17 @@ class PlannedTensor:
     importance: str
     lossless: str | None
     nbytes: int
+    llama_cpp_name: str | None = None
+    """The llama.cpp name, where the dialect renamed the tensor: imatrices name tensors the llama.cpp way."""
 
     @property
     def name(self) -> str:
         return self.output.gguf_name
+
+    @property
+    def imatrix_name(self) -> str:
+        """The name this tensor's imatrix entry has."""
+        return self.llama_cpp_name or self.name
 
     @property
     def n_elements(self) -> int:
@@ -112,6 +120,8 @@ class Plan:
     unused_rules: list[str] = field(default_factory=list)
     """Each rule that decided no tensor, with why (:meth:`quantkit.recipes.Resolution.explain_unused`)."""
     resolution: Resolution | None = field(default=None, repr=False)
+    dialect: str = LLAMA_CPP
+    """GGUF dialect of the names, keys and order (:mod:`quantkit.arch.dialects`)."""
 
     @property
     def name_tag(self) -> str:
@@ -146,7 +156,7 @@ class Plan:
         layout = self.layout()
         elements = sum(t.n_elements for t in self.tensors)
         return {
-            "format": "quantkit-plan", "version": PLAN_FORMAT_VERSION,
+            "format": "quantkit-plan", "version": PLAN_FORMAT_VERSION, "dialect": self.dialect,
             "source": str(self.source), "model_type": self.model_type, "label": self.label,
             "recipe": self.recipe.to_dict(), "name_tag": self.name_tag,
             "importance": {"imatrix_entries": self.imatrix_entries, "bootstrap": self.bootstrap},
@@ -312,15 +322,18 @@ def _nvfp4_scale(weight: PlannedTensor) -> PlannedTensor:
 
 def build_plan(source: str | os.PathLike, recipe: Recipe | str | os.PathLike, *,
                imatrix: Mapping[str, Any] | None = None, bootstrap: bool = False, label: str | None = None,
-               pre_tokenizer: str | None = None) -> Plan:
+               pre_tokenizer: str | None = None, dialect: str | None = None) -> Plan:
     """Plan the conversion of checkpoint ``source`` with ``recipe`` (a Recipe, a file, or a shipped name).
 
     ``imatrix``: GGUF tensor name -> importance values (any array-like; only names and sizes are read here).
     ``bootstrap``: use weight energy where the imatrix has no entry.  ``label``: the checkpoint label.
     ``pre_tokenizer``: llama.cpp's pre-tokenizer name, for tokenizers its hash table does not know.
+    ``dialect``: the GGUF dialect of names, keys and order (:mod:`quantkit.arch.dialects`); None: the recipe's
+    ``dialect``, else llama.cpp's.
     """
     if not isinstance(recipe, Recipe):
         recipe = load_recipe(recipe)
+    dialect = dialect or recipe.dialect or LLAMA_CPP
     with open_checkpoint(source) as ckpt:
         model_type = ckpt.config.get("model_type")
         if not isinstance(model_type, str):
@@ -361,6 +374,27 @@ def build_plan(source: str | os.PathLike, recipe: Recipe | str | os.PathLike, *,
                           f"{'no imatrix entry for them' if imatrix is not None else 'no imatrix'}: "
                           f"{', '.join(lacking[:MAX_NAMED_TENSORS])}{more}; pass an imatrix that covers them or "
                           f"bootstrap importance (--bootstrap-importance)", path=recipe.where())
-    return Plan(Path(source), model_type, recipe, tensors, metadata, label=label, bootstrap=bootstrap,
+    plan = Plan(Path(source), model_type, recipe, tensors, metadata, label=label, bootstrap=bootstrap,
                 imatrix_entries=len(imatrix) if imatrix is not None else None, skipped=skipped,
                 unused_rules=[resolution.explain_unused(r) for r in resolution.unused_rules], resolution=resolution)
+    return plan if dialect == LLAMA_CPP else in_dialect(plan, dialect)
+
+
+#: Transform steps the ds4 dialect replaces: ds4 keeps A_log itself and [C, 1, K] convolutions.
+_DIALECT_STEPS = {LAYOUT_A_LOG: {"neg_exp": None}, LAYOUT_CONV: {"conv_4d": "conv_3d"}}
+
+
+def in_dialect(plan: Plan, dialect: str) -> Plan:
+    """The plan with GGUF names, shapes, order and metadata of ``dialect``; payloads are built the same way except
+    where the dialect stores another layout (the transform steps of :data:`_DIALECT_STEPS`)."""
+    translation = translate(plan.metadata, [(t.name, t.output.shape, t.qtype) for t in plan.tensors], to=dialect)
+    by_name = {t.name: t for t in plan.tensors}
+    tensors = []
+    for move in translation.moves:
+        t = by_name[move.source]
+        swap = _DIALECT_STEPS.get(move.layout, {})
+        sources = tuple(replace(m, transform=tuple(swap.get(s, s) for s in m.transform if swap.get(s, s)))
+                        for m in t.output.sources)
+        tensors.append(replace(t, output=replace(t.output, gguf_name=move.name, shape=move.shape, sources=sources),
+                               llama_cpp_name=move.source))
+    return replace(plan, tensors=tensors, metadata=translation.metadata, dialect=dialect)

@@ -79,6 +79,8 @@ class TensorJob:
     importance: str = "none"
     bootstrap: frozenset = field(default_factory=frozenset)
     """Matrices (experts; ``None``: a whole 2-D tensor) that take bootstrap importance under ``imatrix``."""
+    imatrix_name: str | None = None
+    """The name of the tensor's imatrix entry, when not ``name`` (llama.cpp's name of a tensor in the ds4 dialect)."""
 
 
 def imatrix_shapes(outputs: Iterable[OutputTensor]) -> dict[str, tuple[int, int]]:
@@ -199,7 +201,7 @@ def _importance(ctx: SourceContext, job: TensorJob, matrix: int | None, x: np.nd
         return None
     if _self_importance(job, matrix):
         return bootstrap_importance(x)
-    found = ctx.imatrix.importance(job.name, expert=matrix)
+    found = ctx.imatrix.importance(job.imatrix_name or job.name, expert=matrix)
     if found is None:
         where = "" if matrix is None else f" for matrix {matrix}"
         raise ValidationError(f"the imatrix has no entry{where}, yet the plan did not mark it for bootstrap "

@@ -5,6 +5,8 @@ A recipe file (UTF-8 TOML, read with ``tomllib``)::
     name = "deepseek-v4-flash-iq2xxs"              # required: a short identifier (shipped files are <name>.toml)
     architectures = ["deepseek_v4"]                # required: the config ``model_type``s it applies to
     description = "routed gate/up IQ2_XXS, ..."    # optional
+    dialect = "ds4"                                # optional: GGUF dialect convert writes unless told otherwise
+                                                   # ("llama.cpp", the default, or "ds4": quantkit.arch.dialects)
     skip = ["mtp"]                                 # optional: tensor classes (or groups) not written at all
 
     [defaults]

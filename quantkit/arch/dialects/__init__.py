@@ -1,0 +1,474 @@
+"""GGUF dialects: the same model under llama.cpp's names and keys, or under ds4's.
+
+A dialect changes tensor names, tensor order, metadata keys and value types; payload bytes stay as they are,
+except where ds4 genuinely stores something else (``LAYOUT_A_LOG``: GLM's ``kda_a_log`` holds ``A_log`` where
+llama.cpp's ``ssm_a`` holds ``-exp(A_log)``; ``LAYOUT_CONV``: the same bytes under another shape).  The tables
+are data, one module per dialect (:mod:`.ds4`); this module applies them.
+
+Library API (used by ``quantkit convert --dialect``, ``quantkit redialect`` and readers of foreign files)::
+
+    DIALECTS                                   # ("llama.cpp", "ds4")
+    dialect_of(metadata)                       # which dialect a file's metadata ({key: KV}) is in
+    to_llamacpp_name("blk.0.kda_q.weight", "glm5-next")         # -> "blk.0.attn_q.weight"
+    to_dialect_name("blk.0.attn_q.weight", "glm5-next", "ds4", linear_layers={0})
+    translate(metadata, tensors, to="ds4")     # -> Translation(metadata, moves): the whole re-dialect plan
+    convert_payload(move, raw_bytes)           # a tensor's payload in the target dialect (bytes unchanged
+                                               # unless move.layout is LAYOUT_A_LOG)
+
+``dialect_of`` recognizes ds4 by the keys only ds4 writes (``glm5-next.layer_types`` ...).  For ``deepseek4`` the
+dialects share every tensor name and key ds4.c reads but ``deepseek4.vocab_size``, which ds4.c requires and
+llama.cpp's converter does not write (llama.cpp ignores it): that key marks the ds4 dialect.
+
+Lossless round trips.  What one dialect holds and the other cannot say (llama.cpp keys ds4 drops, such as
+``glm5-next.rope.freq_base``; a tensor order; a value the inverse mapping would not reproduce) is kept in the
+output under ``quantkit.dialect.<source dialect>.`` (``.kv.<key>`` values, ``.keys`` and ``.tensors`` orders),
+found by translating back and comparing; translating back consumes it.  So llama.cpp -> ds4 -> llama.cpp
+reproduces the file byte for byte.  ds4 engines read keys by name and ignore the ``quantkit.`` namespace, as they
+ignore quantkit's provenance keys.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Mapping, NamedTuple, Sequence
+
+import numpy as np
+from gguf.constants import GGUFValueType
+
+from ...errors import FormatError, QuantkitError, UnsupportedError
+from ...io.gguf import KV, ArrayOf
+
+LLAMA_CPP = "llama.cpp"
+DS4 = "ds4"
+DIALECTS = (LLAMA_CPP, DS4)
+#: ds4 and llama.cpp store the payload of the tensor as it is
+LAYOUT_SAME = "same"
+#: short convolution: llama.cpp [1, C, 1, K], ds4 [C, 1, K] (numpy order); the same bytes
+LAYOUT_CONV = "conv"
+#: llama.cpp ssm_a = -exp(A_log) (float64 exp rounded once to float32), ds4 kda_a_log = A_log
+LAYOUT_A_LOG = "a_log"
+STASH_PREFIX = "quantkit.dialect."
+_SLUG = {LLAMA_CPP: "llama_cpp", DS4: "ds4"}
+
+
+@dataclass(frozen=True)
+class TensorRow:
+    """One tensor under both dialects: name templates (``{L}`` = block index) and the payload relation."""
+
+    llama_cpp: str
+    ds4: str
+    layout: str = LAYOUT_SAME
+    linear_only: bool = False
+    """Applies only to linear-attention blocks (GLM's ``attn_output`` is ``kda_output`` there)."""
+    attention_only: bool = False
+
+
+@dataclass(frozen=True)
+class KeyRow:
+    """One ds4 key, its type, and the llama.cpp key (and type) it comes from; ``derive`` names the rule."""
+
+    ds4: str
+    ds4_type: Any
+    llama_cpp: str | None
+    llama_cpp_type: Any
+    derive: str = "copy"
+
+
+@dataclass(frozen=True)
+class ArchDialect:
+    gguf_arch: str
+    tensors: tuple[TensorRow, ...]
+    keys: tuple[KeyRow, ...]
+    llamacpp_derived: tuple[str, ...] = ()
+    llamacpp_constants: tuple[tuple[str, Any, Any], ...] = ()
+    llamacpp_refused: tuple[str, ...] = ()
+    markers: tuple[str, ...] = ()
+    keep_order: bool = False
+    passthrough_arch_keys: bool = False
+    _patterns: dict = field(default_factory=dict, compare=False, repr=False)
+
+    def k(self, template: str) -> str:
+        return template.format(arch=self.gguf_arch)
+
+    def pattern(self, template: str) -> re.Pattern:
+        if template not in self._patterns:
+            self._patterns[template] = re.compile(re.escape(template).replace(re.escape("{L}"), r"(?P<L>\d+)"))
+        return self._patterns[template]
+
+
+class TensorMove(NamedTuple):
+    """One tensor of a translation: its name in the input, in the output, the output shape and the layout."""
+
+    source: str
+    name: str
+    shape: tuple[int, ...]
+    type: Any
+    layout: str
+
+
+class Translation(NamedTuple):
+    metadata: list[tuple[str, KV]]
+    moves: list[TensorMove]
+    """In output order."""
+
+
+def _tables():
+    from . import ds4
+    return ds4
+
+
+def arch_dialect(arch: str, dialect: str = DS4) -> ArchDialect | None:
+    """The ds4 table of a GGUF architecture; None for llama.cpp, UnsupportedError where ds4 has none."""
+    if dialect not in DIALECTS:
+        raise UnsupportedError(f"unknown GGUF dialect {dialect!r}; known: {', '.join(DIALECTS)}", field="dialect")
+    if dialect == LLAMA_CPP:
+        return None
+    ds4 = _tables()
+    if arch in ds4.UNSUPPORTED:
+        raise UnsupportedError(f"no ds4 dialect for {arch}: {ds4.UNSUPPORTED[arch]}", field="dialect")
+    if arch not in ds4.ARCHS:
+        raise UnsupportedError(f"no ds4 dialect for architecture {arch!r}; ds4 tables exist for "
+                               f"{', '.join(sorted(ds4.ARCHS))}", field="dialect")
+    return ds4.ARCHS[arch]
+
+
+def _arch_of(metadata: Mapping[str, KV]) -> str:
+    kv = metadata.get("general.architecture")
+    if kv is None or not isinstance(kv.value, str):
+        raise FormatError("no general.architecture key: cannot tell the model's architecture",
+                          field="general.architecture")
+    return kv.value
+
+
+def dialect_of(metadata: Mapping[str, KV]) -> str:
+    """``ds4`` when the metadata carries keys only ds4's dialect writes, else ``llama.cpp``."""
+    arch = _arch_of(metadata)
+    table = _tables().ARCHS.get(arch)
+    if table is not None and any(table.k(m) in metadata for m in table.markers):
+        return DS4
+    return LLAMA_CPP
+
+
+# -- names --------------------------------------------------------------------------------------------------------
+
+def _match(table: ArchDialect, name: str, side: str, linear_layers: Iterable[int] | None):
+    linear = None if linear_layers is None else set(linear_layers)
+    for index, row in enumerate(table.tensors):
+        m = table.pattern(getattr(row, side)).fullmatch(name)
+        if m is None:
+            continue
+        layer = int(m.group("L")) if "L" in m.groupdict() else None
+        if (row.linear_only or row.attention_only) and side == "llama_cpp":
+            if linear is None:
+                raise FormatError(f"names a different ds4 tensor in linear-attention and attention blocks: the "
+                                  f"layer types are needed", tensor=name)
+            if (layer in linear) != row.linear_only:
+                continue
+        return index, row, layer
+    return None
+
+
+def _rename(template: str, layer: int | None) -> str:
+    return template.replace("{L}", str(layer)) if layer is not None else template
+
+
+def to_llamacpp_name(name: str, arch: str) -> str:
+    """The llama.cpp name of a ds4-dialect tensor name (names of other architectures come back unchanged)."""
+    table = _tables().ARCHS.get(arch)
+    if table is None:
+        return name
+    found = _match(table, name, "ds4", None)
+    if found is None:
+        raise FormatError(f"no llama.cpp name for this ds4 tensor of {arch}", tensor=name)
+    return _rename(found[1].llama_cpp, found[2])
+
+
+def to_dialect_name(name: str, arch: str, dialect: str, linear_layers: Iterable[int] | None = None) -> str:
+    """A llama.cpp tensor name in ``dialect`` (``linear_layers``: the linear-attention blocks, for GLM)."""
+    table = arch_dialect(arch, dialect)
+    if table is None:
+        return name
+    found = _match(table, name, "llama_cpp", linear_layers)
+    if found is None:
+        raise FormatError(f"no {dialect} name for this tensor of {arch}", tensor=name)
+    return _rename(found[1].ds4, found[2])
+
+
+# -- metadata -----------------------------------------------------------------------------------------------------
+
+def _scalar(kv: KV) -> Any:
+    return kv.value.item() if isinstance(kv.value, np.generic) else kv.value
+
+
+def _values(kv: KV) -> list:
+    return [v.item() if isinstance(v, np.generic) else v for v in np.asarray(kv.value).tolist()] \
+        if isinstance(kv.value, np.ndarray) else list(kv.value)
+
+
+def _linear_layers(metadata: Mapping[str, KV], table: ArchDialect, frm: str) -> set[int] | None:
+    key = table.k("{arch}.attention.head_count_kv" if frm == LLAMA_CPP else "{arch}.layer_types")
+    kv = metadata.get(key)
+    if kv is None or not isinstance(kv.type, ArrayOf):
+        return None
+    return {i for i, v in enumerate(_values(kv)) if v == 0}
+
+
+def _need(metadata: Mapping[str, KV], key: str, wanted_for: str) -> KV:
+    kv = metadata.get(key)
+    if kv is None:
+        raise FormatError(f"metadata key {key!r} is missing: it gives {wanted_for}", field=key)
+    return kv
+
+
+def _cast(value: Any, vtype: Any) -> KV:
+    if isinstance(vtype, ArrayOf):
+        kind = float if vtype.item in (GGUFValueType.FLOAT32, GGUFValueType.FLOAT64) else int
+        return KV([kind(v) for v in value], vtype)
+    if vtype is GGUFValueType.BOOL:
+        return KV(bool(value), vtype)
+    if vtype in (GGUFValueType.FLOAT32, GGUFValueType.FLOAT64):
+        return KV(float(value), vtype)
+    if vtype is GGUFValueType.STRING:
+        return KV(value, vtype)
+    return KV(int(value), vtype)
+
+
+def _to_ds4_keys(md: Mapping[str, KV], table: ArchDialect) -> dict[str, KV]:
+    out: dict[str, KV] = {}
+    for key in table.llamacpp_refused:
+        kv = md.get(table.k(key))
+        if kv is not None and not all(_values(kv)):
+            raise FormatError(f"{table.k(key)} marks layers that share another layer's indexer; ds4's "
+                              f"{table.gguf_arch} dialect has no such key (every sparse-attention layer owns its "
+                              f"indexer)", field=table.k(key))
+    if table.passthrough_arch_keys:
+        out.update((k, v) for k, v in md.items() if k.startswith(table.gguf_arch + "."))
+    for row in table.keys:
+        key, src = table.k(row.ds4), table.k(row.llama_cpp) if row.llama_cpp else None
+        if row.derive == "copy":
+            out[key] = _cast(_scalar(_need(md, src, key)), row.ds4_type) if not isinstance(row.ds4_type, ArrayOf) \
+                else _cast(_values(_need(md, src, key)), row.ds4_type)
+        elif row.derive == "zero_if_absent":
+            out[key] = _cast(_scalar(md[src]) if src in md else 0, row.ds4_type)
+        elif row.derive == "trunk_blocks":
+            nextn = md.get(table.k("{arch}.nextn_predict_layers"))
+            blocks = _scalar(_need(md, table.k("{arch}.block_count"), key))
+            out[key] = _cast(blocks - (_scalar(nextn) if nextn is not None else 0), row.ds4_type)
+        elif row.derive == "linear_heads":
+            out[key] = _cast(_scalar(_need(md, table.k("{arch}.attention.head_count"), key)), row.ds4_type)
+        elif row.derive == "per_block_constant":
+            values = _values(_need(md, src, key))
+            if not values or any(v != values[0] for v in values):
+                raise FormatError(f"{src} differs between blocks; ds4's {key} is one value for all",
+                                  field=src)
+            out[key] = _cast(values[0], row.ds4_type)
+        elif row.derive == "vocab_from_tokens":
+            if key in md:
+                out[key] = _cast(_scalar(md[key]), row.ds4_type)
+            else:
+                tokens = _need(md, "tokenizer.ggml.tokens", key)
+                out[key] = _cast(len(tokens.value), row.ds4_type)
+        else:
+            raise QuantkitError(f"ds4 table row {row.ds4!r}: unknown derive rule {row.derive!r}")
+    return out
+
+
+def _to_llamacpp_keys(md: Mapping[str, KV], table: ArchDialect) -> dict[str, KV]:
+    out: dict[str, KV] = {}
+    if table.passthrough_arch_keys:
+        derived = {table.k(r.ds4) for r in table.keys if r.llama_cpp is None}
+        out.update((k, v) for k, v in md.items() if k.startswith(table.gguf_arch + ".") and k not in derived)
+    blocks = md.get(table.k("{arch}.block_count"))
+    for row in table.keys:
+        key = table.k(row.ds4)
+        if row.llama_cpp is None or key not in md:
+            continue
+        dst = table.k(row.llama_cpp)
+        kv = md[key]
+        if row.derive == "per_block_constant":
+            n = _scalar(_need(md, table.k("{arch}.block_count"), dst))
+            out[dst] = _cast([_scalar(kv)] * n, row.llama_cpp_type)
+        elif row.derive == "zero_if_absent":
+            if _scalar(kv):
+                out[dst] = _cast(_scalar(kv), row.llama_cpp_type)
+        elif isinstance(row.llama_cpp_type, ArrayOf):
+            out[dst] = _cast(_values(kv), row.llama_cpp_type)
+        else:
+            out[dst] = _cast(_scalar(kv), row.llama_cpp_type)
+    for key in table.llamacpp_derived:   # llama.cpp's pairs that ds4 folds into one key (swiglu shexp = exp)
+        base = table.k(key).replace("_shexp", "_exp")
+        if base in out:
+            out[table.k(key)] = out[base]
+    for key, vtype, value in table.llamacpp_constants:
+        out.setdefault(table.k(key), _cast(value, vtype))
+    del blocks
+    return out
+
+
+def _assemble(md: Mapping[str, KV], mapped: Mapping[str, KV], table: ArchDialect, to: str) -> dict[str, KV]:
+    """Non-model keys keep their places; the model's keys, translated, go where the first of them was."""
+    prefix = table.gguf_arch + "."
+    stash = STASH_PREFIX + _SLUG[to] + "."
+    out: dict[str, KV] = {}
+    placed = False
+    for key, kv in md.items():
+        if key.startswith(STASH_PREFIX):
+            continue
+        if key.startswith(prefix):
+            if not placed:
+                out.update(mapped)
+                placed = True
+            continue
+        out[key] = kv
+    if not placed:
+        out.update(mapped)
+    for key, kv in md.items():   # a stash for the target dialect: what the tables alone would lose
+        if key.startswith(stash + "kv."):
+            out[key[len(stash) + 3:]] = kv
+    order = md.get(stash + "keys")
+    if order is not None:
+        missing = [k for k in order.value if k not in out]
+        if missing:
+            raise FormatError(f"the stored {to} key order names keys that cannot be rebuilt: {missing[:4]}",
+                              field=stash + "keys")
+        # a key the tables derived that the order does not list was not in the original: dropped; a key carried
+        # over unchanged that it does not list was added after the translation (convert's provenance): kept last
+        listed = set(order.value)
+        out = {**{k: out[k] for k in order.value},
+               **{k: v for k, v in out.items() if k not in listed and k not in mapped}}
+    return out
+
+
+def _same_kv(a: KV, b: KV) -> bool:
+    if a.type != b.type:
+        return False
+    if isinstance(a.type, ArrayOf):
+        return _values(a) == _values(b)
+    return _scalar(a) == _scalar(b)
+
+
+def _base(md: Mapping[str, KV]) -> dict[str, KV]:
+    return {k: v for k, v in md.items() if not k.startswith(STASH_PREFIX)}
+
+
+# -- tensors ------------------------------------------------------------------------------------------------------
+
+def _conv_shape(shape: tuple[int, ...], to: str, name: str) -> tuple[int, ...]:
+    if to == DS4 and len(shape) == 4 and shape[0] == 1 and shape[2] == 1:
+        return (shape[1], 1, shape[3])
+    if to == LLAMA_CPP and len(shape) == 3 and shape[1] == 1:
+        return (1, shape[0], 1, shape[2])
+    raise FormatError(f"short convolution of shape {list(shape)} does not have the {_other(to)} layout", tensor=name)
+
+
+def _other(dialect: str) -> str:
+    return DS4 if dialect == LLAMA_CPP else LLAMA_CPP
+
+
+def _translate_tensors(tensors: Sequence[tuple[str, tuple[int, ...], Any]], md: Mapping[str, KV],
+                       table: ArchDialect, to: str) -> list[TensorMove]:
+    frm = _other(to)
+    side_in, side_out = ("llama_cpp", "ds4") if to == DS4 else ("ds4", "llama_cpp")
+    linear = _linear_layers(md, table, frm)
+    moves, keys = [], []
+    first_block = next(i for i, r in enumerate(table.tensors) if "{L}" in r.ds4)
+    for position, (name, shape, qtype) in enumerate(tensors):
+        found = _match(table, name, side_in, linear)
+        if found is None:
+            raise FormatError(f"no {to} name in the {table.gguf_arch} table (a tensor the {to} dialect does not "
+                              f"know): nothing written", tensor=name)
+        index, row, layer = found
+        shape = tuple(shape)
+        if row.layout == LAYOUT_CONV:
+            shape = _conv_shape(shape, to, name)
+        moves.append(TensorMove(name, _rename(getattr(row, side_out), layer), shape, qtype, row.layout))
+        section = 1 if layer is not None else (0 if index < first_block else 2)
+        keys.append((section, layer if layer is not None else -1, index) if to == DS4 and not table.keep_order
+                    else position)
+    order = md.get(STASH_PREFIX + _SLUG[to] + ".tensors")
+    if order is not None:
+        by_name = {m.name: m for m in moves}
+        if sorted(by_name) != sorted(order.value):
+            raise FormatError(f"the stored {to} tensor order does not list this file's tensors",
+                              field=STASH_PREFIX + _SLUG[to] + ".tensors")
+        return [by_name[n] for n in order.value]
+    return [m for _, m in sorted(zip(keys, moves), key=lambda p: p[0])]
+
+
+# -- translation --------------------------------------------------------------------------------------------------
+
+def _translate_once(md: Mapping[str, KV], tensors, table: ArchDialect, to: str) -> Translation:
+    mapped = _to_ds4_keys(md, table) if to == DS4 else _to_llamacpp_keys(md, table)
+    out = _assemble(md, mapped, table, to)
+    moves = _translate_tensors(tensors, md, table, to)
+    return Translation(list(out.items()), moves)
+
+
+def translate(metadata: Mapping[str, KV] | Iterable[tuple[str, KV]],
+              tensors: Sequence[tuple[str, tuple[int, ...], Any]], *, to: str) -> Translation:
+    """Names, keys and order of a GGUF (``metadata``, ``tensors`` as ``(name, numpy shape, type)`` in file order)
+    in dialect ``to``.  Refuses (FormatError naming it) a tensor or key with no mapping, and input already in
+    ``to``.  What the tables alone would not bring back is stashed (see the module docstring)."""
+    md = dict(metadata)
+    arch = _arch_of(md)
+    if to not in DIALECTS:
+        raise UnsupportedError(f"unknown GGUF dialect {to!r}; known: {', '.join(DIALECTS)}", field="dialect")
+    frm = dialect_of(md)
+    table = arch_dialect(arch, DS4)
+    if frm == to:
+        raise FormatError(f"the file is already in the {to} dialect", field="general.architecture")
+    result = _translate_once(md, tensors, table, to)
+    # translate back; whatever does not come back is stashed in the output under the source dialect's prefix
+    out = dict(result.metadata)
+    back = _translate_once(out, [(m.name, m.shape, m.type) for m in result.moves], table, frm)
+    want, got = _base(md), dict(back.metadata)
+    stash = STASH_PREFIX + _SLUG[frm] + "."
+    for key, kv in want.items():
+        if key not in got or not _same_kv(got[key], kv):
+            out[stash + "kv." + key] = kv
+    if list(got) != list(want):
+        out[stash + "keys"] = KV(list(want), ArrayOf(GGUFValueType.STRING))
+    if [m.name for m in back.moves] != [t[0] for t in tensors]:
+        out[stash + "tensors"] = KV([t[0] for t in tensors], ArrayOf(GGUFValueType.STRING))
+    final = Translation(list(out.items()), result.moves)
+    check = _translate_once(out, [(m.name, m.shape, m.type) for m in final.moves], table, frm)
+    checked = dict(check.metadata)
+    if list(checked) != list(want) or any(not _same_kv(checked[k], want[k]) for k in want) \
+            or [m.name for m in check.moves] != [t[0] for t in tensors]:
+        raise QuantkitError(f"the {to} translation of this {arch} file does not translate back to it (a bug in "
+                            f"the dialect tables)")
+    return final
+
+
+# -- payloads -----------------------------------------------------------------------------------------------------
+
+def _neg_exp(a: np.ndarray) -> np.ndarray:
+    from ..transforms import get_step
+    return get_step("neg_exp").apply(a, {})
+
+
+def convert_payload(move: TensorMove, raw: bytes | memoryview | np.ndarray, to: str) -> bytes:
+    """The payload of ``move`` in dialect ``to``: the input bytes, except ``LAYOUT_A_LOG`` (F32 values mapped
+    between ``-exp(A_log)`` and ``A_log``; refused, naming the tensor, when the result would not map back to the
+    same bytes)."""
+    data = bytes(raw if not isinstance(raw, np.ndarray) else raw.tobytes())
+    if move.layout != LAYOUT_A_LOG:
+        return data
+    from ...formats.registry import GGMLType
+    if GGMLType(move.type) is not GGMLType.F32:
+        raise FormatError(f"A_log tensors are F32 in both dialects, found {GGMLType(move.type).name}",
+                          tensor=move.source)
+    x = np.frombuffer(data, "<f4")
+    if to == LLAMA_CPP:
+        return _neg_exp(x).astype("<f4").tobytes()
+    with np.errstate(invalid="ignore", divide="ignore"):
+        a = np.log(np.negative(x.astype(np.float64))).astype(np.float32)
+    if not np.array_equal(_neg_exp(a).view(np.uint32), x.view(np.uint32)):
+        raise FormatError(f"-exp(A_log) does not map back to the same float32 bytes from its log; "
+                          f"convert ds4's A_log from the source checkpoint instead", tensor=move.source)
+    return a.astype("<f4").tobytes()
+
+
+__all__ = ["DIALECTS", "DS4", "LAYOUT_A_LOG", "LAYOUT_CONV", "LAYOUT_SAME", "LLAMA_CPP", "ArchDialect", "KeyRow",
+           "TensorMove", "TensorRow", "Translation", "arch_dialect", "convert_payload", "dialect_of",
+           "to_dialect_name", "to_llamacpp_name", "translate"]

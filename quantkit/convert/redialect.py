@@ -1,0 +1,63 @@
+"""``quantkit redialect``: the same GGUF under the other dialect's names, keys and order, payloads unchanged.
+
+Every payload is copied byte for byte and its SHA-256 compared with the input's after writing; the one payload
+ds4 stores differently (GLM's A_log, :data:`quantkit.arch.dialects.LAYOUT_A_LOG`) is mapped and proven to map back
+to the same bytes.  A tensor or key the tables cannot map is refused by name before anything is written.  The
+output is written to ``<out>.partial`` and renamed when complete.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..arch.dialects import LAYOUT_A_LOG, convert_payload, dialect_of, translate
+from ..errors import OutputExistsError, ValidationError
+from ..io.gguf_reader import GGUFFile
+from ..io.gguf_writer import GGUFWriter, plan_layout
+
+
+@dataclass(frozen=True)
+class RedialectResult:
+    path: Path
+    source_dialect: str
+    dialect: str
+    tensors: int
+    copied: int
+    """Payloads copied unchanged (hash-verified)."""
+    mapped: list[str]
+    """Payloads the dialects store differently (A_log), mapped and verified to map back."""
+    file_size: int
+
+
+def redialect(src: str | os.PathLike, out: str | os.PathLike, *, to: str, force: bool = False) -> RedialectResult:
+    """Write ``src`` in dialect ``to`` as ``out``."""
+    out = Path(out)
+    if out.exists() and not force:
+        raise OutputExistsError("output exists", path=out)
+    with GGUFFile(src) as gguf:
+        frm = dialect_of(gguf.metadata)
+        translation = translate(gguf.metadata, [(t.name, t.shape, t.type) for t in gguf.tensors.values()], to=to)
+        layout = plan_layout(translation.metadata, [(m.name, m.shape, m.type) for m in translation.moves])
+        writer = GGUFWriter(out, layout, overwrite=force)
+        writer.write_header()
+        mapped = []
+        try:
+            for move in translation.moves:
+                raw = gguf.data(move.source)
+                payload = convert_payload(move, raw, to)
+                digest = writer.write_tensor(move.name, payload)
+                if move.layout == LAYOUT_A_LOG:
+                    mapped.append(move.name)
+                elif digest != hashlib.sha256(raw).hexdigest():
+                    raise ValidationError("payload changed while copying", tensor=move.source, path=out)
+            writer.finish()
+        except BaseException:
+            writer.abort()
+            raise
+    return RedialectResult(out, frm, to, len(translation.moves), len(translation.moves) - len(mapped), mapped,
+                           layout.file_size)
+
+
+__all__ = ["RedialectResult", "redialect"]

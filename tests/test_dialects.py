@@ -1,0 +1,337 @@
+"""GGUF dialects: tiny models converted with ``--dialect ds4`` against the names, shapes and keys ds4's loaders
+read (tests/data/dialects/*.tsv, each row citing its source), and lossless ``redialect`` round trips."""
+from __future__ import annotations
+
+import csv
+import dataclasses
+from pathlib import Path
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from quantkit.arch.dialects import (DS4, LLAMA_CPP, dialect_of, to_dialect_name, to_llamacpp_name)
+from quantkit.cli import main
+from quantkit.convert.execute import ConvertRequest, convert, execute, prepare
+from quantkit.convert.plan import build_plan
+from quantkit.convert.redialect import redialect
+from quantkit.errors import RecipeError, UnsupportedError
+from quantkit.formats.registry import GGMLType
+from quantkit.io.gguf import type_name
+from quantkit.io.gguf_reader import GGUFFile
+from quantkit.io.gguf_writer import GGUFWriter, plan_layout
+from quantkit.recipes.model import parse_recipe
+from test_arch import PRE_TOKENIZER
+
+DATA = Path(__file__).parent / "data" / "dialects"
+
+
+def _rows(name: str) -> list[dict[str, str]]:
+    """The rows of a data file: ``#`` lines are comments, the first of them the column names."""
+    with open(DATA / name, newline="") as f:
+        lines = [line for line in f if line.strip()]
+    header = lines[0].lstrip("# ").rstrip("\n").split("\t")
+    return [dict(zip(header, r)) for r in csv.reader((line for line in lines if not line.startswith("#")),
+                                                      delimiter="\t")]
+
+
+@pytest.fixture(scope="module")
+def glm_checkpoint(tmp_path_factory):
+    """The tiny GLM-5.3-Flash with an indexer on every sparse-attention layer (ds4's dialect cannot say 'shared')."""
+    from quantkit.testing import tiny_models
+
+    original = tiny_models.ARCHS["glm5_next"]
+
+    def make_config(ids):
+        config = original.make_config(ids)
+        config.text_config.indexer_types = ["full"] * config.text_config.num_hidden_layers
+        return config
+
+    tiny_models.ARCHS["glm5_next"] = dataclasses.replace(original, make_config=make_config)
+    try:
+        return tiny_models.save_tiny_checkpoint("glm5_next", tmp_path_factory.mktemp("glm") / "ckpt")
+    finally:
+        tiny_models.ARCHS["glm5_next"] = original
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory, tiny_checkpoints, glm_checkpoint):
+    """(arch, dialect) -> a Q8_0 GGUF of the tiny model in that dialect."""
+    out = tmp_path_factory.mktemp("dialects")
+    sources = {"glm5-next": ("glm5_next", glm_checkpoint),
+               "deepseek4": ("deepseek_v4", tiny_checkpoints.get("deepseek_v4"))}
+    files = {}
+    for arch, (model_type, source) in sources.items():
+        for dialect in (LLAMA_CPP, DS4):
+            path = out / f"{arch}-{dialect}.gguf"
+            convert(ConvertRequest(source=str(source), out=path, recipe="q8_0", jobs=1, progress=False,
+                                   pre_tokenizer=PRE_TOKENIZER[model_type], dialect=dialect))
+            files[arch, dialect] = path
+    return files
+
+
+def _glm_symbols(md) -> dict[str, int]:
+    a = "glm5-next."
+    v = lambda k: md[a + k].value  # noqa: E731
+    hc = v("hyper_connection.count")
+    return {"E": v("embedding_length"), "V": v("vocab_size"), "H": v("attention.head_count"),
+            "D": v("linear_attention.head_dimension"), "K": v("linear_attention.conv_kernel"), "HC": hc,
+            "MIX": (2 + hc) * hc, "QL": v("attention.q_lora_rank"), "KVL": v("attention.kv_lora_rank"),
+            "NOPE": v("attention.key_length"), "VD": v("attention.value_length"),
+            "IH": v("attention.indexer.head_count"), "ID": v("attention.indexer.key_length"),
+            "X": v("expert_count"), "EF": v("expert_feed_forward_length"), "FF": v("feed_forward_length"),
+            "S": v("expert_shared_count"), "P": v("attention.indexer.pool_size")}
+
+
+def _dims(expr: str, symbols: dict[str, int]) -> tuple[int, ...]:
+    return tuple(int(eval(part, {"__builtins__": {}}, symbols)) for part in expr.split(","))  # noqa: S307
+
+
+def _type_ok(kv, spec: str) -> bool:
+    """``spec``: a GGUF type name, alternatives joined by ``|`` (``FLOAT32|UINT32``, ``ARRAY[INT32|UINT32]``)."""
+    array = spec.startswith("ARRAY[")
+    alternatives = spec[len("ARRAY["):-1].split("|") if array else spec.split("|")
+    return type_name(kv.type) in {f"ARRAY[{a}]" if array else a for a in alternatives}
+
+
+def _same_value(ds4_kv, llama_kv) -> bool:
+    """A ds4 key's value against the llama.cpp key it maps to (a per-block llama.cpp array holds one ds4 scalar)."""
+    ours = np.atleast_1d(np.asarray(ds4_kv.value, dtype=np.float64))
+    theirs = np.atleast_1d(np.asarray(llama_kv.value, dtype=np.float64))
+    if ours.size == 1 and theirs.size > 1:
+        ours = np.full(theirs.shape, ours[0])
+    return ours.shape == theirs.shape and np.array_equal(ours.astype(np.float32), theirs.astype(np.float32))
+
+
+def _llama_payload(ds4: GGUFFile, name: str, row: dict[str, str]) -> bytes:
+    """What llama.cpp stores for a ds4 tensor: the same bytes, except ssm_a = -exp(A_log) (float64, rounded once:
+    the DwarfStar header rewriter's rule)."""
+    raw = bytes(ds4.data(name))
+    if row["llama_cpp_name"].endswith(".ssm_a"):
+        return (-np.exp(np.frombuffer(raw, "<f4").astype(np.float64))).astype("<f4").tobytes()
+    return raw
+
+
+def _census(path: Path, reference: Path, rows: list[dict[str, str]], block_kind, symbols_of, *, ordered: bool):
+    """Every key (name, type, value against the llama.cpp key the data file maps it to) and every tensor (name,
+    order, shape, type, payload against the llama.cpp tensor the data file maps it to) of the ds4-dialect file
+    ``path`` against the data ``rows``; ``reference`` is the same model converted in llama.cpp's dialect.
+    ``ordered``: tensors and model keys must follow the rows' order (the ds4 builder's); else the reference's."""
+    with GGUFFile(path) as ds4, GGUFFile(reference) as ref:
+        md = ds4.metadata
+        assert dialect_of(md) == DS4
+        arch = md["general.architecture"].value
+        keys = [r for r in rows if r["kind"] == "key"]
+        for r in keys:
+            key = r["ds4_name"]
+            assert key in md, key
+            assert _type_ok(md[key], r["ds4_type"]), (key, md[key].type)
+            if r["llama_cpp_name"] in ref.metadata:
+                assert _same_value(md[key], ref.metadata[r["llama_cpp_name"]]), (key, r["llama_cpp_name"])
+            elif r["llama_cpp_name"] != "-":   # a key llama.cpp's loader defaults to 0 (nextn_predict_layers)
+                assert md[key].value == 0, (key, r["llama_cpp_name"])
+        if ordered:   # the exact key set, in the builder's order: nothing else in the model's namespace
+            assert [k for k in md if k.startswith(arch + ".")] == [r["ds4_name"] for r in keys]
+        symbols = symbols_of(md)
+        blocks = md[arch + ".block_count"].value
+        tensor_rows = [r for r in rows if r["kind"] == "tensor"]
+        first_block = next(i for i, r in enumerate(tensor_rows) if "{L}" in r["ds4_name"])
+        expected = {}   # name -> (row, llama.cpp name, place in the builder's order)
+        for index, r in enumerate(tensor_rows):
+            layers = [None] if "{L}" not in r["ds4_name"] else \
+                [L for L in range(blocks) if r["blocks"] in block_kind(md, L)]
+            for L in layers:
+                name = r["ds4_name"].replace("{L}", str(L))
+                section = 1 if L is not None else (0 if index < first_block else 2)
+                expected[name] = (r, r["llama_cpp_name"].replace("{L}", str(L)), (section, L or 0, index))
+        optional = {n for n, (r, _, _) in expected.items() if r["blocks"] == "optional"}
+        assert set(ds4.tensors) - optional == set(expected) - optional
+        if ordered:
+            assert list(ds4.tensors) == sorted(ds4.tensors, key=lambda n: expected[n][2])
+        else:
+            assert [expected[n][1] for n in ds4.tensors] == list(ref.tensors)
+        for name, t in ds4.tensors.items():
+            r, llama_name, _ = expected[name]
+            assert to_llamacpp_name(name, arch) == llama_name, name     # the code's table agrees with the data
+            theirs = ref.tensors[llama_name]
+            want_type = theirs.type if r["ds4_type"] == "-" else GGMLType[r["ds4_type"]]   # the loader's, or the recipe's
+            assert GGMLType(t.type) == GGMLType(want_type), (name, GGMLType(t.type).name)
+            want = tuple(reversed(theirs.shape)) if r["ds4_ggml_dims"] == "=llama.cpp" \
+                else _dims(r["ds4_ggml_dims"], symbols)
+            assert tuple(reversed(t.shape)) == want, (name, tuple(reversed(t.shape)), want)
+            assert _llama_payload(ds4, name, r) == bytes(ref.data(llama_name)), name
+
+
+def _glm_blocks(md, layer: int) -> set[str]:
+    a = "glm5-next."
+    kinds = {"all"}
+    trunk = md[a + "trunk_block_count"].value
+    kinds.add("trunk" if layer < trunk else "nextn")
+    kinds.add("linear" if md[a + "layer_types"].value[layer] == 0 else "attention")
+    kinds.add("dense" if layer < md[a + "leading_dense_block_count"].value else "moe")
+    return kinds
+
+
+def _v4_blocks(md, layer: int) -> set[str]:
+    ratio = list(md["deepseek4.attention.compress_ratios"].value)[layer]
+    kinds = {"all", "optional"}
+    if ratio:
+        kinds.add("compressed")
+    if ratio == 4:
+        kinds.add("ratio4")
+    if layer < md["deepseek4.hash_layer_count"].value:
+        kinds.add("hash")
+    return kinds
+
+
+def test_glm_ds4_census(converted):
+    _census(converted["glm5-next", DS4], converted["glm5-next", LLAMA_CPP], _rows("ds4_glm5_next.tsv"),
+            _glm_blocks, _glm_symbols, ordered=True)
+
+
+def test_deepseek_v4_ds4_census(converted):
+    rows = [r for r in _rows("ds4_deepseek4.tsv") if r["kind"] != "unsupported"]
+    _census(converted["deepseek4", DS4], converted["deepseek4", LLAMA_CPP], rows, _v4_blocks, lambda md: {},
+            ordered=False)
+
+
+@pytest.mark.parametrize("arch", ["glm5-next", "deepseek4"])
+def test_redialect_round_trip_is_byte_identical(converted, tmp_path, arch):
+    llama = converted[arch, LLAMA_CPP]
+    ds4 = tmp_path / "ds4.gguf"
+    back = tmp_path / "back.gguf"
+    there = redialect(llama, ds4, to=DS4)
+    assert there.source_dialect == LLAMA_CPP
+    redialect(ds4, back, to=LLAMA_CPP)
+    assert back.read_bytes() == llama.read_bytes()
+    # and a file converted in ds4's dialect is, in llama.cpp's, the file converted in llama.cpp's
+    from_ds4 = tmp_path / "from_ds4.gguf"
+    redialect(converted[arch, DS4], from_ds4, to=LLAMA_CPP)
+    assert from_ds4.read_bytes() == llama.read_bytes()
+
+
+def test_redialect_refuses_an_unmapped_tensor_by_name(converted, tmp_path):
+    with GGUFFile(converted["glm5-next", LLAMA_CPP]) as f:
+        metadata = list(f.metadata.items())
+    bad = tmp_path / "bad.gguf"
+    layout = plan_layout(metadata, [("blk.0.mystery_proj.weight", (4, 32), "F32")])
+    with GGUFWriter(bad, layout) as w:
+        w.write_header()
+        w.write_tensor("blk.0.mystery_proj.weight", bytes(4 * 32 * 4))
+        w.finish()
+    out = tmp_path / "out.gguf"
+    result = CliRunner().invoke(main, ["redialect", str(bad), "--to", "ds4", "-o", str(out)])
+    assert result.exit_code == 2, result.output
+    assert "blk.0.mystery_proj.weight" in result.output
+    assert not out.exists() and not out.with_name(out.name + ".partial").exists()
+
+
+def test_ds4_dialect_refuses_qwen4exp_with_the_reason():
+    with pytest.raises(UnsupportedError, match="qwen38-next"):
+        to_dialect_name("blk.0.attn_qkv.weight", "qwen4exp", DS4)
+
+
+def test_names_both_ways():
+    assert to_llamacpp_name("blk.3.kda_q_conv.weight", "glm5-next") == "blk.3.ssm_conv1d_q.weight"
+    assert to_llamacpp_name("blk.3.kda_output.weight", "glm5-next") == "blk.3.attn_output.weight"
+    assert to_dialect_name("blk.3.attn_output.weight", "glm5-next", DS4, linear_layers={3}) == \
+        "blk.3.kda_output.weight"
+    assert to_dialect_name("blk.4.attn_output.weight", "glm5-next", DS4, linear_layers={3}) == \
+        "blk.4.attn_output.weight"
+    assert to_dialect_name("blk.4.indexer_compressor_gate.weight", "glm5-next", DS4, linear_layers=()) == \
+        "blk.4.indexer.pool_gate.weight"
+
+
+# -- the recipe's default dialect ---------------------------------------------------------------------------------
+
+_DS4_RECIPE = '''name = "q8-ds4"
+architectures = ["glm5_next"]
+dialect = "ds4"
+
+[defaults]
+type = "Q8_0"
+fallback = "BF16"
+'''
+
+
+def test_recipe_dialect_is_convert_default(glm_checkpoint):
+    recipe = parse_recipe(_DS4_RECIPE)
+    assert recipe.dialect == DS4 and recipe.to_dict()["dialect"] == DS4
+    assert parse_recipe(_DS4_RECIPE.replace('dialect = "ds4"\n', "")).dialect is None
+    pre = PRE_TOKENIZER["glm5_next"]
+    default = build_plan(glm_checkpoint, recipe, pre_tokenizer=pre)
+    assert default.dialect == DS4 and "blk.0.kda_q.weight" in {t.name for t in default.tensors}
+    asked = build_plan(glm_checkpoint, recipe, pre_tokenizer=pre, dialect=LLAMA_CPP)   # --dialect wins
+    assert asked.dialect == LLAMA_CPP and "blk.0.attn_q.weight" in {t.name for t in asked.tensors}
+
+
+def test_recipe_dialect_must_be_known():
+    with pytest.raises(RecipeError, match="dialect.*'ds5'.*llama.cpp, ds4"):
+        parse_recipe(_DS4_RECIPE.replace('"ds4"', '"ds5"'))
+    with pytest.raises(RecipeError, match="dialect"):
+        parse_recipe(_DS4_RECIPE.replace('"ds4"', "4"))
+
+
+# -- an imatrix in the ds4 dialect --------------------------------------------------------------------------------
+
+_IMATRIX_RECIPE = '''name = "imatrix-mix"
+architectures = ["glm5_next"]
+
+[defaults]
+type = "Q8_0"
+fallback = "BF16"
+
+[[rule]]
+class = "routed_experts"
+type = "Q2_K"
+
+[[rule]]
+class = "kda_qk"
+type = "Q4_K"
+
+[[rule]]
+class = "kda_output"
+type = "Q4_K"
+'''
+
+
+def test_ds4_dialect_with_an_imatrix_has_the_llama_cpp_payloads(glm_checkpoint, tmp_path):
+    """The imatrix names tensors the llama.cpp way; a ds4-dialect conversion finds every entry under its renamed
+    tensors (kda_q, kda_output ...) and writes, tensor for tensor, the llama.cpp-dialect conversion's bytes."""
+    from quantkit.convert.tensors import imatrix_shapes
+    from quantkit.imatrix import Entry, make_imatrix, save_imatrix
+    from test_convert import decoded_outputs
+
+    rng = np.random.default_rng(5)
+    entries = {}
+    for name, (row, matrices) in imatrix_shapes(decoded_outputs(glm_checkpoint)[1].values()).items():
+        if name.startswith("blk."):   # what llama-imatrix collects, under llama.cpp's names
+            counts = rng.integers(5, 50, matrices).astype(np.float32)
+            if name == "blk.1.ffn_gate_exps.weight":
+                counts[2] = 0   # an expert never observed: bootstrap importance
+            entries[name] = Entry((rng.random((matrices, row)) * counts[:, None]).astype(np.float32), counts)
+    imatrix = tmp_path / "imatrix.gguf"
+    save_imatrix(make_imatrix(entries, datasets=["synthetic:unit-test"], chunk_count=3, chunk_size=64,
+                              synthetic=True), imatrix)
+    recipe = tmp_path / "imatrix-mix.toml"
+    recipe.write_text(_IMATRIX_RECIPE)
+    files, importance = {}, {}
+    for dialect in (LLAMA_CPP, DS4):
+        request = ConvertRequest(source=str(glm_checkpoint), out=tmp_path / f"{dialect}.gguf", recipe=str(recipe),
+                                 imatrix=str(imatrix), allow_synthetic_imatrix=True, jobs=1, progress=False,
+                                 pre_tokenizer=PRE_TOKENIZER["glm5_next"], dialect=dialect)
+        prepared = prepare(request)
+        importance[dialect] = sorted((to_llamacpp_name(t.name, "glm5-next") if dialect == DS4 else t.name,
+                                      t.importance) for t in prepared.plan.tensors)
+        files[dialect] = execute(prepared, request).path
+    assert importance[DS4] == importance[LLAMA_CPP]
+    used = {name for name, how in importance[DS4] if how == "imatrix"}
+    assert {"blk.0.attn_q.weight", "blk.0.attn_output.weight", "blk.1.ffn_gate_exps.weight"} <= used
+    with GGUFFile(files[DS4]) as ds4, GGUFFile(files[LLAMA_CPP]) as llama:
+        assert dialect_of(ds4.metadata) == DS4
+        for name in ds4.tensors:
+            if not name.endswith(".kda_a_log.weight"):   # A_log itself; llama.cpp stores -exp(A_log)
+                assert bytes(ds4.data(name)) == bytes(llama.data(to_llamacpp_name(name, "glm5-next"))), name
+    back = tmp_path / "back.gguf"
+    redialect(files[DS4], back, to=LLAMA_CPP)
+    assert back.read_bytes() == files[LLAMA_CPP].read_bytes()
