@@ -50,6 +50,7 @@ from ..formats.registry import GGMLType, layout as type_layout
 from ..io.gguf import GGUFTensor
 from ..io.gguf_reader import GGUFFile
 from .pieces import chosen
+from .foreign import ForeignPlan
 from .replan import Replan
 from .report import Check, check, skipped
 from .structure import ArtifactReader, ScaleScan, locate
@@ -287,15 +288,14 @@ def _shard_order(ctx: SourceContext, job: TensorJob, shards: list) -> int:
     return min(found, default=len(shards))
 
 
-def audit(f: GGUFFile, plan: Replan, reader: ArtifactReader, scan: ScaleScan, mode: str, seed: int
+def audit(f: GGUFFile, plan: "Replan | ForeignPlan", reader: ArtifactReader, scan: ScaleScan, mode: str, seed: int
           ) -> tuple[list[Check], list[dict]]:
     """The ``payload.bytes`` and ``payload.error`` checks and the per-tensor results (see the module docstring)."""
     if mode == "none":
         why = "--payload none"
         return [skipped("payload.bytes", why), skipped("payload.error", why)], []
-    prepared = plan.prepared
-    ctx = SourceContext(str(prepared.source.path), prepared.plan.model_type, plan.imatrix_path,
-                        prepared.imatrix_shapes, allow_synthetic_imatrix=True)
+    ctx = SourceContext(str(plan.source_path), plan.model_type, plan.imatrix_path, plan.imatrix_shapes,
+                        allow_synthetic_imatrix=True)
     comparer = _Comparer(f, reader, scan)
     results: list[TensorResult] = []
     not_compared = []

@@ -78,6 +78,18 @@ class Replan:
     hashed_bytes: int = 0
 
     @property
+    def source_path(self) -> Path:
+        return self.prepared.source.path
+
+    @property
+    def model_type(self) -> str:
+        return self.prepared.plan.model_type
+
+    @property
+    def imatrix_shapes(self) -> dict[str, tuple[int, int]]:
+        return self.prepared.imatrix_shapes
+
+    @property
     def shards(self) -> list[Path]:
         return [p for p in self.files if p.name.endswith(SHARD_SUFFIX)]
 
