@@ -49,13 +49,35 @@ TEXT = ("def mean(values):\n    total = 0\n    for v in values:\n        total +
         "class Stack:\n    def __init__(self):\n        self.items = []\n    def push(self, item):\n")
 
 #: llama-quantize's C API in a child process (a ggml abort must not end the test session).
+#: With an imatrix file, its entries are read with gguf-py and divided as llama-quantize's tool does
+#: (``in_sum2 / count`` per matrix, float32) and passed as the C API's ``llama_model_imatrix_data`` array.
 QUANTIZE_RUNNER = """
 import ctypes, sys
+import numpy as np
+import gguf
 import llama_cpp
-src, out, ftype = sys.argv[1], sys.argv[2], sys.argv[3]
+src, out, ftype, imatrix = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4]
 params = llama_cpp.llama_model_quantize_default_params()
 params.ftype = getattr(llama_cpp, ftype)
 params.nthread = 2
+keep = []
+if imatrix:
+    reader = gguf.GGUFReader(imatrix)
+    tensors = {t.name: np.asarray(t.data, dtype=np.float32) for t in reader.tensors}
+    entries = (llama_cpp.llama_model_imatrix_data * (len(tensors) + 1))()
+    i = 0
+    for key, sums in tensors.items():
+        if not key.endswith(".in_sum2"):
+            continue
+        counts = tensors[key[: -len(".in_sum2")] + ".counts"].reshape(-1)
+        values = np.ascontiguousarray((sums.reshape(len(counts), -1) / counts[:, None]).astype(np.float32).ravel())
+        keep.append(values)
+        entries[i].name = key[: -len(".in_sum2")].encode()
+        entries[i].data = values.ctypes.data_as(ctypes.POINTER(ctypes.c_float))
+        entries[i].size = values.size
+        i += 1
+    entries[i].name = None
+    params.imatrix = ctypes.cast(entries, ctypes.POINTER(llama_cpp.llama_model_imatrix_data))
 rc = llama_cpp.llama_model_quantize(src.encode(), out.encode(), ctypes.byref(params))
 sys.exit(rc)
 """
@@ -84,9 +106,9 @@ def converted(tiny_checkpoints, tmp_path_factory, llama_cpp_src):
     return get
 
 
-def quantize(src: Path, out: Path, ftype: str = "LLAMA_FTYPE_MOSTLY_Q4_K_M") -> Path:
-    result = subprocess.run([sys.executable, "-c", QUANTIZE_RUNNER, str(src), str(out), ftype], capture_output=True,
-                            text=True, timeout=600)
+def quantize(src: Path, out: Path, ftype: str = "LLAMA_FTYPE_MOSTLY_Q4_K_M", imatrix: Path | None = None) -> Path:
+    result = subprocess.run([sys.executable, "-c", QUANTIZE_RUNNER, str(src), str(out), ftype, str(imatrix or "")],
+                            capture_output=True, text=True, timeout=600)
     if result.returncode != 0:
         errors = [line for line in result.stderr.splitlines() if GGML_ABORT.search(line)]
         raise AssertionError(f"llama_model_quantize failed (exit {result.returncode}): "
@@ -184,6 +206,37 @@ def test_llama_quantize_q4_k_m_is_proven_byte_for_byte(q4_k_m, arch, tmp_path):
     assert all(t["compared"] == "full" and t["match"] for t in report["tensors"]) and len(report["tensors"]) == total
     sampled = validate(path, "--source", source)
     assert sampled.exit_code == 0, sampled.output
+
+
+def every_matrix_imatrix(path: Path, gguf_path: Path) -> Path:
+    """A seeded imatrix observing every matrix (expert) of every block weight of ``gguf_path``."""
+    from quantkit.imatrix import Entry, make_imatrix, save_imatrix
+
+    rng = np.random.default_rng(11)
+    entries = {}
+    with GGUFFile(gguf_path) as f:
+        for t in f.tensors.values():
+            if t.name.startswith("blk.") and len(t.shape) in (2, 3) and t.type.name == "F32":
+                mats = t.shape[0] if len(t.shape) == 3 else 1
+                entries[t.name] = Entry((rng.random((mats, t.shape[-1])) * 8).astype(np.float32),
+                                        rng.integers(1, 9, mats).astype(np.float32))
+    save_imatrix(make_imatrix(entries, datasets=["synthetic:foreign"], chunk_count=8, synthetic=True), path)
+    return path
+
+
+def test_llama_quantize_with_an_imatrix_is_proven_with_it(converted, tmp_path):
+    source, f32 = converted("qwen3_moe")
+    imatrix = every_matrix_imatrix(tmp_path / "imatrix.gguf", f32)
+    path = quantize(f32, tmp_path / "Q4_K_M-imatrix.gguf", imatrix=imatrix)
+    with GGUFFile(path) as f:
+        total = len(f.tensors)
+    result = validate(path, "--source", source, "--imatrix", imatrix, "--payload", "full")
+    assert result.exit_code == 0, result.output
+    assert f"valid ({total} of {total} tensors proven)" in result.output
+    # without it, the tensors that used it are unproven (not reported as differing, not passed)
+    result = validate(path, "--source", source, "--payload", "full")
+    assert result.exit_code == 1, result.output
+    assert "unproven" in result.output and "quantized with an imatrix" in result.output
 
 
 def test_flipped_payload_byte_is_named(q4_k_m, tmp_path):

@@ -166,6 +166,8 @@ def _qwen3moe(r: KeyReader, c: dict) -> None:
 
 def _deepseek2(r: KeyReader, c: dict) -> None:
     c["scoring_func"] = _scoring(r, ("sigmoid",))
+    if not r.has("attention.q_lora_rank"):
+        c["q_lora_rank"] = None                            # a full-rank q_proj (transformers' default is a rank)
     c["num_key_value_heads"] = c["num_attention_heads"]    # MLA is written as MQA (head_count_kv 1)
     c["qk_nope_head_dim"] = r.get("attention.key_length_mla") - c["qk_rope_head_dim"]
     c["head_dim"] = c["qk_rope_head_dim"]

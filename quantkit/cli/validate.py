@@ -37,7 +37,11 @@ def _write_json(path: Path, data: dict) -> None:
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path),
               help="write the full report (every check, every tensor) as JSON to this file")
 def validate(artifact, source, recipe, imatrix, payload, seed, structure_only, json_path):
-    """Validate ARTIFACT: structure, inventory against a re-plan, and payload bytes against the source."""
+    """Validate ARTIFACT: structure, inventory against a re-plan, and payload bytes against the source.
+
+    A GGUF quantkit did not write (llama.cpp's converter and llama-quantize, ...) is validated against --source with
+    the plan read off the file (each tensor's stored type); the verdict counts the tensors proven and those that
+    could not be, with the reason. Without --source only its structure is checked."""
     from ..errors import QuantkitError
     from ..validate import validate as run
 

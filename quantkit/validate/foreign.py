@@ -12,7 +12,7 @@ A tensor quantkit cannot reproduce is **unproven**, with the reason, never passe
 - no source tensor maps to its name (a tensor the writer adds);
 - quantkit has no encoder for its type;
 - its type requires an importance matrix (IQ2_XXS, IQ2_XS, IQ1_S) and none was given, or the imatrix has no entry
-  for it;
+  for it; or its type uses importance, the file records an imatrix (``quantize.imatrix.file``) and none was given;
 - the imatrix never observed some of its experts (llama-quantize weighs those with ones; quantkit's converter
   does not make that choice).
 
@@ -30,6 +30,8 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
+
+import numpy as np
 
 from ..arch import OutputTensor, get_arch
 from ..arch.gguf_config import llama_cpp_view
@@ -92,12 +94,16 @@ def _lossless(qtype: GGMLType, encoding: str) -> str:
     return "encode"
 
 
-def _job(name: str, qtype: GGMLType, output: OutputTensor, encoding: str, imatrix) -> tuple[TensorJob | None, str]:
-    """The job proving one tensor, or None and why it cannot be proven."""
+def _job(name: str, qtype: GGMLType, output: OutputTensor, encoding: str, imatrix, imatrix_used: str | None
+         ) -> tuple[TensorJob | None, str]:
+    """The job proving one tensor, or None and why it cannot be proven (``imatrix_used``: the imatrix file the
+    artifact records, when it records one)."""
     fmt = get_format(qtype)
     kind = _lossless(qtype, encoding)
     if kind == "encode" and not fmt.can_encode:
         return None, f"quantkit cannot encode {qtype.name}"
+    if kind == "encode" and fmt.imatrix is not ImatrixUse.IGNORED and imatrix is None and imatrix_used is not None:
+        return None, f"{qtype.name} quantized with an imatrix ({imatrix_used!r}); pass --imatrix"
     importance = "none"
     if kind == "encode" and fmt.imatrix is not ImatrixUse.IGNORED and imatrix is not None and name in imatrix.entries:
         importance = "imatrix"
@@ -109,6 +115,12 @@ def _job(name: str, qtype: GGMLType, output: OutputTensor, encoding: str, imatri
         return None, (f"{qtype.name} requires the imatrix the file was made with (pass --imatrix)" if imatrix is None
                       else f"{qtype.name} requires importance and the imatrix has no entry for it")
     return TensorJob(name, qtype, output, tensor_nbytes(qtype, output.shape), kind, importance), ""
+
+
+def _source_values(ckpt, name: str):
+    """A source tensor as metadata takes it: integers as stored (hash constants), floats as float32."""
+    info = ckpt.tensor_info(name)
+    return np.asarray(ckpt.raw(name)) if info.dtype.startswith(("I", "U")) else ckpt.tensor_f32(name)
 
 
 def foreign_plan(f: GGUFFile, source: str, imatrix: str | None) -> tuple[ForeignPlan, list[str]]:
@@ -123,7 +135,8 @@ def foreign_plan(f: GGUFFile, source: str, imatrix: str | None) -> tuple[Foreign
         amap = get_arch(model_type).bind(ckpt.config)
         shapes, encodings = inspect_sources(ckpt)
         outputs = {o.gguf_name: o for o in amap.outputs(shapes)}
-        expected = dict(amap.metadata(None))
+        expected = dict(amap.metadata(None, tensor_values=lambda name: _source_values(ckpt, name),
+                                      tensor_shapes=shapes))
         shards = {ckpt.tensor_info(n).file for n in ckpt.tensor_names()}
     arch = f.metadata.get("general.architecture")
     if arch is not None and arch.value != amap.arch.gguf_arch:
@@ -131,6 +144,8 @@ def foreign_plan(f: GGUFFile, source: str, imatrix: str | None) -> tuple[Foreign
                           f"({amap.arch.gguf_arch!r})", path=resolved.path, field="model_type")
     shape_table = imatrix_shapes(outputs.values())
     loaded = None if imatrix is None else load_model_imatrix(imatrix, amap, shape_table, allow_synthetic=True)
+    recorded = f.metadata.get("quantize.imatrix.file")
+    imatrix_used = None if recorded is None else str(recorded.value)
     problems, jobs, unproven = [], {}, {}
     for name, t in f.tensors.items():
         o = outputs.get(name)
@@ -141,7 +156,7 @@ def foreign_plan(f: GGUFFile, source: str, imatrix: str | None) -> tuple[Foreign
             problems.append(f"{name}: shape {list(file_shapes[name])}, the source gives {list(o.shape)}")
             continue
         encoding = {encodings[m.hf_name] for m in o.sources}
-        job, why = _job(name, t.type, o, encoding.pop() if len(encoding) == 1 else "mixed", loaded)
+        job, why = _job(name, t.type, o, encoding.pop() if len(encoding) == 1 else "mixed", loaded, imatrix_used)
         if job is None:
             unproven[name] = why
         else:
@@ -152,9 +167,6 @@ def foreign_plan(f: GGUFFile, source: str, imatrix: str | None) -> tuple[Foreign
     plan.files = provenance_files(resolved, shards)
     plan.notes.append("not written by quantkit: the plan is the file's own tensor types (each tensor re-encoded "
                       "from the source to its stored type)")
-    if "quantize.imatrix.file" in f.metadata and imatrix is None:
-        plan.notes.append(f"the file was quantized with an imatrix ({f.metadata['quantize.imatrix.file'].value!r}); "
-                          f"pass --imatrix to prove the tensors that used it")
     return plan, problems
 
 
