@@ -4,10 +4,10 @@
 * The runtime rebuilds the model config from the file's own keys (no ``quantkit.source.config``): the logits equal
   those of the same file loaded with the source ``config.json`` (bit for bit), and those of the source checkpoint
   (within the runtime's tolerance).
-* ``validate FOREIGN.gguf --source DIR`` proves a llama.cpp Q4_K_M file byte for byte (exit 0); a flipped payload
+* ``validate FOREIGN.gguf --source DIR`` proves llama.cpp Q4_K_M files (with and without an imatrix) byte for byte (exit 0); a flipped payload
   byte is named (exit 1); tensors it cannot prove are counted with the reason (exit 1); without a source only the
   structure is checked, and the report says so.
-* The quantized file scores with llama.cpp's per-token NLL within 1e-3 (llama-cpp-python, F32 KV cache, every
+* The quantized files score with llama.cpp's per-token NLL within 1e-3 (llama-cpp-python, F32 KV cache, every
   position's logits).
 * ``inspect`` and ``imatrix info --model`` read the file.
 """
@@ -78,6 +78,15 @@ if imatrix:
         i += 1
     entries[i].name = None
     params.imatrix = ctypes.cast(entries, ctypes.POINTER(llama_cpp.llama_model_imatrix_data))
+    # what the llama-quantize tool records about the imatrix it used
+    overrides = (llama_cpp.llama_model_kv_override * 3)()
+    overrides[0].tag = llama_cpp.LLAMA_KV_OVERRIDE_TYPE_STR
+    overrides[0].key = b"quantize.imatrix.file"
+    overrides[0].value.val_str = imatrix.encode()[:127]
+    overrides[1].tag = llama_cpp.LLAMA_KV_OVERRIDE_TYPE_INT
+    overrides[1].key = b"quantize.imatrix.entries_count"
+    overrides[1].value.val_i64 = i
+    params.kv_overrides = ctypes.cast(overrides, ctypes.POINTER(llama_cpp.llama_model_kv_override))
 rc = llama_cpp.llama_model_quantize(src.encode(), out.encode(), ctypes.byref(params))
 sys.exit(rc)
 """

@@ -98,6 +98,8 @@ class ConfigSpec:
     derive: Callable[[KeyReader, dict], None] | None = None
     nested: bool = False
     """The model is a vision-language wrapper: the text fields go under ``text_config``."""
+    root_keys: tuple[Key, ...] = ()
+    """Keys of a wrapper's own fields (outside ``text_config``)."""
 
 
 # -- shared pieces ------------------------------------------------------------------------------------------------
@@ -319,7 +321,8 @@ SPECS: Mapping[str, ConfigSpec] = {spec.gguf_arch: spec for spec in (
         Key("indexer_budget", "attention.indexer.top_k"), Key("ngram_size", "ple.ngram_size", required=False),
         Key("heads_per_ngram", "ple.heads_per_ngram", required=False),
         Key("ple_conv_kernel_size", "ple.conv_kernel", required=False)),
-        constants={"hidden_act": "silu", "norm_topk_prob": True}, derive=_qwen4exp, nested=True),
+        constants={"hidden_act": "silu", "norm_topk_prob": True}, derive=_qwen4exp, nested=True,
+        root_keys=(Key("image_token_id", "ple.image_token_id", required=False),)),
 )}
 
 
@@ -358,8 +361,10 @@ def config_from_keys(metadata: Mapping[str, KV], shapes: Mapping[str, tuple[int,
         spec.derive(r, text)
     if not spec.nested:
         return {"model_type": spec.model_type, "architectures": [spec.model_class], **text}
+    root = {k.field: value for k in spec.root_keys
+            if (value := r.number(k.key, _MISSING if k.required else None)) is not None}
     return {"model_type": spec.model_type, "architectures": [spec.model_class],
-            "tie_word_embeddings": text["tie_word_embeddings"], "text_config": text}
+            "tie_word_embeddings": text["tie_word_embeddings"], **root, "text_config": text}
 
 
 __all__ = ["ConfigSpec", "Key", "KeyReader", "SPECS", "config_from_keys", "f32_decimal", "llama_cpp_view"]
