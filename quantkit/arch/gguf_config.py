@@ -17,13 +17,14 @@ Correctness is checked where the config is used: the runtime derives the metadat
 error cannot run silently.
 
 Dialects: the tables are written in llama.cpp's key names.  A file in another dialect (ds4's) is first seen through
-:func:`llama_cpp_view`, the single place where its keys and tensor names are translated to llama.cpp's.
+:func:`llama_cpp_view`, the single place where its keys and tensor names are translated to llama.cpp's (the runtime
+and foreign-file validation read every GGUF through it).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 import numpy as np
 
@@ -326,19 +327,21 @@ SPECS: Mapping[str, ConfigSpec] = {spec.gguf_arch: spec for spec in (
 )}
 
 
-def llama_cpp_view(metadata: Mapping[str, KV], shapes: Mapping[str, tuple[int, ...]]
-                   ) -> tuple[Mapping[str, KV], Mapping[str, tuple[int, ...]]]:
-    """The file's keys and tensor shapes under llama.cpp's names.
+def llama_cpp_view(metadata: Mapping[str, KV], names: Iterable[str]) -> tuple[Mapping[str, KV], dict[str, str]]:
+    """A file's keys under llama.cpp's names, and llama.cpp tensor name -> the name stored in the file.
 
     The one hook for other dialects: a ds4-dialect file is translated here through the llama.cpp <-> ds4 table
-    (``quantkit.arch.dialects``) before any lookup below; a llama.cpp file passes through unchanged.
+    (``quantkit.arch.dialects``); a llama.cpp file passes through unchanged.  Every reader of a GGUF that looks
+    names up in the architecture tables (the runtime's :class:`~quantkit.runtime.weights.GGUFWeights`, foreign-file
+    validation) goes through it, and payloads are read under the stored names.
     """
-    return metadata, shapes
+    return metadata, {name: name for name in names}
 
 
 def config_from_keys(metadata: Mapping[str, KV], shapes: Mapping[str, tuple[int, ...]], path: Path) -> dict:
-    """The transformers ``config.json`` (as a dict) a GGUF's hyperparameter keys describe (see the module doc)."""
-    metadata, shapes = llama_cpp_view(metadata, shapes)
+    """The transformers ``config.json`` (as a dict) a GGUF's hyperparameter keys describe (see the module doc).
+
+    ``metadata`` and ``shapes`` (numpy order) are under llama.cpp's names (:func:`llama_cpp_view`)."""
     arch_kv = metadata.get("general.architecture")
     if arch_kv is None:
         raise FormatError("needed to rebuild the model config, missing from the file", path=path,

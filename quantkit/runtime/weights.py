@@ -46,7 +46,7 @@ import ml_dtypes
 import numpy as np
 
 from ..arch import OutputTensor, get_arch
-from ..arch.gguf_config import config_from_keys
+from ..arch.gguf_config import config_from_keys, llama_cpp_view
 from ..convert.provenance import SOURCE_CONFIG_KEY
 from ..errors import FormatError, MissingSourceError, SourceError, StateError, UnsupportedError
 from ..formats.registry import GGMLType
@@ -75,8 +75,12 @@ class GGUFWeights:
         self.path = Path(path)
         self.file = GGUFFile(self.path)
         try:
-            self.metadata: dict[str, KV] = dict(self.file.metadata)
-            self.tensors = {t.name: StoredTensor(t.name, t.type, tuple(t.shape)) for t in self.file.tensors.values()}
+            # llama.cpp's names whatever the file's dialect; payloads are read under the stored names
+            metadata, self._stored = llama_cpp_view(self.file.metadata, list(self.file.tensors))
+            self.metadata: dict[str, KV] = dict(metadata)
+            self.tensors = {name: StoredTensor(name, self.file.tensors[stored].type,
+                                               tuple(self.file.tensors[stored].shape))
+                            for name, stored in self._stored.items()}
             self.config = dict(config) if config is not None else config_from_gguf(self.metadata, self.tensors,
                                                                                   self.path)
         except BaseException:
@@ -84,7 +88,7 @@ class GGUFWeights:
             raise
 
     def data(self, name: str, index: int | None = None) -> np.ndarray:
-        payload = self.file.data(name)
+        payload = self.file.data(self._stored[name])
         return payload if index is None else payload[index]
 
     def close(self) -> None:

@@ -70,10 +70,15 @@ class ForeignPlan:
     expected_metadata: dict
     imatrix_path: str | None
     imatrix_shapes: dict[str, tuple[int, int]]
+    stored: dict[str, str] = field(default_factory=dict)
+    """llama.cpp tensor name -> the name stored in the file (:func:`~quantkit.arch.gguf_config.llama_cpp_view`)."""
     files: list[Path] = field(default_factory=list)
     computed_hashes: dict[str, str] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
     hashed_bytes: int = 0
+
+    def stored_name(self, name: str) -> str:
+        return self.stored.get(name, name)
 
     @property
     def source_path(self) -> Path:
@@ -126,7 +131,8 @@ def _source_values(ckpt, name: str):
 def foreign_plan(f: GGUFFile, source: str, imatrix: str | None) -> tuple[ForeignPlan, list[str]]:
     """The plan inferred from ``f`` against ``source``, and the inventory problems found on the way."""
     resolved = resolve_source(source)
-    _, file_shapes = llama_cpp_view(f.metadata, {n: tuple(t.shape) for n, t in f.tensors.items()})
+    metadata, stored = llama_cpp_view(f.metadata, list(f.tensors))
+    by_name = {name: f.tensors[s] for name, s in stored.items()}
     with open_checkpoint(resolved.path) as ckpt:
         model_type = ckpt.config.get("model_type")
         if not isinstance(model_type, str):
@@ -138,7 +144,7 @@ def foreign_plan(f: GGUFFile, source: str, imatrix: str | None) -> tuple[Foreign
         expected = dict(amap.metadata(None, tensor_values=lambda name: _source_values(ckpt, name),
                                       tensor_shapes=shapes))
         shards = {ckpt.tensor_info(n).file for n in ckpt.tensor_names()}
-    arch = f.metadata.get("general.architecture")
+    arch = metadata.get("general.architecture")
     if arch is not None and arch.value != amap.arch.gguf_arch:
         raise SourceError(f"the artifact is a {arch.value!r} model, the source a {model_type!r} one "
                           f"({amap.arch.gguf_arch!r})", path=resolved.path, field="model_type")
@@ -147,13 +153,13 @@ def foreign_plan(f: GGUFFile, source: str, imatrix: str | None) -> tuple[Foreign
     recorded = f.metadata.get("quantize.imatrix.file")
     imatrix_used = None if recorded is None else str(recorded.value)
     problems, jobs, unproven = [], {}, {}
-    for name, t in f.tensors.items():
+    for name, t in by_name.items():
         o = outputs.get(name)
         if o is None:
-            unproven[name] = "no source tensor maps to it"
+            unproven[t.name] = "no source tensor maps to it"
             continue
-        if tuple(file_shapes[name]) != tuple(o.shape):
-            problems.append(f"{name}: shape {list(file_shapes[name])}, the source gives {list(o.shape)}")
+        if tuple(t.shape) != tuple(o.shape):
+            problems.append(f"{t.name}: shape {list(t.shape)}, the source gives {list(o.shape)}")
             continue
         encoding = {encodings[m.hf_name] for m in o.sources}
         job, why = _job(name, t.type, o, encoding.pop() if len(encoding) == 1 else "mixed", loaded, imatrix_used)
@@ -162,8 +168,8 @@ def foreign_plan(f: GGUFFile, source: str, imatrix: str | None) -> tuple[Foreign
         else:
             jobs[name] = job
     problems += [f"missing {n} ({list(o.shape)}): the source maps a tensor the file lacks" for n, o in outputs.items()
-                 if n not in f.tensors]
-    plan = ForeignPlan(resolved, model_type, jobs, unproven, outputs, expected, imatrix, shape_table)
+                 if n not in by_name]
+    plan = ForeignPlan(resolved, model_type, jobs, unproven, outputs, expected, imatrix, shape_table, stored)
     plan.files = provenance_files(resolved, shards)
     plan.notes.append("not written by quantkit: the plan is the file's own tensor types (each tensor re-encoded "
                       "from the source to its stored type)")

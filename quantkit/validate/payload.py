@@ -307,7 +307,7 @@ def audit(f: GGUFFile, plan: "Replan | ForeignPlan", reader: ArtifactReader, sca
             jobs.sort(key=lambda j: (_shard_order(ctx, j, shards), order[j.name]))
         hashed: set[str] = set()
         for job in jobs:
-            t = f.tensors.get(job.name)
+            t = f.tensors.get(plan.stored_name(job.name))
             if t is None or t.type != job.qtype or tuple(t.shape) != tuple(job.output.shape):
                 not_compared.append(job.name)
                 continue

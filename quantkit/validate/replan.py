@@ -77,6 +77,10 @@ class Replan:
     notes: list[str] = field(default_factory=list)
     hashed_bytes: int = 0
 
+    def stored_name(self, name: str) -> str:
+        """The artifact's name of planned tensor ``name`` (the same: quantkit writes llama.cpp's names)."""
+        return name
+
     @property
     def source_path(self) -> Path:
         return self.prepared.source.path
