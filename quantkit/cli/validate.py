@@ -39,7 +39,11 @@ def _write_json(path: Path, data: dict, overwrite: bool) -> None:
               help="write the full report (every check, every tensor) as JSON to this file")
 @click.option("--force", is_flag=True, help="replace an existing --json file")
 def validate(artifact, source, recipe, imatrix, payload, seed, structure_only, json_path, force):
-    """Validate ARTIFACT: structure, inventory against a re-plan, and payload bytes against the source."""
+    """Validate ARTIFACT: structure, inventory against a re-plan, and payload bytes against the source.
+
+    A GGUF quantkit did not write (llama.cpp's converter and llama-quantize, ...) is validated against --source with
+    the plan read off the file (each tensor's stored type); the verdict counts the tensors proven and those that
+    could not be, with the reason. Without --source only its structure is checked."""
     from ..errors import QuantkitError
     from ..io.atomic import check_output, input_files
     from ..validate import validate as run

@@ -9,8 +9,8 @@ Both sources give the same view, so a source checkpoint and its quantized GGUF r
   checkpoint).
 
 The config of a GGUF comes, in order, from the ``config=`` argument, from the ``quantkit.source.config`` key
-(the source ``config.json`` text, written by ``quantkit convert``), or is rebuilt from the GGUF hyperparameters
-for the architectures where that is exact (:data:`CONFIG_BUILDERS`: ``qwen3moe``).
+(the source ``config.json`` text, written by ``quantkit convert``), or is rebuilt from the GGUF hyperparameter keys
+(:mod:`quantkit.arch.gguf_config`, every architecture: files made by llama.cpp's converter and llama-quantize).
 
 A checkpoint is planned at open from its headers alone (:meth:`quantkit.arch.ArchMap.outputs`: names, shapes) and
 stays open; ``data(name)`` assembles one GGUF tensor on demand (its sources decoded to float32 by
@@ -46,6 +46,7 @@ import ml_dtypes
 import numpy as np
 
 from ..arch import OutputTensor, get_arch
+from ..arch.gguf_config import config_from_keys, llama_cpp_view
 from ..convert.provenance import SOURCE_CONFIG_KEY
 from ..errors import FormatError, MissingSourceError, SourceError, StateError, UnsupportedError
 from ..formats.registry import GGMLType
@@ -75,8 +76,12 @@ class GGUFWeights:
         self.path = Path(path)
         self.file = GGUFFile(self.path)
         try:
-            self.metadata: dict[str, KV] = dict(self.file.metadata)
-            self.tensors = {t.name: StoredTensor(t.name, t.type, tuple(t.shape)) for t in self.file.tensors.values()}
+            # llama.cpp's names whatever the file's dialect; payloads are read under the stored names
+            metadata, self._stored = llama_cpp_view(self.file.metadata, list(self.file.tensors))
+            self.metadata: dict[str, KV] = dict(metadata)
+            self.tensors = {name: StoredTensor(name, self.file.tensors[stored].type,
+                                               tuple(self.file.tensors[stored].shape))
+                            for name, stored in self._stored.items()}
             self.config = dict(config) if config is not None else config_from_gguf(self.metadata, self.tensors,
                                                                                   self.path)
         except BaseException:
@@ -84,7 +89,7 @@ class GGUFWeights:
             raise
 
     def data(self, name: str, index: int | None = None) -> np.ndarray:
-        payload = self.file.data(name)
+        payload = self.file.data(self._stored[name])
         return payload if index is None else payload[index]
 
     def close(self) -> None:
@@ -275,52 +280,9 @@ def open_weights(path: str | os.PathLike, config: Mapping[str, Any] | None = Non
 
 # -- the config of a GGUF -----------------------------------------------------------------------------------------
 
-def _value(metadata: Mapping[str, KV], key: str, path: Path, default: Any = None) -> Any:
-    kv = metadata.get(key)
-    if kv is None:
-        if default is None:
-            raise FormatError(f"needs metadata key {key!r} to rebuild the model config", path=path, field=key)
-        return default
-    return kv.value.tolist() if isinstance(kv.value, np.ndarray) else kv.value
-
-
-def _qwen3moe_config(metadata: Mapping[str, KV], tensors: Mapping[str, StoredTensor], path: Path) -> dict:
-    """transformers' Qwen3-MoE config from llama.cpp's qwen3moe keys (every field the forward pass reads)."""
-    def get(key: str, default: Any = None) -> Any:
-        return _value(metadata, f"qwen3moe.{key}", path, default)
-
-    if "token_embd.weight" not in tensors:
-        raise FormatError("has no token_embd.weight", path=path, tensor="token_embd.weight")
-    heads = get("attention.head_count")
-    config = {
-        "model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"],
-        "vocab_size": tensors["token_embd.weight"].shape[0], "hidden_size": get("embedding_length"),
-        "intermediate_size": get("feed_forward_length", 0), "num_hidden_layers": get("block_count"),
-        "num_attention_heads": heads, "num_key_value_heads": get("attention.head_count_kv"),
-        "head_dim": get("attention.key_length", get("embedding_length") // heads),
-        "max_position_embeddings": get("context_length"),
-        "rms_norm_eps": get("attention.layer_norm_rms_epsilon"), "num_experts": get("expert_count"),
-        "num_experts_per_tok": get("expert_used_count"), "moe_intermediate_size": get("expert_feed_forward_length"),
-        # llama.cpp's qwen3moe always renormalizes the top-k weights and has no dense layers
-        "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [],
-        "rope_parameters": {"rope_type": "default", "rope_theta": get("rope.freq_base")},
-        "tie_word_embeddings": "output.weight" not in tensors, "hidden_act": "silu", "attention_bias": False,
-    }
-    for field, key in (("bos_token_id", "tokenizer.ggml.bos_token_id"), ("eos_token_id", "tokenizer.ggml.eos_token_id"),
-                       ("pad_token_id", "tokenizer.ggml.padding_token_id")):
-        if key in metadata:
-            config[field] = metadata[key].value
-    return config
-
-
-#: GGUF architecture -> the function rebuilding the transformers config from the GGUF hyperparameters.
-CONFIG_BUILDERS: Mapping[str, Callable[[Mapping[str, KV], Mapping[str, StoredTensor], Path], dict]] = {
-    "qwen3moe": _qwen3moe_config,
-}
-
-
 def config_from_gguf(metadata: Mapping[str, KV], tensors: Mapping[str, StoredTensor], path: Path) -> dict:
-    """The source config of a GGUF: the ``quantkit.source.config`` text, else rebuilt from the hyperparameters."""
+    """The source config of a GGUF: the ``quantkit.source.config`` text, else rebuilt from the hyperparameter keys
+    (:func:`quantkit.arch.gguf_config.config_from_keys`: files made by llama.cpp or any other writer)."""
     if SOURCE_CONFIG_KEY in metadata:
         try:
             config = json.loads(metadata[SOURCE_CONFIG_KEY].value)
@@ -331,9 +293,4 @@ def config_from_gguf(metadata: Mapping[str, KV], tensors: Mapping[str, StoredTen
         check_config_sizes(config, {n: tuple(t.shape) for n, t in tensors.items()},
                            path=f"{path} [{SOURCE_CONFIG_KEY}]")
         return config
-    arch = _value(metadata, "general.architecture", path)
-    if arch not in CONFIG_BUILDERS:
-        raise UnsupportedError(f"the file has no {SOURCE_CONFIG_KEY!r} and the config of a {arch!r} model cannot be "
-                               f"rebuilt from its hyperparameters (possible for {sorted(CONFIG_BUILDERS)}); pass "
-                               f"config= (the source config.json) or convert with quantkit", path=path)
-    return CONFIG_BUILDERS[arch](metadata, tensors, path)
+    return config_from_keys(metadata, {name: t.shape for name, t in tensors.items()}, path)

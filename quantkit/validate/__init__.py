@@ -11,6 +11,11 @@ check.  For a GGUF file, in order:
 3. **payload** (:mod:`.payload`): every tensor, or a sample, re-encoded from the source with the converter's own
    code (:func:`quantkit.convert.tensors.pieces`) and compared byte for byte, with each tensor's dequantized error against a per-type bound.
 
+A GGUF quantkit did not write (no recorded recipe, none given: llama.cpp's converter and llama-quantize, ...) is
+validated by :mod:`.foreign`: its plan is inferred from the file (each tensor's stored type), each tensor re-encoded
+from ``source`` and compared, and the verdict counts the tensors proven and those that could not be (with why);
+without a source only the structure is checked, and the report says so.
+
 Input that cannot be read (not GGUF, truncated, malformed header, missing source or recipe) raises a
 :class:`~quantkit.errors.QuantkitError`; everything else is a check in the report.  ``structure_only`` skips 2
 and 3 (no source needed).  A path ending ``.json`` or ``.safetensors`` is a sidecar: it is handed to
@@ -26,6 +31,9 @@ from pathlib import Path
 
 from ..errors import UnsupportedError
 from ..io.gguf_reader import GGUFFile
+from .foreign import foreign_plan, is_foreign, proof_check, source_hash_check, unverified_checks
+from .foreign import metadata_check as foreign_metadata_check
+from .foreign import tensors_check as foreign_tensors_check
 from .payload import PAYLOAD_MODES, audit
 from .replan import describe_inputs, inventory_checks, replan, source_check
 from .report import FAILED, PASSED, Check, Report, skipped
@@ -55,6 +63,8 @@ def validate(artifact: str | os.PathLike, *, source: str | None = None, recipe: 
 def _gguf(f: GGUFFile, reader: ArtifactReader, *, source, recipe, imatrix, payload: str, seed: int,
           structure_only: bool) -> Report:
     mode = "none" if structure_only else payload
+    if recipe is None and is_foreign(f):
+        return _foreign(f, reader, source=None if structure_only else source, imatrix=imatrix, mode=mode, seed=seed)
     report = Report(str(f.path), "gguf", mode, seed)
     plan = None if structure_only else replan(f, source=source, recipe=recipe, imatrix=imatrix)
     scan = ScaleScan()
@@ -62,11 +72,7 @@ def _gguf(f: GGUFFile, reader: ArtifactReader, *, source, recipe, imatrix, paylo
         payload_checks = [skipped(name, "--structure-only") for name in ("payload.bytes", "payload.error")]
     else:
         payload_checks, report.tensors = audit(f, plan, reader, scan, mode, seed)
-    if mode != "sample":   # every block is scanned: those the payload audit did not read are read now
-        compared = {t["name"] for t in report.tensors if t["compared"] == "full"}
-        for t in f.tensors.values():
-            if t.name not in compared:
-                scan_tensor(reader, f, t, scan)
+    _scan_rest(f, reader, scan, report.tensors, mode)
     scope = "sampled regions only" if mode == "sample" else "every block"
     report.checks = [header_check(f), *layout_checks(f), padding_check(reader, f, payloads=mode != "sample"),
                      scan.check(f.tensors, scope), metadata_check(f), provenance_check(f)]
@@ -80,6 +86,50 @@ def _gguf(f: GGUFFile, reader: ArtifactReader, *, source, recipe, imatrix, paylo
     if mode == "sample":
         report.sampled_bytes = (sum(t["bytes_compared"] for t in report.tensors),
                                 sum(t.nbytes for t in f.tensors.values()))
+    report.io = {"artifact_bytes": f.file_size, "header_bytes": f.data_offset,
+                 "artifact_bytes_read": reader.bytes_read,
+                 "source_files_hashed_bytes": 0 if plan is None else plan.hashed_bytes}
+    return report
+
+
+def _scan_rest(f: GGUFFile, reader: ArtifactReader, scan: ScaleScan, tensors: list[dict], mode: str) -> None:
+    """Outside ``sample`` mode every block is scanned: those the payload audit did not read are read now."""
+    if mode == "sample":
+        return
+    compared = {t["name"] for t in tensors if t["compared"] == "full"}
+    for t in f.tensors.values():
+        if t.name not in compared:
+            scan_tensor(reader, f, t, scan)
+
+
+def _foreign(f: GGUFFile, reader: ArtifactReader, *, source, imatrix, mode: str, seed: int) -> Report:
+    """A file quantkit did not write: the plan is inferred from the file (:mod:`.foreign`)."""
+    report = Report(str(f.path), "gguf", mode, seed)
+    scan = ScaleScan()
+    plan = None
+    if source is None:
+        why = "made outside quantkit and no --source given: structure checks only"
+        payload_checks = unverified_checks(len(f.tensors), why)
+        report.scope = "structure only: no tensor proven (pass --source)"
+    else:
+        plan, problems = foreign_plan(f, source, imatrix)
+        checks, report.tensors = audit(f, plan, reader, scan, mode, seed)
+        proof = (skipped("payload.proof", "--payload none: no tensor re-encoded") if mode == "none" else
+                 proof_check(len(f.tensors), report.tensors, plan.unproven, mode))
+        payload_checks = [foreign_tensors_check(f, plan, problems), foreign_metadata_check(f, plan), *checks, proof]
+        report.scope = proof.detail
+    _scan_rest(f, reader, scan, report.tensors, mode)
+    scope = "sampled regions only" if mode == "sample" else "every block"
+    report.checks = [header_check(f), *layout_checks(f), padding_check(reader, f, payloads=mode != "sample"),
+                     scan.check(f.tensors, scope), metadata_check(f),
+                     skipped("structure.provenance", "not written by quantkit: no quantkit.* provenance keys")]
+    if plan is not None:
+        report.source = {"path": str(plan.source.path), "repo": plan.source.repo_id, "revision": plan.source.revision}
+        report.recipe = {"name": "inferred from the file's tensor types", "sha256": None, "from": "artifact"}
+        report.imatrix = None if imatrix is None else {"path": str(imatrix), "sha256": None}
+        report.notes = list(plan.notes)
+        payload_checks.insert(2, source_hash_check(plan))
+    report.checks += payload_checks
     report.io = {"artifact_bytes": f.file_size, "header_bytes": f.data_offset,
                  "artifact_bytes_read": reader.bytes_read,
                  "source_files_hashed_bytes": 0 if plan is None else plan.hashed_bytes}

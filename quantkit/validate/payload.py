@@ -52,6 +52,7 @@ from ..formats.registry import GGMLType, layout as type_layout
 from ..io.gguf import GGUFTensor
 from ..io.gguf_reader import GGUFFile
 from .pieces import chosen
+from .foreign import ForeignPlan
 from .replan import Replan
 from .report import Check, check, skipped
 from .structure import ArtifactReader, ScaleScan, locate
@@ -298,15 +299,14 @@ def _shard_order(ctx: SourceContext, job: TensorJob, shards: list) -> int:
     return min(found, default=len(shards))
 
 
-def audit(f: GGUFFile, plan: Replan, reader: ArtifactReader, scan: ScaleScan, mode: str, seed: int
+def audit(f: GGUFFile, plan: "Replan | ForeignPlan", reader: ArtifactReader, scan: ScaleScan, mode: str, seed: int
           ) -> tuple[list[Check], list[dict]]:
     """The ``payload.bytes`` and ``payload.error`` checks and the per-tensor results (see the module docstring)."""
     if mode == "none":
         why = "--payload none"
         return [skipped("payload.bytes", why), skipped("payload.error", why)], []
-    prepared = plan.prepared
-    ctx = SourceContext(str(prepared.source.path), prepared.plan.model_type, plan.imatrix_path,
-                        prepared.imatrix_shapes, allow_synthetic_imatrix=True)
+    ctx = SourceContext(str(plan.source_path), plan.model_type, plan.imatrix_path, plan.imatrix_shapes,
+                        allow_synthetic_imatrix=True)
     comparer = _Comparer(f, reader, scan)
     results: list[TensorResult] = []
     not_compared = []
@@ -318,7 +318,7 @@ def audit(f: GGUFFile, plan: Replan, reader: ArtifactReader, scan: ScaleScan, mo
             jobs.sort(key=lambda j: (_shard_order(ctx, j, shards), order[j.name]))
         hashed: set[str] = set()
         for job in jobs:
-            t = f.tensors.get(job.name)
+            t = f.tensors.get(plan.stored_name(job.name))
             if t is None or t.type != job.qtype or tuple(t.shape) != tuple(job.output.shape):
                 not_compared.append(job.name)
                 continue

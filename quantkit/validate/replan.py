@@ -76,6 +76,22 @@ class Replan:
     notes: list[str] = field(default_factory=list)
     hashed_bytes: int = 0
 
+    def stored_name(self, name: str) -> str:
+        """The artifact's name of planned tensor ``name`` (the same: quantkit writes llama.cpp's names)."""
+        return name
+
+    @property
+    def source_path(self) -> Path:
+        return self.prepared.source.path
+
+    @property
+    def model_type(self) -> str:
+        return self.prepared.plan.model_type
+
+    @property
+    def imatrix_shapes(self) -> dict[str, tuple[int, int]]:
+        return self.prepared.imatrix_shapes
+
     @property
     def shards(self) -> list[Path]:
         return [p for p in self.files if p.name.endswith(SHARD_SUFFIX)]

@@ -8,7 +8,8 @@ JSON layout (:meth:`Report.to_json`, format version :data:`REPORT_VERSION`)::
      "source": {"path", "repo", "revision"} | null, "recipe": {"name", "sha256", "from"} | null,
      "imatrix": {"path", "sha256"} | null,
      "checks": [{"check": name, "status": "passed" | "failed" | "skipped", "detail": str, "items": [...]}],
-     "notes": [str],
+     "notes": [str], "scope": str (what the verdict covers: "N of M tensors proven, K unproven (reasons)" for a
+     file quantkit did not write, "structure only" without a source; empty otherwise),
      "tensors": [{"name", "type", "shape", "compared": "full" | "sample", "experts" (sampled ones), "rows",
                   "bytes_compared", "match", "differing_rows", "differing_experts", "differences" (the first few:
                   expert, row, block and file offset), "rel_rmse", "max_abs", "bound", "error_ok", "note"}],
@@ -84,6 +85,8 @@ class Report:
     notes: list[str] = field(default_factory=list)
     sampled_bytes: tuple[int, int] | None = None
     """(payload bytes compared, payload bytes in the file) of a ``sample`` audit."""
+    scope: str = ""
+    """What the verdict covers, when not everything was proven (a foreign file: tensors proven of all)."""
 
     @property
     def ok(self) -> bool:
@@ -97,8 +100,8 @@ class Report:
         return {"format": "quantkit-validation", "version": REPORT_VERSION, "artifact": self.artifact,
                 "kind": self.kind, "payload": self.payload, "seed": self.seed, "ok": self.ok,
                 "exit_code": self.exit_code, "source": self.source, "recipe": self.recipe, "imatrix": self.imatrix,
-                "checks": [c.to_json() for c in self.checks], "notes": self.notes, "tensors": self.tensors,
-                "io": self.io, "sampled_bytes": self.sampled_bytes}
+                "checks": [c.to_json() for c in self.checks], "notes": self.notes, "scope": self.scope,
+                "tensors": self.tensors, "io": self.io, "sampled_bytes": self.sampled_bytes}
 
     def render(self) -> str:
         """One line per check, the first few items of failed checks, and a verdict."""
@@ -113,8 +116,9 @@ class Report:
                     lines.append(f"          … {len(c.items) - ITEMS_SHOWN} more (--json lists them)")
         lines += [f"  note: {note}" for note in self.notes]
         failed = sum(c.failed for c in self.checks)
-        sampled = ""
+        scope = [self.scope] if self.scope else []
         if self.sampled_bytes is not None:
-            sampled = f" (sampled: {self.sampled_bytes[0]:,} of {self.sampled_bytes[1]:,} payload bytes compared)"
-        lines.append(f"valid{sampled}" if not failed else f"INVALID: {failed} of {len(self.checks)} checks failed")
+            scope.append(f"sampled: {self.sampled_bytes[0]:,} of {self.sampled_bytes[1]:,} payload bytes compared")
+        verdict = "valid" if not failed else f"INVALID: {failed} of {len(self.checks)} checks failed"
+        lines.append(f"{verdict} ({'; '.join(scope)})" if scope else verdict)
         return printable("\n".join(lines))

@@ -1,0 +1,348 @@
+"""GGUFs quantkit did not write: made by llama.cpp's own ``convert_hf_to_gguf.py`` and llama-quantize (the C API
+``llama_model_quantize`` behind it, through llama-cpp-python), from the tiny models of the seed architectures.
+
+* The runtime rebuilds the model config from the file's own keys (no ``quantkit.source.config``): the logits equal
+  those of the same file loaded with the source ``config.json`` (bit for bit), and those of the source checkpoint
+  (within the runtime's tolerance).
+* ``validate FOREIGN.gguf --source DIR`` proves llama.cpp Q4_K_M files (with and without an imatrix) byte for byte (exit 0); a flipped payload
+  byte is named (exit 1); tensors it cannot prove are counted with the reason (exit 1); without a source only the
+  structure is checked, and the report says so.
+* The converter's F32 files score with llama.cpp's per-token NLL within 1e-3 (llama-cpp-python, F32 KV cache, every
+  position's logits); the Q4_K_M files with its mean NLL within 1e-2 (llama.cpp's CPU
+  backend quantizes activations to Q8_K for K-quant dot products: single tokens differ by up to ~0.2 nats).
+* ``inspect`` and ``imatrix info --model`` read the file.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from quantkit.cli import main
+from quantkit.errors import UnsupportedError
+from quantkit.io.gguf_reader import GGUFFile
+from quantkit.runtime import SOURCE_CONFIG_KEY, load_model, logits
+from quantkit.testing.tiny_models import build_tiny_model
+from test_arch import PRE_TOKENIZER, run_converter
+from test_convert_interop import GGML_ABORT, llama_logits
+
+pytestmark = [pytest.mark.interop, pytest.mark.slow]
+
+#: Sources llama.cpp's converter accepts (DeepSeek V4: only the official layout with FP4 experts).
+CONVERTER_SOURCES = {"qwen3_moe": ("per-expert", "f32"), "deepseek_v3": ("per-expert", "f32"),
+                     "glm5_next": ("per-expert", "f32"), "qwen4_exp": ("per-expert", "f32"),
+                     "deepseek_v4": ("official", "fp4-experts")}
+#: Past 128 tokens DeepSeek V4's heavily compressed layer emits its first compressed entry.
+TOKENS = {"deepseek_v4": 160}
+DEFAULT_TOKENS = 48
+RELATIVE_TOLERANCE = 1e-4
+#: Architectures quantized with llama-quantize and validated (glm5_next's ssm_a is -exp(A_log) in float32 torch,
+#: one ulp from quantkit's correctly rounded value: tests/test_arch.py NEG_EXP_TENSORS).
+QUANTIZED = ("qwen3_moe", "deepseek_v3")
+NLL_TOLERANCE = 1e-3
+Q4_MEAN_NLL_TOLERANCE = 1e-2
+TEXT = ("def mean(values):\n    total = 0\n    for v in values:\n        total += v\n    return total / len(values)\n"
+        "class Stack:\n    def __init__(self):\n        self.items = []\n    def push(self, item):\n")
+
+#: llama-quantize's C API in a child process (a ggml abort must not end the test session).
+#: With an imatrix file, its entries are read with gguf-py and divided as llama-quantize's tool does
+#: (``in_sum2 / count`` per matrix, float32) and passed as the C API's ``llama_model_imatrix_data`` array.
+QUANTIZE_RUNNER = """
+import ctypes, sys
+import numpy as np
+import gguf
+import llama_cpp
+src, out, ftype, imatrix = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4]
+params = llama_cpp.llama_model_quantize_default_params()
+params.ftype = getattr(llama_cpp, ftype)
+params.nthread = 2
+keep = []
+if imatrix:
+    reader = gguf.GGUFReader(imatrix)
+    tensors = {t.name: np.asarray(t.data, dtype=np.float32) for t in reader.tensors}
+    entries = (llama_cpp.llama_model_imatrix_data * (len(tensors) + 1))()
+    i = 0
+    for key, sums in tensors.items():
+        if not key.endswith(".in_sum2"):
+            continue
+        counts = tensors[key[: -len(".in_sum2")] + ".counts"].reshape(-1)
+        values = np.ascontiguousarray((sums.reshape(len(counts), -1) / counts[:, None]).astype(np.float32).ravel())
+        keep.append(values)
+        entries[i].name = key[: -len(".in_sum2")].encode()
+        entries[i].data = values.ctypes.data_as(ctypes.POINTER(ctypes.c_float))
+        entries[i].size = values.size
+        i += 1
+    entries[i].name = None
+    params.imatrix = ctypes.cast(entries, ctypes.POINTER(llama_cpp.llama_model_imatrix_data))
+    # what the llama-quantize tool records about the imatrix it used
+    overrides = (llama_cpp.llama_model_kv_override * 3)()
+    overrides[0].tag = llama_cpp.LLAMA_KV_OVERRIDE_TYPE_STR
+    overrides[0].key = b"quantize.imatrix.file"
+    overrides[0].value.val_str = imatrix.encode()[:127]
+    overrides[1].tag = llama_cpp.LLAMA_KV_OVERRIDE_TYPE_INT
+    overrides[1].key = b"quantize.imatrix.entries_count"
+    overrides[1].value.val_i64 = i
+    params.kv_overrides = ctypes.cast(overrides, ctypes.POINTER(llama_cpp.llama_model_kv_override))
+rc = llama_cpp.llama_model_quantize(src.encode(), out.encode(), ctypes.byref(params))
+sys.exit(rc)
+"""
+
+
+def token_ids(arch: str) -> list[int]:
+    _, tok = build_tiny_model(arch, dtype="f32")
+    ids = tok(TEXT).input_ids
+    n = TOKENS.get(arch, DEFAULT_TOKENS)
+    return (ids * (n // len(ids) + 1))[:n]
+
+
+@pytest.fixture(scope="module")
+def converted(tiny_checkpoints, tmp_path_factory, llama_cpp_src):
+    """arch -> (source checkpoint, llama.cpp's F32 conversion of it), each made once."""
+    root = tmp_path_factory.mktemp("foreign")
+    made: dict[str, tuple[Path, Path]] = {}
+
+    def get(arch: str) -> tuple[Path, Path]:
+        if arch not in made:
+            source = tiny_checkpoints.get(arch, *CONVERTER_SOURCES[arch])
+            out = root / f"{arch}-llama-cpp-f32.gguf"
+            run_converter(source, out, PRE_TOKENIZER[arch])
+            made[arch] = (source, out)
+        return made[arch]
+    return get
+
+
+def quantize(src: Path, out: Path, ftype: str = "LLAMA_FTYPE_MOSTLY_Q4_K_M", imatrix: Path | None = None) -> Path:
+    result = subprocess.run([sys.executable, "-c", QUANTIZE_RUNNER, str(src), str(out), ftype, str(imatrix or "")],
+                            capture_output=True, text=True, timeout=600)
+    if result.returncode != 0:
+        errors = [line for line in result.stderr.splitlines() if GGML_ABORT.search(line)]
+        raise AssertionError(f"llama_model_quantize failed (exit {result.returncode}): "
+                             + " | ".join(errors[:3] or result.stderr.splitlines()[-3:]))
+    return out
+
+
+@pytest.fixture(scope="module")
+def q4_k_m(converted, tmp_path_factory):
+    root = tmp_path_factory.mktemp("foreign-q4")
+    made: dict[str, tuple[Path, Path]] = {}
+
+    def get(arch: str) -> tuple[Path, Path]:
+        if arch not in made:
+            source, f32 = converted(arch)
+            made[arch] = (source, quantize(f32, root / f"{arch}-Q4_K_M.gguf"))
+        return made[arch]
+    return get
+
+
+def validate(*args: str):
+    return CliRunner().invoke(main, ["validate", *map(str, args)])
+
+
+# -- the config comes from the file's keys ------------------------------------------------------------------------
+
+@pytest.mark.parametrize("arch", [a for a in CONVERTER_SOURCES if a != "qwen4_exp"])
+def test_llama_cpp_conversion_runs_without_the_source_config(converted, arch):
+    source, path = converted(arch)
+    with GGUFFile(path) as f:
+        assert SOURCE_CONFIG_KEY not in f.metadata and "quantkit.version" not in f.metadata
+    ids = token_ids(arch)
+    rebuilt = logits(load_model(path), ids)
+    given = logits(load_model(path, config=json.loads((source / "config.json").read_text())), ids)
+    assert np.array_equal(rebuilt, given)
+    if CONVERTER_SOURCES[arch][1] == "f32":    # the file holds the source values exactly
+        expected = logits(load_model(source), ids)
+        assert np.abs(rebuilt - expected).max() <= RELATIVE_TOLERANCE * np.abs(expected).max()
+
+
+def test_qwen4_exp_llama_cpp_conversion_is_refused_naming_the_ratios(converted):
+    """llama.cpp's converter writes all-zero compression ratios for qwen4_exp (INTEROP.md): its QSA never engages,
+    which transformers' Qwen4-Exp cannot express; the rebuild says so instead of running another model."""
+    _, path = converted("qwen4_exp")
+    with pytest.raises(UnsupportedError, match="compress_ratios"):
+        load_model(path)
+
+
+def strip_quantkit_keys(src: Path, out: Path) -> Path:
+    """``src`` rewritten without any ``quantkit.*`` key: a file as another writer would leave it."""
+    from quantkit.io.gguf_writer import GGUFWriter, plan_layout
+
+    with GGUFFile(src) as f:
+        meta = [(k, v) for k, v in f.metadata.items() if not k.startswith(("quantkit.", "GGUF."))]
+        layout = plan_layout(meta, list(f.tensors.values()))
+        with GGUFWriter(out, layout) as writer:
+            writer.write_header()
+            for name in f.tensors:
+                writer.write_tensor(name, np.ascontiguousarray(f.data(name)))
+            writer.finish()
+    return out
+
+
+def test_qwen4_exp_config_is_rebuilt_from_keys(tiny_checkpoints, tmp_path):
+    """quantkit's own qwen4_exp conversion (correct ratios) without its recorded config runs the same."""
+    source = tiny_checkpoints.get("qwen4_exp", "per-expert", "f32")
+    ours = tmp_path / "qwen4.gguf"
+    recipe = tmp_path / "f32.toml"
+    recipe.write_text('name = "f32"\narchitectures = ["qwen4_exp"]\n[defaults]\ntype = "F32"\n'
+                      '[[rule]]\nclass = "hc"\ntype = "F32"\n[[rule]]\nclass = "indexer"\ntype = "F32"\n')
+    result = CliRunner().invoke(main, ["convert", str(source), "-o", str(ours), "--recipe", str(recipe),
+                                       "--pre-tokenizer", PRE_TOKENIZER["qwen4_exp"], "--no-progress"])
+    assert result.exit_code == 0, result.output
+    bare = strip_quantkit_keys(ours, tmp_path / "qwen4-bare.gguf")
+    ids = token_ids("qwen4_exp")
+    assert np.array_equal(logits(load_model(bare), ids), logits(load_model(ours), ids))
+
+
+# -- validate -----------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("arch", QUANTIZED)
+def test_llama_quantize_q4_k_m_is_proven_byte_for_byte(q4_k_m, arch, tmp_path):
+    source, path = q4_k_m(arch)
+    with GGUFFile(path) as f:
+        types = {t.type.name for t in f.tensors.values()}
+        total = len(f.tensors)
+    assert {"Q4_K", "Q6_K"} <= types
+    report_path = tmp_path / "report.json"
+    result = validate(path, "--source", source, "--payload", "full", "--json", report_path)
+    assert result.exit_code == 0, result.output
+    report = json.loads(report_path.read_text())
+    proof = next(c for c in report["checks"] if c["check"] == "payload.proof")
+    assert proof["status"] == "passed" and proof["detail"] == f"{total} of {total} tensors proven"
+    assert f"valid ({total} of {total} tensors proven)" in result.output
+    assert all(t["compared"] == "full" and t["match"] for t in report["tensors"]) and len(report["tensors"]) == total
+    sampled = validate(path, "--source", source)
+    assert sampled.exit_code == 0, sampled.output
+
+
+def every_matrix_imatrix(path: Path, gguf_path: Path) -> Path:
+    """A seeded imatrix observing every matrix (expert) of every block weight of ``gguf_path``."""
+    from quantkit.imatrix import Entry, make_imatrix, save_imatrix
+
+    rng = np.random.default_rng(11)
+    entries = {}
+    with GGUFFile(gguf_path) as f:
+        for t in f.tensors.values():
+            if t.name.startswith("blk.") and len(t.shape) in (2, 3) and t.type.name == "F32":
+                mats = t.shape[0] if len(t.shape) == 3 else 1
+                entries[t.name] = Entry((rng.random((mats, t.shape[-1])) * 8).astype(np.float32),
+                                        rng.integers(1, 9, mats).astype(np.float32))
+    save_imatrix(make_imatrix(entries, datasets=["synthetic:foreign"], chunk_count=8, synthetic=True), path)
+    return path
+
+
+def test_llama_quantize_with_an_imatrix_is_proven_with_it(converted, tmp_path):
+    source, f32 = converted("qwen3_moe")
+    imatrix = every_matrix_imatrix(tmp_path / "imatrix.gguf", f32)
+    path = quantize(f32, tmp_path / "Q4_K_M-imatrix.gguf", imatrix=imatrix)
+    with GGUFFile(path) as f:
+        total = len(f.tensors)
+    result = validate(path, "--source", source, "--imatrix", imatrix, "--payload", "full")
+    assert result.exit_code == 0, result.output
+    assert f"valid ({total} of {total} tensors proven)" in result.output
+    # without it, the tensors that used it are unproven (not reported as differing, not passed)
+    result = validate(path, "--source", source, "--payload", "full")
+    assert result.exit_code == 1, result.output
+    assert "unproven" in result.output and "quantized with an imatrix" in result.output
+
+
+def test_flipped_payload_byte_is_named(q4_k_m, tmp_path):
+    source, path = q4_k_m("qwen3_moe")
+    bad = tmp_path / "flipped.gguf"
+    shutil.copy(path, bad)
+    with GGUFFile(bad) as f:
+        t = f.tensors["blk.1.ffn_down_exps.weight"]
+        at = f.data_offset + t.offset + t.nbytes // 2 + 100       # inside a block's quants, past expert 0
+    data = bytearray(bad.read_bytes())
+    data[at] ^= 0x10
+    bad.write_bytes(bytes(data))
+    result = validate(bad, "--source", source, "--payload", "full")
+    assert result.exit_code == 1, result.output
+    assert "blk.1.ffn_down_exps.weight: 1 of" in result.output and "INVALID" in result.output
+
+
+def test_without_source_only_the_structure_is_checked(q4_k_m):
+    _, path = q4_k_m("qwen3_moe")
+    result = validate(path)
+    assert result.exit_code == 0, result.output
+    assert "structure checks only" in result.output
+    assert "valid (structure only: no tensor proven (pass --source))" in result.output
+
+
+def test_imatrix_types_without_the_imatrix_are_unproven(tiny_checkpoints, tmp_path):
+    """An IQ2_XXS file (made by quantkit, its provenance removed) validated without its imatrix: the IQ2_XXS
+    tensors are counted unproven with the reason, and the verdict is not a pass."""
+    source = tiny_checkpoints.get("qwen3_moe", "per-expert", "f32")
+    ours = tmp_path / "iq2.gguf"
+    recipe = tmp_path / "iq2.toml"
+    recipe.write_text('name = "iq2"\narchitectures = ["qwen3_moe"]\n[defaults]\ntype = "Q8_0"\n'
+                      '[[rule]]\nclass = "routed_experts"\ntype = "IQ2_XXS"\n')
+    result = CliRunner().invoke(main, ["convert", str(source), "-o", str(ours), "--recipe", str(recipe),
+                                       "--bootstrap-importance", "--pre-tokenizer", "qwen2", "--no-progress"])
+    assert result.exit_code == 0, result.output
+    bare = strip_quantkit_keys(ours, tmp_path / "iq2-bare.gguf")
+    with GGUFFile(bare) as f:
+        total = len(f.tensors)
+        iq2 = sum(t.type.name == "IQ2_XXS" for t in f.tensors.values())
+    assert iq2 == 6
+    result = validate(bare, "--source", source, "--payload", "full")
+    assert result.exit_code == 1, result.output
+    assert (f"{total - iq2} of {total} tensors proven, {iq2} unproven ({iq2}: IQ2_XXS requires the imatrix the file "
+            f"was made with (pass --imatrix))") in result.output
+
+
+# -- scoring ------------------------------------------------------------------------------------------------------
+
+def nll(rows: np.ndarray, ids: list[int]) -> np.ndarray:
+    """Per-token NLL of ``ids[1:]`` from float32 logits rows (float64 log-softmax)."""
+    x = rows[:-1].astype(np.float64)
+    top = x.max(axis=1, keepdims=True)
+    logz = top[:, 0] + np.log(np.exp(x - top).sum(axis=1))
+    return logz - x[np.arange(len(ids) - 1), ids[1:]]
+
+
+@pytest.mark.parametrize("arch", QUANTIZED)
+def test_llama_cpp_files_score_the_nll_llama_cpp_gives(converted, q4_k_m, arch):
+    """The converter's F32 file: every token's NLL within 1e-3 of llama.cpp's.  The Q4_K_M file: llama.cpp's CPU
+    backend quantizes the activations to Q8_K for every K-quant dot product (ggml's ``vec_dot_type``) where the
+    runtime multiplies in float32, so single tokens move by up to ~0.2 nat; the mean NLL must agree within
+    :data:`Q4_MEAN_NLL_TOLERANCE` (top-1 agreement is printed: the tiny random models' near-uniform logits tie
+    often, so BENCH.md's 99% bar is for real models)."""
+    ids = token_ids(arch)
+    _, f32 = converted(arch)
+    ours, theirs = nll(logits(load_model(f32), ids), ids), nll(llama_logits(f32, ids), ids)
+    assert np.abs(ours - theirs).max() <= NLL_TOLERANCE
+    _, path = q4_k_m(arch)
+    rows, reference = logits(load_model(path), ids), llama_logits(path, ids)
+    ours, theirs = nll(rows, ids), nll(reference, ids)
+    top1 = float(np.mean(rows.argmax(axis=1) == reference.argmax(axis=1)))
+    print(f"{arch} Q4_K_M: mean NLL quantkit {ours.mean():.6f}, llama.cpp {theirs.mean():.6f}, max per-token "
+          f"|diff| {np.abs(ours - theirs).max():.3g}, top-1 agreement {top1:.3f}")
+    assert abs(ours.mean() - theirs.mean()) <= Q4_MEAN_NLL_TOLERANCE
+
+
+# -- inspect and imatrix ------------------------------------------------------------------------------------------
+
+def test_inspect_and_imatrix_info_read_the_file(q4_k_m, tmp_path):
+    from quantkit.imatrix import Entry, make_imatrix, save_imatrix
+
+    _, path = q4_k_m("qwen3_moe")
+    result = CliRunner().invoke(main, ["inspect", str(path), "--json"])
+    assert result.exit_code == 0, result.output
+    metadata = {m["key"]: m["value"] for m in json.loads(result.output)["metadata"]}
+    assert metadata["general.architecture"] == "qwen3moe" and "quantkit.version" not in metadata
+    entries = {}
+    with GGUFFile(path) as f:
+        for t in f.tensors.values():
+            if t.name.startswith("blk.") and len(t.shape) in (2, 3):
+                mats = t.shape[0] if len(t.shape) == 3 else 1
+                entries[t.name] = Entry(np.ones((mats, t.shape[-1]), np.float32), np.ones(mats, np.float32))
+    imatrix = tmp_path / "imatrix.gguf"
+    save_imatrix(make_imatrix(entries, datasets=["synthetic:test"], chunk_count=1, synthetic=True), imatrix)
+    result = CliRunner().invoke(main, ["imatrix", "info", str(imatrix), "--model", str(path)])
+    assert result.exit_code == 0, result.output
+    assert f"matches {path}" in result.output
