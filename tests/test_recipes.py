@@ -172,7 +172,7 @@ def test_bad_toml_and_encoding(tmp_path):
     path.write_bytes(b'name = "\xff"\n')
     with pytest.raises(RecipeError, match="not UTF-8"):
         load_recipe(path)
-    with pytest.raises(RecipeError, match="no shipped recipe of that name.*q8_0"):
+    with pytest.raises(RecipeError, match="no shipped recipe or example recipe of that name.*q8_0"):
         load_recipe("no-such-recipe")
 
 
