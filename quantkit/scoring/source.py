@@ -179,7 +179,7 @@ def identity_problems(fixture: ModelIdentity, model: ModelIdentity) -> list[str]
         problems.append(f"tokenizer differs: fixture {fixture.tokenizer[:16]}…, model {model.tokenizer[:16]}…")
     if not compared and not problems:
         hint = (f"; the model carries no checkpoint label (no {GGUF_LABEL_KEY} metadata, no -NNNN label ending its "
-                "file name): pass --label with its checkpoint label") if model.label is None else ""
+                "file name): pass --label with its checkpoint label") if model.label is None and fixture.label is not None else ""
         problems.append("neither the checkpoint label nor the source digest is known on both sides "
                         f"(fixture label={fixture.label!r} source={_short(fixture.source)}; "
                         f"model label={model.label!r} source={_short(model.source)}){hint}")
