@@ -129,8 +129,8 @@ def _c_printf(tmp_path: Path, fmt: str, rows: list[list]) -> bytes:
     if cc is None:
         pytest.skip("no C compiler")
     kinds = re.findall(r"%s|%d|%\.9f", fmt)
-    args = ", ".join(f"argv[i + {k}]" if c == "%s" else f"atoi(argv[i + {k}])" if c == "%d" else f"strtod(argv[i + {k}], 0)"
-                     for k, c in enumerate(kinds))
+    read = {"%s": "argv[i + {}]", "%d": "atoi(argv[i + {}])", "%.9f": "strtod(argv[i + {}], 0)"}
+    args = ", ".join(read[c].format(k) for k, c in enumerate(kinds))
     src = tmp_path / "rows.c"
     src.write_text("#include <stdio.h>\n#include <stdlib.h>\nint main(int argc, char **argv) {\n"
                    f"    for (int i = 1; i + {len(kinds)} <= argc; i += {len(kinds)})\n"

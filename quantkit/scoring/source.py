@@ -178,8 +178,10 @@ def identity_problems(fixture: ModelIdentity, model: ModelIdentity) -> list[str]
     if fixture.tokenizer is not None and model.tokenizer is not None and fixture.tokenizer != model.tokenizer:
         problems.append(f"tokenizer differs: fixture {fixture.tokenizer[:16]}…, model {model.tokenizer[:16]}…")
     if not compared and not problems:
-        hint = (f"; the model carries no checkpoint label (no {GGUF_LABEL_KEY} metadata, no -NNNN label ending its "
-                "file name): pass --label with its checkpoint label") if model.label is None and fixture.label is not None else ""
+        hint = ""
+        if model.label is None and fixture.label is not None:
+            hint = (f"; the model carries no checkpoint label (no {GGUF_LABEL_KEY} metadata, no -NNNN label ending "
+                    "its file name): pass --label with its checkpoint label")
         problems.append("neither the checkpoint label nor the source digest is known on both sides "
                         f"(fixture label={fixture.label!r} source={_short(fixture.source)}; "
                         f"model label={model.label!r} source={_short(model.source)}){hint}")
