@@ -166,6 +166,6 @@ def test_compare_cli(tmp_path):
     bad = tmp_path / "bad.tsv"
     bad.write_text("id\tnll\nx\t1\n")
     out = runner.invoke(main, ["compare", str(a), str(bad)])
-    assert out.exit_code == 2 and out.output.count("\n") == 1 and "not a quantkit score table" in out.output
+    assert out.exit_code == 2 and out.output.count("\n") == 1 and "not a quantkit or ds4 score table" in out.output
     out = runner.invoke(main, ["compare", str(a), str(b), "--resamples", "100"])
     assert out.exit_code == 2

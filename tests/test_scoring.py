@@ -142,13 +142,16 @@ def _malformed_tables():
     scores = [_score("a", 2.0, 4, 1, 4), _score("b", 1.0, 2, 0, 0)]
     good = table_text(HEADER, scores, [Totals.of(scores).summary_line()])
     lines = good.split("\n")
-    yield "no header", "\n".join(lines[1:]), "not a quantkit score table"
+    yield "no header", "\n".join(lines[1:]), "line 4: a '#' line in a ds4 table"     # the column line alone is ds4's
+    yield "no column line", "\n".join(lines[:1] + lines[2:]), "line 2: columns"
     yield "missing row", "\n".join(lines[:3] + lines[4:]), "1 case rows but its fixture has 2"
-    yield "nan", good.replace("\t2.000000000\t", "\tnan\t"), "expected a finite number"
+    yield "nan", good.replace("\t2.000000000\t", "\tnan\t"), "column nll is 'nan', expected a decimal number"
     yield "summary mismatch", good.replace("first_match=1", "first_match=2"), "rows add up to"
     yield "no summary", "\n".join(lines[:4]) + "\n", "summary' line is missing"
     yield "duplicate", good.replace("\nb\t", "\na\t"), "appears twice"
     yield "short row", good.replace("\t0.500000000\t0\t0\t", "\t0.500000000\t0\t", 1), "fields, expected"
+    yield "overflow", good.replace("\t2.000000000\t", "\t1e999\t"), "expected a finite number"
+    yield "underscore", good.replace("\t5\t4\t", "\t5_0\t4\t", 1), "column prompt_tokens is '5_0'"
     yield "lcp > tokens", good.replace("\t1\t4\t", "\t1\t9\t", 1), "inconsistent counts"
 
 

@@ -148,13 +148,21 @@ def check(path):
 @click.option("--tokenizer", type=click.Path(exists=True), help="tokenizer directory (default: the model's)")
 @click.option("--sidecar", "sidecars", multiple=True,
               help="apply this sidecar beside the checkpoint directory MODEL (repeatable; recorded in the table)")
-def score(model, fixture_dir, out, ctx, device, allow_cross_checkpoint, kld_base, save_logits, tokenizer, sidecars):
+@click.option("--label", help="checkpoint label of a MODEL that carries none (no quantkit provenance, no -NNNN "
+              "ending its file name); must agree with one it carries")
+@click.option("--format", "table_format", type=click.Choice(["quantkit", "ds4", "ds4-nll"]), default="quantkit",
+              show_default=True, help="ds4: score_official's 26-column table (ds4-nll: its 7 NLL columns) with the "
+              "identity record in OUT.tsv.json")
+def score(model, fixture_dir, out, ctx, device, allow_cross_checkpoint, kld_base, save_logits, tokenizer, sidecars,
+          label, table_format):
     """Score MODEL (GGUF or checkpoint) on FIXTURE; write the per-case table OUT.tsv."""
     require_runtime("quantkit score")
     from ..fixtures.directory import read_fixture
     from ..io.atomic import check_output, input_files
     from ..scoring.loading import describe_model, load_source, open_sidecars
     from ..scoring.score import plan_scoring, run_scoring
+    from ..scoring.source import with_label
+    from ..scoring.table import sidecar_path
 
     # before the long work: the outputs are writable and are none of the inputs (or each other)
     inputs = input_files([model, fixture_dir, kld_base, tokenizer])
@@ -171,6 +179,7 @@ def score(model, fixture_dir, out, ctx, device, allow_cross_checkpoint, kld_base
         applied = [sidecars_line(model, sidecars)]
     fx = read_fixture(fixture_dir)
     codec, identity = describe_model(model, tokenizer=tokenizer)
+    identity = with_label(identity, label)
     plan = plan_scoring(fx, codec, identity, ctx=ctx, allow_cross_checkpoint=allow_cross_checkpoint)
     source = load_source(identity, device=device, replace=replace)
 
@@ -185,12 +194,14 @@ def score(model, fixture_dir, out, ctx, device, allow_cross_checkpoint, kld_base
     for warning in result.warnings:
         click.echo(f"warning: {warning}", err=True)
     result.notes += applied
-    result.write(out)
+    result.write(out, layout=table_format)
     for line in result.trailer:
         click.echo(line)
     if result.kld is not None:
         click.echo("\n".join(result.kld.report_lines()))
-    click.echo(f"wrote {out}" + (f" and {save_logits}" if save_logits else ""))
+    written = [str(out)] + ([str(sidecar_path(out))] if table_format != "quantkit" else []) \
+        + ([str(save_logits)] if save_logits else [])
+    click.echo("wrote " + " and ".join(written))
 
 
 @click.command("compare")
@@ -201,7 +212,9 @@ def score(model, fixture_dir, out, ctx, device, allow_cross_checkpoint, kld_base
 @click.option("--seed", type=int, default=0, show_default=True, help="bootstrap seed")
 @click.option("--json", "as_json", is_flag=True, help="print the comparison as JSON")
 def compare(old, new, resamples, seed, as_json):
-    """Compare score tables OLD.tsv and NEW.tsv of one fixture: deltas, case wins, bootstrap interval, verdict."""
+    """Compare score tables OLD.tsv and NEW.tsv of one fixture: deltas, case wins, bootstrap interval, verdict.
+
+    Either may be a quantkit table or a ds4 score_official table (with or without quantkit's OUT.tsv.json)."""
     from ..scoring.compare import compare_tables
     from ..scoring.table import read_table
 

@@ -2,7 +2,9 @@
 
 Refused (:class:`FixtureError`): tables of different fixtures (their headers' ``content_sha256`` differ), or with
 different case ids or order, or with a different target token count for a case (the fixture was tokenized
-differently, so per-case NLLs are not paired).
+differently, so per-case NLLs are not paired).  Tables of any layout mix (:mod:`.table`); a ds4 table without
+a sidecar does not say which fixture it scored, so the pair is checked by case ids and token counts only, and a
+note says so.  API metrics are compared only when both tables carry them.
 
 Statistic: the token-weighted average NLL difference ``Δ = Σ_c (nll_new[c] - nll_old[c]) / Σ_c T[c]`` (new minus
 old; negative = new is better), the same average the ``summary`` line prints.  Its 95% interval comes from the
@@ -74,7 +76,8 @@ def verdict(delta: float, low: float, high: float) -> str:
 
 @dataclass
 class Comparison:
-    fixture: dict[str, Any]
+    fixture: dict[str, Any] | None
+    """The fixture record both tables share (``None``: neither table says which fixture it scored)."""
     old: Totals
     new: Totals
     wins: int
@@ -85,6 +88,8 @@ class Comparison:
     seed: int
     verdict: str
     notes: list[str] = field(default_factory=list)
+    api: bool = True
+    """Whether both tables carry the API metric columns (a ds4-nll table does not)."""
 
     @property
     def delta(self) -> float:
@@ -101,7 +106,8 @@ class Comparison:
                     "api_target_mae": ratio(a.target_abs_delta, a.target_count)}
 
         old, new = api(self.old), api(self.new)
-        return [("avg_greedy_lcp", self.old.avg_lcp, self.new.avg_lcp)] + [(k, old[k], new[k]) for k in old]
+        rates = [(k, old[k], new[k]) for k in old] if self.api else []
+        return [("avg_greedy_lcp", self.old.avg_lcp, self.new.avg_lcp)] + rates
 
     def to_json(self) -> dict[str, Any]:
         return {"fixture": self.fixture, "avg_nll": {"old": self.old.avg_nll, "new": self.new.avg_nll},
@@ -116,9 +122,9 @@ class Comparison:
 
     def report_lines(self) -> list[str]:
         f = self.fixture
+        named = f"fixture={f['content_sha256'][:16]} label={f['label']}" if f is not None else "fixture=unknown"
         rel = f" relative={100 * self.delta / self.old.avg_nll:+.3f}%" if self.old.avg_nll else ""
-        lines = [f"fixture={f['content_sha256'][:16]} label={f['label']} cases={self.old.cases} "
-                 f"tokens={self.old.tokens}",
+        lines = [f"{named} cases={self.old.cases} tokens={self.old.tokens}",
                  f"avg_nll old={self.old.avg_nll:.9f} new={self.new.avg_nll:.9f}",
                  f"delta_new_minus_old={self.delta:+.9f}{rel}",
                  f"nll_delta_ci95=[{self.interval[0]:+.9f},{self.interval[1]:+.9f}] resamples={self.resamples} "
@@ -133,19 +139,27 @@ class Comparison:
         return lines
 
 
-def _check_pairing(old: ScoreTable, new: ScoreTable) -> None:
-    if old.fixture_sha256 != new.fixture_sha256:
-        raise FixtureError(f"the tables scored different fixtures: {old.path} has {old.fixture_sha256[:16]}… "
-                           f"(label {old.header['fixture']['label']!r}), {new.path} has {new.fixture_sha256[:16]}… "
-                           f"(label {new.header['fixture']['label']!r})")
+def _check_pairing(old: ScoreTable, new: ScoreTable) -> list[str]:
+    """Refuse an unpaired pair (module doc); return notes on what could not be checked."""
+    notes = []
+    if old.fixture is not None and new.fixture is not None:
+        if old.fixture_sha256 != new.fixture_sha256:
+            raise FixtureError(f"the tables scored different fixtures: {old.path} has {old.fixture_sha256[:16]}… "
+                               f"(label {old.fixture['label']!r}), {new.path} has {new.fixture_sha256[:16]}… "
+                               f"(label {new.fixture['label']!r})")
+    else:
+        unknown = [str(t.path) for t in (old, new) if t.fixture is None]
+        notes.append(f"{' and '.join(unknown)} {'does' if len(unknown) == 1 else 'do'} not record which fixture "
+                     "was scored (ds4 table without a sidecar): paired by case ids and target token counts only")
     old_ids, new_ids = [s.id for s in old.scores], [s.id for s in new.scores]
     if old_ids != new_ids:
-        raise FixtureError(f"the tables list different cases or orders ({old.path}: {old_ids[:3]}…, "
-                           f"{new.path}: {new_ids[:3]}…)")
+        raise FixtureError(f"the tables list different cases or orders ({old.path}: {len(old_ids)} cases "
+                           f"{old_ids[:3]}…, {new.path}: {len(new_ids)} cases {new_ids[:3]}…)")
     for a, b in zip(old.scores, new.scores):
         if a.target_tokens != b.target_tokens:
             raise FixtureError(f"case {a.id}: {a.target_tokens} target tokens in {old.path} but {b.target_tokens} "
                                f"in {new.path}: the fixture was tokenized differently, so NLLs are not paired")
+    return notes
 
 
 def _notes(old: Totals, new: Totals, delta: float, wins: int, losses: int) -> list[str]:
@@ -165,7 +179,7 @@ def _notes(old: Totals, new: Totals, delta: float, wins: int, losses: int) -> li
 def compare_tables(old: ScoreTable, new: ScoreTable, *, resamples: int = MIN_RESAMPLES,
                    seed: int = DEFAULT_SEED) -> Comparison:
     """Compare ``new`` against ``old`` (module doc)."""
-    _check_pairing(old, new)
+    pairing_notes = _check_pairing(old, new)
     nll_old = np.array([round(s.nll, 9) for s in old.scores])
     nll_new = np.array([round(s.nll, 9) for s in new.scores])
     tokens = np.array([s.target_tokens for s in old.scores])
@@ -173,6 +187,8 @@ def compare_tables(old: ScoreTable, new: ScoreTable, *, resamples: int = MIN_RES
     low, high = bootstrap_interval(nll_old, nll_new, tokens, resamples=resamples, seed=seed)
     old_totals, new_totals = old.totals, new.totals
     delta = new_totals.avg_nll - old_totals.avg_nll
-    return Comparison(dict(old.header["fixture"]), old_totals, new_totals, wins, losses, len(tokens) - wins - losses,
-                      (low, high), resamples, seed, verdict(delta, low, high),
-                      _notes(old_totals, new_totals, delta, wins, losses))
+    fixture = old.fixture if old.fixture is not None else new.fixture
+    return Comparison(dict(fixture) if fixture is not None else None, old_totals, new_totals, wins, losses,
+                      len(tokens) - wins - losses, (low, high), resamples, seed, verdict(delta, low, high),
+                      _notes(old_totals, new_totals, delta, wins, losses) + pairing_notes,
+                      old.has_api and new.has_api)

@@ -36,6 +36,7 @@ Line formats (exactly ds4's, ``%.9f`` unless noted)::
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field, fields
 from typing import Sequence
 
@@ -174,12 +175,17 @@ COLUMNS = ("id", "prompt_tokens", "target_tokens", "nll", "avg_nll", "first_matc
            "api_topn_ref", "api_topn_hit", "api_topn_recall",
            "api_top_logprob_count", "api_top_mae", "api_top_mean_delta",
            "api_pair_total", "api_pair_agree", "api_pair_rate")
+#: The columns the public ds4 ``score_official.c`` writes (NLL and greedy agreement only; no API metrics).
+NLL_COLUMNS = COLUMNS[:7]
+_WHOLE = re.compile(r"-?[0-9]+")
+_DECIMAL = re.compile(r"-?(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][-+]?[0-9]+)?")
 FLOAT_COLUMNS = frozenset({"nll", "avg_nll", "api_target_mae", "api_target_mean_delta", "api_top_coverage",
                            "api_top1_rate", "api_topn_recall", "api_top_mae", "api_top_mean_delta",
                            "api_pair_rate"})
 
 
-def case_row(s: CaseScore) -> str:
+def case_row(s: CaseScore, columns: Sequence[str] = COLUMNS) -> str:
+    """One TSV row of ``columns`` (a prefix of :data:`COLUMNS`): ``%d`` integers, ``%.9f`` floats."""
     a = s.api
     values = (s.id, s.prompt_tokens, s.target_tokens, s.nll, s.avg_nll, s.first_match, s.greedy_lcp,
               s.api_ref_tokens, a.target_count, _avg(a.target_abs_delta, a.target_count),
@@ -190,20 +196,23 @@ def case_row(s: CaseScore) -> str:
               a.top_logprob_count, _avg(a.top_abs_delta, a.top_logprob_count),
               _avg(a.top_signed_delta, a.top_logprob_count),
               a.pair_total, a.pair_agree, _avg(a.pair_agree, a.pair_total))
-    return "\t".join(f"{v:.9f}" if name in FLOAT_COLUMNS else str(v) for name, v in zip(COLUMNS, values))
+    return "\t".join(f"{v:.9f}" if name in FLOAT_COLUMNS else str(v) for name, v in zip(columns, values))
 
 
-def parse_row(fields_: Sequence[str], where: str) -> CaseScore:
-    """A :class:`CaseScore` from one TSV row (``COLUMNS`` order); sums are rebuilt from the printed means."""
-    if len(fields_) != len(COLUMNS):
-        raise FixtureError(f"{where}: {len(fields_)} fields, expected {len(COLUMNS)}")
-    v: dict[str, float | int | str] = {"id": fields_[0]}
-    for name, raw in zip(COLUMNS[1:], fields_[1:]):
-        try:
-            v[name] = float(raw) if name in FLOAT_COLUMNS else int(raw)
-        except ValueError:
+def parse_row(fields_: Sequence[str], where: str, columns: Sequence[str] = COLUMNS) -> CaseScore:
+    """A :class:`CaseScore` from one TSV row of ``columns`` (a prefix of :data:`COLUMNS`); sums are rebuilt
+    from the printed means, API counts absent from ``columns`` are zero."""
+    if len(fields_) != len(columns):
+        raise FixtureError(f"{where}: {len(fields_)} fields, expected {len(columns)}")
+    if not fields_[0]:
+        raise FixtureError(f"{where}: the case id is empty")
+    v: dict[str, float | int | str] = dict.fromkeys(COLUMNS, 0) | {"id": fields_[0]}
+    for name, raw in zip(columns[1:], fields_[1:]):
+        is_float = name in FLOAT_COLUMNS
+        if not (_DECIMAL if is_float else _WHOLE).fullmatch(raw):    # int()/float() also take "1_0", " 1", "nan"
             raise FixtureError(f"{where}: column {name} is {raw!r}, expected a "
-                               f"{'number' if name in FLOAT_COLUMNS else 'whole number'}") from None
+                               f"{'decimal number' if is_float else 'whole number'}")
+        v[name] = float(raw) if is_float else int(raw)
         if name in FLOAT_COLUMNS and not math.isfinite(v[name]):
             raise FixtureError(f"{where}: column {name} is {raw!r}, expected a finite number")
         if name not in FLOAT_COLUMNS and v[name] < 0:

@@ -61,8 +61,9 @@ class ScoreResult:
         lines = [totals.summary_line(), totals.api_summary_line()]
         return lines + ([self.kld.summary_line()] if self.kld is not None else []) + self.notes
 
-    def write(self, path: str | os.PathLike) -> None:
-        write_table(path, self.header, self.scores, self.trailer)
+    def write(self, path: str | os.PathLike, *, layout: str = "quantkit") -> None:
+        """Write the table in ``layout`` (:data:`.table.LAYOUTS`; a ds4 layout adds the sidecar)."""
+        write_table(path, self.header, self.scores, self.trailer, layout=layout)
 
 
 def _reference(case, codec: TextCodec, n_targets: int, allow_unmapped: bool,

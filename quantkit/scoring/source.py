@@ -15,8 +15,11 @@ the whole sequence per token for a source without it.
 
 Identity (the fixture/artifact match, see :func:`check_match`):
 
-``label``     the checkpoint label (``0731``): a quantkit GGUF's ``quantkit.checkpoint_label``; ``None`` for a
-              source checkpoint, which carries no label of its own.
+``label``     the checkpoint label (``0731``), in this order: a GGUF's ``quantkit.checkpoint_label`` metadata; the
+              label a ds4 release name ends with (:data:`DS4_NAME_LABEL`: ``…-imatrix-0731.gguf``, also split
+              parts ``…-0731-00001-of-00002.gguf``); the user's ``--label`` (:func:`with_label`, which must
+              agree with a label the model carries).  ``None`` otherwise (a source checkpoint carries none).
+``label_from`` where the label came from (for messages and the record).
 ``source``    :func:`source_digest` of the checkpoint's weight files: SHA-256 over the sorted lines
               ``"<file name>\\t<file sha256>\\n"`` of its ``*.safetensors`` files.  A source checkpoint hashes its
               own shards; a quantkit GGUF carries the same pairs in ``quantkit.source.files`` /
@@ -27,7 +30,8 @@ Identity (the fixture/artifact match, see :func:`check_match`):
 from __future__ import annotations
 
 import hashlib
-from dataclasses import asdict, dataclass
+import re
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, Protocol, Sequence, runtime_checkable
 
@@ -41,6 +45,13 @@ GGUF_SOURCE_FILES_KEY = "quantkit.source.files"
 GGUF_SOURCE_SHA256_KEY = "quantkit.source.sha256"
 GGUF_SOURCE_REVISION_KEY = "quantkit.source.revision"
 WEIGHT_SUFFIX = ".safetensors"
+#: A ds4 release name's checkpoint label: four digits as the last dash-separated word before ``.gguf`` (after
+#: dropping a split suffix), as in ``DeepSeek-V4-Flash-IQ2XXS-w2Q2K-AProjQ8-SExpQ8-OutQ8-chat-v2-imatrix-0731.gguf``.
+#: Names without one (``…-chat-v2.gguf``, ``…-imatrix-fixed.gguf``, ``…-ds4-1p5m.dat``) give no label.
+DS4_NAME_LABEL = re.compile(r"-([0-9]{4})(?:-[0-9]{5}-of-[0-9]{5})?\.gguf$")
+LABEL_FROM_METADATA = f"GGUF metadata {GGUF_LABEL_KEY}"
+LABEL_FROM_NAME = "the file name"
+LABEL_FROM_OPTION = "--label"
 
 
 @dataclass(frozen=True)
@@ -52,6 +63,7 @@ class ModelIdentity:
     tokenizer: str | None = None
     revision: str | None = None
     path: str | None = None
+    label_from: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -106,9 +118,15 @@ def checkpoint_identity(path: str | Path, *, tokenizer: str | None = None, label
                          tokenizer=tokenizer, revision=resolved.revision, path=str(resolved.path))
 
 
+def file_name_label(path: str | Path) -> str | None:
+    """The checkpoint label a ds4 release name carries (:data:`DS4_NAME_LABEL`), else ``None``."""
+    match = DS4_NAME_LABEL.search(Path(path).name)
+    return match.group(1) if match else None
+
+
 def gguf_identity(metadata: Mapping[str, Any], *, path: str | Path, tokenizer: str | None = None) -> ModelIdentity:
     """Identity of a GGUF from its metadata (``key -> KV`` as :class:`quantkit.io.gguf_reader.GGUFFile` reads it,
-    or ``key -> value``): the quantkit provenance keys of the module doc."""
+    or ``key -> value``): the quantkit provenance keys of the module doc, the label else from the file name."""
     def value(key: str):
         entry = metadata.get(key)
         return getattr(entry, "value", entry)
@@ -120,8 +138,26 @@ def gguf_identity(metadata: Mapping[str, Any], *, path: str | Path, tokenizer: s
             raise FormatError(f"{GGUF_SOURCE_FILES_KEY} has {len(names)} entries but {GGUF_SOURCE_SHA256_KEY} has "
                               f"{len(shas)}", path=path, field=GGUF_SOURCE_FILES_KEY)
         digest = source_digest(zip(names, shas))
-    return ModelIdentity(label=value(GGUF_LABEL_KEY), source=digest, tokenizer=tokenizer,
-                         revision=value(GGUF_SOURCE_REVISION_KEY), path=str(path))
+    label, label_from = value(GGUF_LABEL_KEY), LABEL_FROM_METADATA
+    if label is None:
+        label, label_from = file_name_label(path), LABEL_FROM_NAME
+    return ModelIdentity(label=label, source=digest, tokenizer=tokenizer, revision=value(GGUF_SOURCE_REVISION_KEY),
+                         path=str(path), label_from=label_from if label is not None else None)
+
+
+def with_label(identity: ModelIdentity, label: str | None) -> ModelIdentity:
+    """``identity`` with the user's ``--label`` (module doc): it names a model that carries no label, and must
+    agree with one it carries (:class:`FixtureError` otherwise)."""
+    if label is None:
+        return identity
+    if not label:
+        raise FixtureError("--label must not be empty")
+    if identity.label is None:
+        return replace(identity, label=label, label_from=LABEL_FROM_OPTION)
+    if identity.label != label:
+        raise FixtureError(f"--label {label!r} differs from the model's own checkpoint label {identity.label!r} "
+                           f"(from {identity.label_from})", path=identity.path)
+    return identity
 
 
 def identity_problems(fixture: ModelIdentity, model: ModelIdentity) -> list[str]:
@@ -137,13 +173,18 @@ def identity_problems(fixture: ModelIdentity, model: ModelIdentity) -> list[str]
         if ours is not None and theirs is not None:
             compared = True
             if ours != theirs:
-                problems.append(f"{what} differs: fixture {ours!r}, model {theirs!r}")
+                origin = f" (from {model.label_from})" if field == "label" and model.label_from else ""
+                problems.append(f"{what} differs: fixture {ours!r}, model {theirs!r}{origin}")
     if fixture.tokenizer is not None and model.tokenizer is not None and fixture.tokenizer != model.tokenizer:
         problems.append(f"tokenizer differs: fixture {fixture.tokenizer[:16]}…, model {model.tokenizer[:16]}…")
     if not compared and not problems:
+        hint = ""
+        if model.label is None and fixture.label is not None:
+            hint = (f"; the model carries no checkpoint label (no {GGUF_LABEL_KEY} metadata, no -NNNN label ending "
+                    "its file name): pass --label with its checkpoint label")
         problems.append("neither the checkpoint label nor the source digest is known on both sides "
                         f"(fixture label={fixture.label!r} source={_short(fixture.source)}; "
-                        f"model label={model.label!r} source={_short(model.source)})")
+                        f"model label={model.label!r} source={_short(model.source)}){hint}")
     return problems
 
 
