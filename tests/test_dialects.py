@@ -335,3 +335,35 @@ def test_ds4_dialect_with_an_imatrix_has_the_llama_cpp_payloads(glm_checkpoint, 
     back = tmp_path / "back.gguf"
     redialect(files[DS4], back, to=LLAMA_CPP)
     assert back.read_bytes() == files[LLAMA_CPP].read_bytes()
+
+
+@pytest.mark.parametrize("arch", ["glm5-next", "deepseek4"])
+def test_runtime_reads_a_ds4_file_as_its_llama_cpp_twin(converted, arch):
+    """Foreign-file readers see a ds4-dialect file through llama.cpp's names: the same model config rebuilt from
+    its keys alone and, tensor by tensor, the same values (GLM's A_log converted back to ``-exp(A_log)``,
+    convolutions reshaped)."""
+    from quantkit.arch.gguf_config import config_from_keys, llama_cpp_view
+    from quantkit.runtime.weights import GGUFWeights
+
+    def rebuilt_config(path):   # as for a file quantkit did not write: the quantkit.* keys left out
+        f = GGUFFile(path)
+        try:
+            view = llama_cpp_view(f.metadata, f.tensors)
+            keys = {k: v for k, v in view.metadata.items() if not k.startswith("quantkit.")}
+            shapes = {n: (tuple(view.relaid[n].shape) if n in view.relaid else tuple(f.tensors[s].shape))
+                      for n, s in view.stored.items()}
+            return config_from_keys(keys, shapes, path)
+        finally:
+            f.close()
+
+    assert rebuilt_config(converted[arch, DS4]) == rebuilt_config(converted[arch, LLAMA_CPP])
+    reference, ds4 = (GGUFWeights(converted[arch, d]) for d in (LLAMA_CPP, DS4))
+    try:
+        assert set(ds4.tensors) == set(reference.tensors)
+        for name, info in reference.tensors.items():
+            assert ds4.tensors[name] == info, name
+            assert np.array_equal(np.asarray(ds4.data(name)).view(np.uint8),
+                                  np.asarray(reference.data(name)).view(np.uint8)), name
+    finally:
+        reference.close()
+        ds4.close()

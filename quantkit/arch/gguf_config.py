@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping, NamedTuple
 
 import numpy as np
 
@@ -327,15 +327,35 @@ SPECS: Mapping[str, ConfigSpec] = {spec.gguf_arch: spec for spec in (
 )}
 
 
-def llama_cpp_view(metadata: Mapping[str, KV], names: Iterable[str]) -> tuple[Mapping[str, KV], dict[str, str]]:
+class LlamaCppView(NamedTuple):
+    """A GGUF seen under llama.cpp's names (:func:`llama_cpp_view`)."""
+
+    metadata: Mapping[str, KV]
+    stored: dict[str, str]
+    """llama.cpp tensor name -> the name stored in the file."""
+    relaid: dict[str, Any]
+    """llama.cpp tensor name -> its :class:`~quantkit.arch.dialects.TensorMove`, for the few tensors the file's
+    dialect stores in another layout (ds4's GLM ``kda_a_log`` holds ``A_log`` where llama.cpp's ``ssm_a`` holds
+    ``-exp(A_log)``; its convolutions have another shape): readers convert those payloads with
+    :func:`quantkit.arch.dialects.convert_payload`."""
+
+
+def llama_cpp_view(metadata: Mapping[str, KV], tensors: Mapping[str, Any]) -> LlamaCppView:
     """A file's keys under llama.cpp's names, and llama.cpp tensor name -> the name stored in the file.
 
     The one hook for other dialects: a ds4-dialect file is translated here through the llama.cpp <-> ds4 table
-    (``quantkit.arch.dialects``); a llama.cpp file passes through unchanged.  Every reader of a GGUF that looks
+    (:mod:`quantkit.arch.dialects`); a llama.cpp file passes through unchanged.  Every reader of a GGUF that looks
     names up in the architecture tables (the runtime's :class:`~quantkit.runtime.weights.GGUFWeights`, foreign-file
-    validation) goes through it, and payloads are read under the stored names.
+    validation) goes through it, and payloads are read under the stored names.  ``tensors``: the file's tensor
+    infos by name, in file order (``.shape`` in numpy order, ``.type``).
     """
-    return metadata, {name: name for name in names}
+    from .dialects import DS4, LAYOUT_SAME, LLAMA_CPP, dialect_of, translate
+
+    if "general.architecture" not in metadata or dialect_of(metadata) != DS4:
+        return LlamaCppView(metadata, {name: name for name in tensors}, {})
+    translation = translate(metadata, [(n, tuple(t.shape), t.type) for n, t in tensors.items()], to=LLAMA_CPP)
+    return LlamaCppView(dict(translation.metadata), {m.name: m.source for m in translation.moves},
+                        {m.name: m for m in translation.moves if m.layout != LAYOUT_SAME})
 
 
 def config_from_keys(metadata: Mapping[str, KV], shapes: Mapping[str, tuple[int, ...]], path: Path) -> dict:
@@ -370,4 +390,4 @@ def config_from_keys(metadata: Mapping[str, KV], shapes: Mapping[str, tuple[int,
             "tie_word_embeddings": text["tie_word_embeddings"], **root, "text_config": text}
 
 
-__all__ = ["ConfigSpec", "Key", "KeyReader", "SPECS", "config_from_keys", "f32_decimal", "llama_cpp_view"]
+__all__ = ["ConfigSpec", "Key", "KeyReader", "SPECS", "config_from_keys", "f32_decimal", "LlamaCppView", "llama_cpp_view"]

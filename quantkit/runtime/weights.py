@@ -77,10 +77,12 @@ class GGUFWeights:
         self.file = GGUFFile(self.path)
         try:
             # llama.cpp's names whatever the file's dialect; payloads are read under the stored names
-            metadata, self._stored = llama_cpp_view(self.file.metadata, list(self.file.tensors))
-            self.metadata: dict[str, KV] = dict(metadata)
+            view = llama_cpp_view(self.file.metadata, self.file.tensors)
+            self._stored, self._relaid = view.stored, view.relaid
+            self.metadata: dict[str, KV] = dict(view.metadata)
             self.tensors = {name: StoredTensor(name, self.file.tensors[stored].type,
-                                               tuple(self.file.tensors[stored].shape))
+                                               tuple(self._relaid[name].shape) if name in self._relaid
+                                               else tuple(self.file.tensors[stored].shape))
                             for name, stored in self._stored.items()}
             self.config = dict(config) if config is not None else config_from_gguf(self.metadata, self.tensors,
                                                                                   self.path)
@@ -90,6 +92,12 @@ class GGUFWeights:
 
     def data(self, name: str, index: int | None = None) -> np.ndarray:
         payload = self.file.data(self._stored[name])
+        move = self._relaid.get(name)
+        if move is not None:   # stored in another dialect's layout: small F32 tensors, converted on read
+            from ..arch.dialects import LLAMA_CPP, convert_payload
+
+            raw = convert_payload(move, np.ascontiguousarray(payload), LLAMA_CPP)
+            payload = np.frombuffer(raw, np.uint8).reshape(*move.shape[:-1], -1)   # rows of bytes, as stored
         return payload if index is None else payload[index]
 
     def close(self) -> None:

@@ -34,6 +34,7 @@ from pathlib import Path
 import numpy as np
 
 from ..arch import OutputTensor, get_arch
+from ..arch.dialects import dialect_of
 from ..arch.gguf_config import llama_cpp_view
 from ..convert.plan import inspect_sources
 from ..convert.source import ResolvedSource, provenance_files, resolve_source
@@ -131,8 +132,8 @@ def _source_values(ckpt, name: str):
 def foreign_plan(f: GGUFFile, source: str, imatrix: str | None) -> tuple[ForeignPlan, list[str]]:
     """The plan inferred from ``f`` against ``source``, and the inventory problems found on the way."""
     resolved = resolve_source(source)
-    metadata, stored = llama_cpp_view(f.metadata, list(f.tensors))
-    by_name = {name: f.tensors[s] for name, s in stored.items()}
+    metadata, stored, relaid = llama_cpp_view(f.metadata, f.tensors)
+    by_name = {name: f.tensors[s] for name, s in stored.items() if name not in relaid}
     with open_checkpoint(resolved.path) as ckpt:
         model_type = ckpt.config.get("model_type")
         if not isinstance(model_type, str):
@@ -152,7 +153,11 @@ def foreign_plan(f: GGUFFile, source: str, imatrix: str | None) -> tuple[Foreign
     loaded = None if imatrix is None else load_model_imatrix(imatrix, amap, shape_table, allow_synthetic=True)
     recorded = f.metadata.get("quantize.imatrix.file")
     imatrix_used = None if recorded is None else str(recorded.value)
-    problems, jobs, unproven = [], {}, {}
+    problems, jobs = [], {}
+    # the payload audit compares stored bytes with llama.cpp-layout encodings: a tensor the file's dialect lays
+    # out otherwise is named, not compared (quantkit redialect converts it, checked both ways)
+    unproven = {move.source: f"stored in the {dialect_of(f.metadata)} dialect's own layout ({move.layout}); not "
+                             f"compared" for move in relaid.values()}
     for name, t in by_name.items():
         o = outputs.get(name)
         if o is None:
@@ -168,7 +173,7 @@ def foreign_plan(f: GGUFFile, source: str, imatrix: str | None) -> tuple[Foreign
         else:
             jobs[name] = job
     problems += [f"missing {n} ({list(o.shape)}): the source maps a tensor the file lacks" for n, o in outputs.items()
-                 if n not in by_name]
+                 if n not in by_name and n not in relaid]
     plan = ForeignPlan(resolved, model_type, jobs, unproven, outputs, expected, imatrix, shape_table, stored)
     plan.files = provenance_files(resolved, shards)
     plan.notes.append("not written by quantkit: the plan is the file's own tensor types (each tensor re-encoded "
