@@ -39,6 +39,7 @@ from typing import Iterable, Iterator
 from ..errors import ConcurrentWriteError, FormatError, OutOfSpaceError, QuantkitError
 from ..io.atomic import is_out_of_space
 from ..io.gguf_writer import pwrite_all
+from ..formats.warm import encoder_kinds
 from .tensors import ROW_CHUNK_BYTES, SourceContext, TensorJob, source_digests, tensor_bytes
 
 #: Seconds to wait for workers to exit after they were told to stop, before terminating them.
@@ -176,6 +177,15 @@ def _worker_main(conn) -> None:
     setup = conn.recv()   # sent once the parent has planned the file; None: stopped before any work
     if setup is None:
         return
+    share = conn.recv()   # this worker's share of the encoders to compile before any tensor
+    if share is None:
+        return
+    from ..formats.warm import warm_encoders
+
+    # a failure here comes back with its tensor's name when that tensor is encoded
+    with contextlib.suppress(Exception):
+        warm_encoders(share)
+    conn.send(("ready",))
     try:
         writer = TensorWriter(setup)
     except BaseException as exc:  # noqa: BLE001 - reported to the parent as the failure of its first tensor
@@ -271,8 +281,18 @@ class WorkerPool:
             if worker.task is not None:
                 worker.send(worker.task, setup)
 
-        for worker in self._workers:
+        # Each worker first compiles (or loads from numba's disk cache) its own share of the encoders the
+        # tensors need, all shares in parallel; then every worker finds every kernel in the cache.
+        kinds = encoder_kinds(setup.jobs[name] for name in queue)
+        for i, worker in enumerate(self._workers):
             worker.send(setup, setup)
+            worker.send(kinds[i::len(self._workers)], setup)
+        for worker in self._workers:
+            try:
+                worker.conn.recv()
+            except (EOFError, OSError):
+                raise _died(worker, setup) from None
+        for worker in self._workers:
             assign(worker)
         while any(w.task is not None for w in self._workers):
             busy = [w for w in self._workers if w.task is not None]

@@ -38,6 +38,7 @@ import numpy as np
 from gguf.quants import MXFP4 as _GGUF_MXFP4
 
 from ..kernels import fp4_numba as nb
+from ..kernels.rows import over_rows
 from ._ggml_numpy import F32, c_int, safe_div
 from .registry import GGMLType, ImatrixUse, QuantFormat
 
@@ -109,13 +110,13 @@ def _encode_nvfp4_reference(x: np.ndarray, imatrix: np.ndarray | None) -> np.nda
 
 def _encode_mxfp4(x: np.ndarray, imatrix: np.ndarray | None) -> np.ndarray:
     out = np.empty((x.shape[0], x.shape[1] // QK_MXFP4 * 17), np.uint8)
-    nb.mxfp4(x, out)
+    over_rows(x.shape[0], lambda r0, r1: nb.mxfp4(x[r0:r1], out[r0:r1]))
     return out
 
 
 def _encode_nvfp4(x: np.ndarray, imatrix: np.ndarray | None) -> np.ndarray:
     out = np.empty((x.shape[0], x.shape[1] // QK_NVFP4 * 36), np.uint8)
-    nb.nvfp4(x, out)
+    over_rows(x.shape[0], lambda r0, r1: nb.nvfp4(x[r0:r1], out[r0:r1]))
     return out
 
 

@@ -61,13 +61,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-import numba
 import numpy as np
 from gguf.constants import GGML_QUANT_SIZES
 
 from ..errors import EncodeError
 from ..kernels import iquants_numba as fast
 from ..kernels.kq_primitives import fp32_to_fp16, make_qp_quants, nearest_int
+from ..kernels.rows import over_rows
 from .iq_tables import KSIGNS, IQTables, tables
 from .registry import GGMLType, ImatrixUse, QuantFormat
 
@@ -104,7 +104,7 @@ class _Variant:
     refine_all: bool      # refinement re-snaps every group (IQ2_XXS) or only the off-grid ones
 
 
-# The fast kernels take the same numbers as literals (iquants_numba.encode_part).
+# The fast kernels take the same numbers as literals (iquants_numba.encode_rows).
 _IQ2_XXS = _Variant(GGMLType.IQ2_XXS, 32, 3, F32(5), F32(0.1), 6, F32(1e-15), F32(1), True)
 _IQ2_XS = _Variant(GGMLType.IQ2_XS, 16, 3, F32(5), F32(0.1), 9, F32(1e-15), F32(1), False)
 _IQ3_XXS = _Variant(GGMLType.IQ3_XXS, 32, 8, F32(15), F32(0.2), 15, F32(1e-8), F32(2), False)
@@ -319,12 +319,8 @@ def _fast_encoder(qtype: GGMLType):
         status = np.zeros(x.shape[0], np.int8)
         use_qw = imatrix is not None
         qw = imatrix if use_qw else np.zeros(x.shape[1], np.float32)
-        args = (int(qtype), x, qw, use_qw, out, status, t.kmap, t.nb_start, t.nb_count, t.nb_pos)
-        n_parts = min(x.shape[0], numba.get_num_threads())
-        if n_parts > 1:
-            fast.encode_parts(n_parts, *args)
-        else:                                       # no thread pool round trip for a single part
-            fast.encode_part(0, 1, *args)
+        over_rows(x.shape[0], lambda r0, r1: fast.encode_rows(
+            int(qtype), x[r0:r1], qw, use_qw, out[r0:r1], status[r0:r1], t.kmap, t.nb_start, t.nb_count, t.nb_pos))
         failed = np.flatnonzero(status)
         if failed.size:
             row = int(failed[0])

@@ -41,6 +41,7 @@ import numpy as np
 from gguf.constants import GGML_QUANT_SIZES
 
 from ..kernels import legacy_numba as nb
+from ..kernels.rows import over_rows
 from ._ggml_numpy import (F32, as_int8, c_int, f16_bits, first_argmax, low_byte, nearest_int, recip_or_zero,
                           roundf, safe_div, seq_sum, take)
 from .registry import GGMLType, ImatrixUse, QuantFormat
@@ -239,9 +240,11 @@ def _fast_encoder(qtype: GGMLType):
     def encode(x: np.ndarray, imatrix: np.ndarray | None) -> np.ndarray:
         out = np.empty((x.shape[0], x.shape[1] // QK * type_size), np.uint8)
         if imatrix is None:
-            (nb.affine if affine else nb.symmetric)(x, out, nmax, type_size)
+            kernel = nb.affine if affine else nb.symmetric
+            over_rows(x.shape[0], lambda r0, r1: kernel(x[r0:r1], out[r0:r1], nmax, type_size))
         else:
-            nb.with_imatrix(x, imatrix, out, nmax, type_size, affine)
+            over_rows(x.shape[0],
+                      lambda r0, r1: nb.with_imatrix(x[r0:r1], imatrix, out[r0:r1], nmax, type_size, affine))
         return out
 
     encode.__name__ = f"encode_{qtype.name.lower()}"
@@ -250,7 +253,7 @@ def _fast_encoder(qtype: GGMLType):
 
 def _encode_q8_0(x: np.ndarray, imatrix: np.ndarray | None) -> np.ndarray:
     out = np.empty((x.shape[0], x.shape[1] // QK * 34), np.uint8)
-    nb.q8_0(x, out)
+    over_rows(x.shape[0], lambda r0, r1: nb.q8_0(x[r0:r1], out[r0:r1]))
     return out
 
 

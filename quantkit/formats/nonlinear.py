@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import numpy as np
 from ..kernels import nonlinear_numba as nb
+from ..kernels.rows import over_rows
 from ._ggml_numpy import F32, f16_bits, first_argmax, nearest_int, recip_or_zero, safe_div, seq_sum, take
 from .registry import GGMLType, ImatrixUse, QuantFormat
 
@@ -128,7 +129,8 @@ def _fast_encoder(kernel, block_size: int, type_size: int):
     def encode(x: np.ndarray, imatrix: np.ndarray | None) -> np.ndarray:
         out = np.empty((x.shape[0], x.shape[1] // block_size * type_size), np.uint8)
         qw = imatrix if imatrix is not None else np.zeros(1, F32)
-        kernel(x, qw, imatrix is not None, out)
+        use_qw = imatrix is not None
+        over_rows(x.shape[0], lambda r0, r1: kernel(x[r0:r1], qw, use_qw, out[r0:r1]))
         return out
 
     encode.__name__ = f"encode_{kernel.__name__}"

@@ -7,8 +7,8 @@ Every decoder is bit-identical to ggml's ``dequantize_row_<type>`` (and to gguf-
 matches ggml) for every block whose f16 scales are finite; with non-finite scales the NaN/inf positions agree
 too.  The kernels (layouts and rounding in their modules' docstrings) are split by family:
 ``dequant_simple`` (element types, 32-blocks, ternary, FP4, IQ4), ``dequant_kquants``, ``dequant_iq``, with the
-exact scalar conversions and the gguf-py tables in ``dequant_scalars``.  They run parallel over blocks with
-``prange``; blocks are independent, so the result does not depend on the thread count.  No fastmath.
+exact scalar conversions and the gguf-py tables in ``dequant_scalars``.  They run parallel over blocks on
+threads (:func:`quantkit.kernels.rows.over_rows`); blocks are independent, so the result does not depend on the thread count.  No fastmath.
 """
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ import numpy as np
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType as GGMLType
 
 from ..errors import FormatError
+from .rows import over_rows
 from . import dequant_iq as iq
 from . import dequant_kquants as kq
 from . import dequant_simple as simple
@@ -42,7 +43,7 @@ def _decoder(qtype: GGMLType, kernel, *tables) -> Callable[[np.ndarray], np.ndar
     def decode(blocks: np.ndarray) -> np.ndarray:
         b = _check_blocks(blocks, qtype, type_size)
         y = np.empty((b.shape[0], block_size), dtype=np.float32)
-        kernel(b, y, *tables)
+        over_rows(b.shape[0], lambda r0, r1: kernel(b[r0:r1], y[r0:r1], *tables))
         return y
 
     decode.__name__ = decode.__qualname__ = f"decode_{qtype.name.lower()}"
@@ -61,7 +62,7 @@ def _half_decoder(qtype: GGMLType, kernel) -> Callable[[np.ndarray], np.ndarray]
     def decode(blocks: np.ndarray) -> np.ndarray:
         halves = _check_blocks(blocks, qtype, 2).view(np.uint16).reshape(-1)
         y = np.empty(halves.shape[0], dtype=np.float32)
-        kernel(halves, y)
+        over_rows(halves.shape[0], lambda r0, r1: kernel(halves[r0:r1], y[r0:r1]))
         return y.reshape(-1, 1)
 
     decode.__name__ = decode.__qualname__ = f"decode_{qtype.name.lower()}"

@@ -30,7 +30,7 @@ operand order only matters in principle; it follows ggml anyway.
 from __future__ import annotations
 
 import numpy as np
-from numba import njit, prange
+from numba import njit
 
 from .dequant_scalars import f16_to_f32, load_f16, load_u16, load_u32
 
@@ -45,10 +45,10 @@ def _sign(signs, j):
     return _MINUS_ONE if (signs >> j) & 1 else _ONE
 
 
-@njit(parallel=True, cache=True)
+@njit(cache=True, nogil=True)
 def iq2_xxs(b, y, grid, ksigns):
     w = grid.shape[1]
-    for i in prange(b.shape[0]):
+    for i in range(b.shape[0]):
         d = load_f16(b, i, 0)
         for ib in range(8):
             aux1 = load_u32(b, i, 2 + 8 * ib + 4)
@@ -60,10 +60,10 @@ def iq2_xxs(b, y, grid, ksigns):
                     y[i, 32 * ib + 8 * l + j] = db * grid[row, j] * _sign(signs, j)
 
 
-@njit(parallel=True, cache=True)
+@njit(cache=True, nogil=True)
 def iq2_xs(b, y, grid, ksigns):
     w = grid.shape[1]
-    for i in prange(b.shape[0]):
+    for i in range(b.shape[0]):
         d = load_f16(b, i, 0)
         for ib in range(8):
             sc = np.int32(b[i, 66 + ib])
@@ -78,10 +78,10 @@ def iq2_xs(b, y, grid, ksigns):
                     y[i, 32 * ib + 8 * l + j] = dl * grid[row, j] * _sign(signs, j)
 
 
-@njit(parallel=True, cache=True)
+@njit(cache=True, nogil=True)
 def iq2_s(b, y, grid):
     w = grid.shape[1]
-    for i in prange(b.shape[0]):
+    for i in range(b.shape[0]):
         d = load_f16(b, i, 0)
         for ib in range(8):
             sc = np.int32(b[i, 74 + ib])
@@ -96,10 +96,10 @@ def iq2_s(b, y, grid):
                     y[i, 32 * ib + 8 * l + j] = dl * grid[row, j] * _sign(signs, j)
 
 
-@njit(parallel=True, cache=True)
+@njit(cache=True, nogil=True)
 def iq3_xxs(b, y, grid, ksigns):
     w = grid.shape[1]
-    for i in prange(b.shape[0]):
+    for i in range(b.shape[0]):
         d = load_f16(b, i, 0)
         for ib in range(8):
             aux = load_u32(b, i, 66 + 4 * ib)
@@ -113,10 +113,10 @@ def iq3_xxs(b, y, grid, ksigns):
                     y[i, 32 * ib + 8 * l + 4 + j] = db * grid[row2, j] * _sign(signs, j + 4)
 
 
-@njit(parallel=True, cache=True)
+@njit(cache=True, nogil=True)
 def iq3_s(b, y, grid):
     w = grid.shape[1]
-    for i in prange(b.shape[0]):
+    for i in range(b.shape[0]):
         d = load_f16(b, i, 0)
         for ib in range(8):
             db = d * np.float32(1 + 2 * ((np.int32(b[i, 106 + ib // 2]) >> (4 * (ib % 2))) & 0xF))
@@ -130,10 +130,10 @@ def iq3_s(b, y, grid):
                     y[i, 32 * ib + 8 * l + 4 + j] = db * grid[row2, j] * _sign(signs, j + 4)
 
 
-@njit(parallel=True, cache=True)
+@njit(cache=True, nogil=True)
 def iq1_s(b, y, grid, delta):
     w = grid.shape[1]
-    for i in prange(b.shape[0]):
+    for i in range(b.shape[0]):
         d = load_f16(b, i, 0)
         for ib in range(8):
             qh = np.int32(load_u16(b, i, 34 + 2 * ib))
@@ -145,10 +145,10 @@ def iq1_s(b, y, grid, delta):
                     y[i, 32 * ib + 8 * l + j] = dl * (grid[row, j] + dt)
 
 
-@njit(parallel=True, cache=True)
+@njit(cache=True, nogil=True)
 def iq1_m(b, y, grid, delta):
     w = grid.shape[1]
-    for i in prange(b.shape[0]):
+    for i in range(b.shape[0]):
         sc0 = load_u16(b, i, 48)
         sc1 = load_u16(b, i, 50)
         sc2 = load_u16(b, i, 52)

@@ -29,7 +29,7 @@ quant of at most 6), so the one rounding left is the final subtraction of Q2_K/Q
 from __future__ import annotations
 
 import numpy as np
-from numba import njit, prange
+from numba import njit
 
 from .dequant_scalars import load_f16
 
@@ -44,10 +44,10 @@ def _scale_min_k4(b, i, base, j):
     return sc, m
 
 
-@njit(parallel=True, cache=True)
+@njit(cache=True, nogil=True)
 def q2_k(b, y):
     n16 = y.shape[1] // 16
-    for i in prange(b.shape[0]):
+    for i in range(b.shape[0]):
         d = load_f16(b, i, 80)
         dmin = load_f16(b, i, 82)
         for h in range(2):
@@ -73,10 +73,10 @@ def _q3_k_scale(b, i, k):
     return low | (high << 4)
 
 
-@njit(parallel=True, cache=True)
+@njit(cache=True, nogil=True)
 def q3_k(b, y):
     n16 = y.shape[1] // 16
-    for i in prange(b.shape[0]):
+    for i in range(b.shape[0]):
         d_all = load_f16(b, i, 108)
         for h in range(2):
             for s in range(4):
@@ -92,9 +92,9 @@ def q3_k(b, y):
                         y[i, dst + l] = dl * np.float32(lo - hi)
 
 
-@njit(parallel=True, cache=True)
+@njit(cache=True, nogil=True)
 def q4_k(b, y):
-    for i in prange(b.shape[0]):
+    for i in range(b.shape[0]):
         d = load_f16(b, i, 0)
         dmin = load_f16(b, i, 2)
         for c in range(4):
@@ -110,9 +110,9 @@ def q4_k(b, y):
                 y[i, 64 * c + 32 + l] = d2 * np.float32(q >> 4) - dm2
 
 
-@njit(parallel=True, cache=True)
+@njit(cache=True, nogil=True)
 def q5_k(b, y):
-    for i in prange(b.shape[0]):
+    for i in range(b.shape[0]):
         d = load_f16(b, i, 0)
         dmin = load_f16(b, i, 2)
         for c in range(4):
@@ -129,10 +129,10 @@ def q5_k(b, y):
                 y[i, 64 * c + 32 + l] = d2 * np.float32((q >> 4) + ((qh & 2) << 3)) - dm2
 
 
-@njit(parallel=True, cache=True)
+@njit(cache=True, nogil=True)
 def q6_k(b, y):
     sc = b.view(np.int8)
-    for i in prange(b.shape[0]):
+    for i in range(b.shape[0]):
         d = load_f16(b, i, 208)
         for h in range(2):
             for k in range(4):

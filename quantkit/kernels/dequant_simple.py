@@ -35,29 +35,29 @@ ggml's (C leaves the operand order of ``+`` to the compiler; ggml and gguf-py di
 from __future__ import annotations
 
 import numpy as np
-from numba import njit, prange
+from numba import njit
 
 from .dequant_scalars import (e8m0_to_f32_half, f16_to_f32, f32_from_bits, load_f16, load_u16, load_u32,
                               ue4m3_to_f32_half)
 
-@njit(parallel=True, cache=True)
+@njit(cache=True, nogil=True)
 def f16(h, y):
     """F16 on flat arrays: ``h: uint16[n]`` (the blocks viewed as halves), ``y: float32[n]``."""
-    for i in prange(h.shape[0]):
+    for i in range(h.shape[0]):
         y[i] = f16_to_f32(h[i])
 
 
-@njit(parallel=True, cache=True)
+@njit(cache=True, nogil=True)
 def bf16(h, y):
     """BF16 on flat arrays: ``h: uint16[n]``, ``y: float32[n]``."""
-    for i in prange(h.shape[0]):
+    for i in range(h.shape[0]):
         y[i] = f32_from_bits(np.uint32(np.uint32(h[i]) << np.uint32(16)))
 
 
-@njit(parallel=True, cache=True)
+@njit(cache=True, nogil=True)
 def q4_0(b, y):
     half = y.shape[1] // 2
-    for i in prange(b.shape[0]):
+    for i in range(b.shape[0]):
         d = load_f16(b, i, 0)
         for j in range(half):
             q = np.int32(b[i, 2 + j])
@@ -65,10 +65,10 @@ def q4_0(b, y):
             y[i, j + half] = np.float32((q >> 4) - 8) * d
 
 
-@njit(parallel=True, cache=True)
+@njit(cache=True, nogil=True)
 def q4_1(b, y):
     half = y.shape[1] // 2
-    for i in prange(b.shape[0]):
+    for i in range(b.shape[0]):
         d = load_f16(b, i, 0)
         m = load_f16(b, i, 2)
         for j in range(half):
@@ -77,10 +77,10 @@ def q4_1(b, y):
             y[i, j + half] = np.float32(q >> 4) * d + m
 
 
-@njit(parallel=True, cache=True)
+@njit(cache=True, nogil=True)
 def q5_0(b, y):
     half = y.shape[1] // 2
-    for i in prange(b.shape[0]):
+    for i in range(b.shape[0]):
         d = load_f16(b, i, 0)
         qh = load_u32(b, i, 2)
         for j in range(half):
@@ -91,10 +91,10 @@ def q5_0(b, y):
             y[i, j + half] = np.float32(((q >> 4) | h1) - 16) * d
 
 
-@njit(parallel=True, cache=True)
+@njit(cache=True, nogil=True)
 def q5_1(b, y):
     half = y.shape[1] // 2
-    for i in prange(b.shape[0]):
+    for i in range(b.shape[0]):
         d = load_f16(b, i, 0)
         m = load_f16(b, i, 2)
         qh = load_u32(b, i, 4)
@@ -106,31 +106,31 @@ def q5_1(b, y):
             y[i, j + half] = np.float32((q >> 4) | h1) * d + m
 
 
-@njit(parallel=True, cache=True)
+@njit(cache=True, nogil=True)
 def q8_0(b, y):
     s = b.view(np.int8)
     qk = y.shape[1]
-    for i in prange(b.shape[0]):
+    for i in range(b.shape[0]):
         d = load_f16(b, i, 0)
         for j in range(qk):
             y[i, j] = np.float32(s[i, 2 + j]) * d
 
 
-@njit(parallel=True, cache=True)
+@njit(cache=True, nogil=True)
 def q1_0(b, y):
     qk = y.shape[1]
-    for i in prange(b.shape[0]):
+    for i in range(b.shape[0]):
         d = load_f16(b, i, 0)
         neg_d = -d
         for j in range(qk):
             y[i, j] = d if (b[i, 2 + j // 8] >> (j % 8)) & 1 else neg_d
 
 
-@njit(parallel=True, cache=True)
+@njit(cache=True, nogil=True)
 def q8_k(b, y):
     s = b.view(np.int8)
     qk = y.shape[1]
-    for i in prange(b.shape[0]):
+    for i in range(b.shape[0]):
         d = f32_from_bits(load_u32(b, i, 0))
         for j in range(qk):
             y[i, j] = d * np.float32(s[i, 4 + j])
@@ -143,10 +143,10 @@ def _trit(x, pow3):
     return np.float32(((q * 3) >> 8) - 1)
 
 
-@njit(parallel=True, cache=True)
+@njit(cache=True, nogil=True)
 def tq1_0(b, y):
     n32 = y.shape[1] // 8
-    for i in prange(b.shape[0]):
+    for i in range(b.shape[0]):
         d = load_f16(b, i, 52)
         for n in range(5):
             pow3 = 3 ** n
@@ -162,10 +162,10 @@ def tq1_0(b, y):
                 y[i, 240 + n * 4 + j] = _trit(b[i, 48 + j], pow3) * d
 
 
-@njit(parallel=True, cache=True)
+@njit(cache=True, nogil=True)
 def tq2_0(b, y):
     n32 = y.shape[1] // 8
-    for i in prange(b.shape[0]):
+    for i in range(b.shape[0]):
         d = load_f16(b, i, 64)
         for h in range(2):
             for shift in range(4):
@@ -174,10 +174,10 @@ def tq2_0(b, y):
                     y[i, 128 * h + 32 * shift + m] = np.float32(q - 1) * d
 
 
-@njit(parallel=True, cache=True)
+@njit(cache=True, nogil=True)
 def iq4_nl(b, y, kvalues):
     half = y.shape[1] // 2
-    for i in prange(b.shape[0]):
+    for i in range(b.shape[0]):
         d = load_f16(b, i, 0)
         for j in range(half):
             q = b[i, 2 + j]
@@ -185,10 +185,10 @@ def iq4_nl(b, y, kvalues):
             y[i, j + half] = d * kvalues[q >> 4]
 
 
-@njit(parallel=True, cache=True)
+@njit(cache=True, nogil=True)
 def iq4_xs(b, y, kvalues):
     n16 = y.shape[1] // 16
-    for i in prange(b.shape[0]):
+    for i in range(b.shape[0]):
         d = load_f16(b, i, 0)
         scales_h = load_u16(b, i, 2)
         for ib in range(8):
@@ -201,10 +201,10 @@ def iq4_xs(b, y, kvalues):
                 y[i, 32 * ib + 16 + j] = dl * kvalues[q >> 4]
 
 
-@njit(parallel=True, cache=True)
+@njit(cache=True, nogil=True)
 def mxfp4(b, y, kvalues):
     half = y.shape[1] // 2
-    for i in prange(b.shape[0]):
+    for i in range(b.shape[0]):
         d = e8m0_to_f32_half(b[i, 0])
         for j in range(half):
             q = b[i, 1 + j]
@@ -212,10 +212,10 @@ def mxfp4(b, y, kvalues):
             y[i, j + half] = kvalues[q >> 4] * d
 
 
-@njit(parallel=True, cache=True)
+@njit(cache=True, nogil=True)
 def nvfp4(b, y, kvalues):
     n8 = y.shape[1] // 8
-    for i in prange(b.shape[0]):
+    for i in range(b.shape[0]):
         for s in range(4):
             d = ue4m3_to_f32_half(b[i, s])
             for j in range(n8):

@@ -7,7 +7,7 @@ sign never beat code 0 (their error is ``fl(|x| + m·d) ≥ |x|``) and code 8 (-
 the first of the 8 magnitudes with the smallest ``|m·d - |x||`` (float32 rounding is symmetric), moved to the
 negative half (code + 8) when x < 0 and the magnitude is not 0.
 
-Kernels take ``x: float32[rows, n]`` and write ``out: uint8[rows, ...]``, parallel over rows with ``prange``;
+Kernels take ``x: float32[rows, n]`` and write ``out: uint8[rows, ...]``, parallel over rows with threads (:func:`quantkit.kernels.rows.over_rows`);
 rows are independent, so the bytes do not depend on the thread count.
 """
 from __future__ import annotations
@@ -16,7 +16,7 @@ import math
 
 import numpy as np
 from gguf.quants import MXFP4 as _GGUF_MXFP4
-from numba import njit, prange
+from numba import njit
 
 from .dequant_scalars import e8m0_to_f32_half, ue4m3_to_f32_half
 from .kq_primitives import F32, ZERO, f32_bits, jit
@@ -89,11 +89,11 @@ def fp32_to_ue4m3(x):
     return (exp << 3) | man
 
 
-@njit(parallel=True, cache=True, error_model="numpy")
+@njit(cache=True, nogil=True, error_model="numpy")
 def mxfp4(x, out):
     """MXFP4: 17-byte blocks (E8M0 e, qs[16]: byte j = code j | code j+16 << 4)."""
     nb = x.shape[1] // QK_MXFP4
-    for r in prange(x.shape[0]):
+    for r in range(x.shape[0]):
         xr = x[r]
         orow = out[r]
         for ib in range(nb):
@@ -106,12 +106,12 @@ def mxfp4(x, out):
                 orow[pos + 1 + j] = e2m1_index(xr[o + j], d) | (e2m1_index(xr[o + 16 + j], d) << 4)
 
 
-@njit(parallel=True, cache=True, error_model="numpy")
+@njit(cache=True, nogil=True, error_model="numpy")
 def nvfp4(x, out):
     """NVFP4: 36-byte blocks of 64 (UE4M3 d[4], qs[32]; per 16-group byte j = code j | code j+8 << 4)."""
     n_groups = x.shape[1] // NVFP4_SUB
     per_block = QK_NVFP4 // NVFP4_SUB
-    for r in prange(x.shape[0]):
+    for r in range(x.shape[0]):
         xr = x[r]
         orow = out[r]
         codes = np.empty(NVFP4_SUB, np.uint8)

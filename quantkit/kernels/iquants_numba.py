@@ -10,8 +10,8 @@ here).  The kernels do ggml's float32 operations in ggml's order; what differs i
   elements 0..dim-1 in ggml's order, and the pick is ggml's sequential first-strict-minimum scan.
 * One trial loop serves the trials and the refinement pass (``_search``), levels of the kept trial and of
   the trial in progress live in one 2-row array.
-* Rows run in parallel, one contiguous part per thread, each with private copies of everything it reads;
-  a row's bytes do not depend on the thread count.
+* Rows run in parallel (:func:`quantkit.kernels.rows.over_rows`), one contiguous part per thread, each with
+  private copies of everything it reads; a row's bytes do not depend on the thread count.
 
 Where ggml aborts the process (``GGML_ASSERT(grid_index >= 0)`` when every neighbour distance is inf/NaN,
 ``GGML_ASSERT(scale >= 0)`` or "point not on grid" when a sub-block scale is NaN: weights so large that the
@@ -337,14 +337,13 @@ def _encode_row(qtype, n, dim, bits, kmaxq, n_steps, x, qw, use_qw, y, kmap, nb_
 
 
 @jit
-def encode_part(part, n_parts, qtype, x, qw, use_qw, out, status, kmap, nb_start, nb_count, nb_pos):
-    """Encode rows [part·rows/n_parts, (part+1)·rows/n_parts) of x (float32[rows, n]) as qtype into out.
+def encode_rows(qtype, x, qw, use_qw, out, status, kmap, nb_start, nb_count, nb_pos):
+    """Encode every row of x (float32[rows, n]) as qtype into out; a part of the rows per thread.
 
-    The part works on its own copies of the tables, the importance vector, the input row and the output row:
+    Each call works on its own copies of the tables, the importance vector, the input row and the output row:
     every call increments and decrements the reference counts of its array arguments, and atomics on counts
     shared by all threads would serialise them.
     """
-    rows = x.shape[0]
     t_kmap = kmap.copy()
     t_start = nb_start.copy()
     t_count = nb_count.copy()
@@ -352,7 +351,7 @@ def encode_part(part, n_parts, qtype, x, qw, use_qw, out, status, kmap, nb_start
     t_qw = qw.copy()
     xr = np.empty(x.shape[1], np.float32)
     y = np.empty(out.shape[1], np.uint8)
-    for r in range(part * rows // n_parts, (part + 1) * rows // n_parts):
+    for r in range(x.shape[0]):
         xr[:] = x[r]
         y[:] = 0
         # (n, dim, bits, kmaxq, n_steps) per type, as in iquants._Variant and iq_tables
@@ -363,10 +362,3 @@ def encode_part(part, n_parts, qtype, x, qw, use_qw, out, status, kmap, nb_start
         else:
             status[r] = _encode_row(IQ2_XXS, 32, 8, 2, 3, 6, xr, t_qw, use_qw, y, t_kmap, t_start, t_count, t_pos)
         out[r, :] = y
-
-
-@njit(parallel=True, cache=True, error_model="numpy")
-def encode_parts(n_parts, qtype, x, qw, use_qw, out, status, kmap, nb_start, nb_count, nb_pos):
-    """encode_part for every part, one per thread; a row's bytes do not depend on the split."""
-    for part in prange(n_parts):
-        encode_part(part, n_parts, qtype, x, qw, use_qw, out, status, kmap, nb_start, nb_count, nb_pos)

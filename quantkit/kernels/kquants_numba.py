@@ -9,17 +9,18 @@ dependent float32 additions.  Here up to ``SEARCH_GROUP`` sub-blocks of a row (s
 transposed into columns and searched side by side, so every inner loop runs across sub-blocks and
 vectorizes, while each sub-block still sees exactly ggml's sequence of operations.  The per-block steps that
 follow (scale quantization, the final re-quantization, packing) run block by block.  Rows are independent and
-run in parallel (``prange``); the bytes do not depend on the thread count.
+run in parallel (threads: :func:`quantkit.kernels.rows.over_rows`); the bytes do not depend on the thread count.
 """
 from __future__ import annotations
 
 import math
 
 import numpy as np
-from numba import njit, prange
+from numba import njit
 
 from ..formats.kquants import QK_K, block_bytes, field_offsets
 from ..formats.registry import GGMLType
+from .rows import over_rows
 from .kq_primitives import (F32, GROUP_MAX_EPS, ONE, Q3_STATE_ROWS, QKX_STATE_ROWS, QX_STATE_ROWS, ZERO, as_int8,
                             fp16_to_fp32, fp32_to_fp16, get_u16, jit, make_q3_quants_lanes, make_qkx_quants_lanes,
                             make_qp_quants, make_qx_quants_lanes, nearest_int, put_u16)
@@ -277,9 +278,9 @@ def _q2_k_row(x, qw, use_qw, y):
             _q2_k_finish(x[x0:x0 + QK_K], yb, L, d, dm, de, me)
 
 
-@njit(parallel=True, cache=True, error_model="numpy")
+@njit(cache=True, nogil=True, error_model="numpy")
 def _encode_q2_k(x, qw, use_qw, out):
-    for r in prange(x.shape[0]):
+    for r in range(x.shape[0]):
         _q2_k_row(x[r], qw, use_qw, out[r])
 
 
@@ -376,9 +377,9 @@ def _q3_k_row(x, qw, use_qw, y):
             _q3_k_finish(x[x0:x0 + QK_K], yb, L, d, de)
 
 
-@njit(parallel=True, cache=True, error_model="numpy")
+@njit(cache=True, nogil=True, error_model="numpy")
 def _encode_q3_k(x, qw, use_qw, out):
-    for r in prange(x.shape[0]):
+    for r in range(x.shape[0]):
         _q3_k_row(x[r], qw, use_qw, out[r])
 
 
@@ -521,10 +522,10 @@ def _k4_row(x, qw, use_qw, y, nmax):
                 _q5_k_pack(L, yb)
 
 
-@njit(parallel=True, cache=True, error_model="numpy")
+@njit(cache=True, nogil=True, error_model="numpy")
 def _encode_k4(x, qw, use_qw, out, nmax):
     """Q4_K (nmax=15) and Q5_K (nmax=31)."""
-    for r in prange(x.shape[0]):
+    for r in range(x.shape[0]):
         _k4_row(x[r], qw, use_qw, out[r], nmax)
 
 
@@ -598,9 +599,9 @@ def _q6_k_row(x, qw, use_qw, y):
                          scales[b * per:(b + 1) * per], d, de)
 
 
-@njit(parallel=True, cache=True, error_model="numpy")
+@njit(cache=True, nogil=True, error_model="numpy")
 def _encode_q6_k(x, qw, use_qw, out):
-    for r in prange(x.shape[0]):
+    for r in range(x.shape[0]):
         _q6_k_row(x[r], qw, use_qw, out[r])
 
 
@@ -615,7 +616,8 @@ def _run(kernel, block_bytes, x, imatrix, *extra):
     x = np.ascontiguousarray(x, dtype=np.float32)
     qw = _NO_IMATRIX if imatrix is None else np.ascontiguousarray(imatrix, dtype=np.float32)
     out = np.zeros((x.shape[0], (x.shape[1] // QK_K) * block_bytes), np.uint8)
-    kernel(x, qw, imatrix is not None, out, *extra)
+    use_qw = imatrix is not None
+    over_rows(x.shape[0], lambda r0, r1: kernel(x[r0:r1], qw, use_qw, out[r0:r1], *extra))
     return out
 
 

@@ -7,13 +7,13 @@ whose f16 conversion and scale searches — make_qx_quants, make_qkx3_quants, ov
 shared with the K-quants).
 
 Each public kernel takes ``x: float32[rows, n]`` (C-contiguous, finite), ``qw: float32[n]`` where it uses one,
-and writes ``out: uint8[rows, n/32 * type_size]``, parallel over rows with ``prange``.  Rows are independent, so
+and writes ``out: uint8[rows, n/32 * type_size]``, parallel over rows with threads (:func:`quantkit.kernels.rows.over_rows`).  Rows are independent, so
 the bytes do not depend on the thread count.
 """
 from __future__ import annotations
 
 import numpy as np
-from numba import njit, prange
+from numba import njit
 
 from .kq_primitives import (F32, ONE, QKX_STATE_ROWS, QX_STATE_ROWS, ZERO, fp32_to_fp16, jit,
                             make_qkx_quants_lanes, make_qx_quants_lanes, put_u16)
@@ -126,10 +126,10 @@ def _row_sigma2(x):
     return s / F32(x.shape[0])
 
 
-@njit(parallel=True, cache=True, error_model="numpy")
+@njit(cache=True, nogil=True, error_model="numpy")
 def q8_0(x, out):
     nb = x.shape[1] // QK
-    for r in prange(x.shape[0]):
+    for r in range(x.shape[0]):
         xr = x[r]
         orow = out[r]
         for ib in range(nb):
@@ -146,14 +146,14 @@ def q8_0(x, out):
                 orow[pos + 2 + j] = c_roundf_byte(xr[o + j] * idd)
 
 
-@njit(parallel=True, cache=True, error_model="numpy")
+@njit(cache=True, nogil=True, error_model="numpy")
 def symmetric(x, out, nmax, type_size):
     """Q4_0 (nmax 8, 18-byte blocks) and Q5_0 (nmax 16, 22-byte blocks) without an importance matrix.
 
     ggml: d = max/-nmax (max: the first weight of largest |x|), q = MIN(2nmax-1, (int8)(x*id + nmax + 0.5)).
     """
     nb = x.shape[1] // QK
-    for r in prange(x.shape[0]):
+    for r in range(x.shape[0]):
         xr = x[r]
         orow = out[r]
         L = np.empty(QK, np.int32)
@@ -166,14 +166,14 @@ def symmetric(x, out, nmax, type_size):
             _pack(orow, pos + 2, L, nmax == 16)
 
 
-@njit(parallel=True, cache=True, error_model="numpy")
+@njit(cache=True, nogil=True, error_model="numpy")
 def affine(x, out, nmax, type_size):
     """Q4_1 (nmax 15, 20-byte blocks) and Q5_1 (nmax 31, 24-byte blocks) without an importance matrix.
 
     ggml: d = (max-min)/nmax, m = min, q = (int8)((x-min)*id + 0.5), clamped with MIN(15, ·) for Q4_1 only.
     """
     nb = x.shape[1] // QK
-    for r in prange(x.shape[0]):
+    for r in range(x.shape[0]):
         xr = x[r]
         orow = out[r]
         L = np.empty(QK, np.int32)
@@ -187,7 +187,7 @@ def affine(x, out, nmax, type_size):
             _pack(orow, pos + 4, L, nmax == 31)
 
 
-@njit(parallel=True, cache=True, error_model="numpy")
+@njit(cache=True, nogil=True, error_model="numpy")
 def with_imatrix(x, qw, out, nmax, type_size, affine):
     """Q4_0/Q5_0 (``affine`` false) and Q4_1/Q5_1 with an importance matrix (quantize_row_<t>_impl).
 
@@ -198,7 +198,7 @@ def with_imatrix(x, qw, out, nmax, type_size, affine):
     """
     nb = x.shape[1] // QK
     five_bit = nmax == 16 or nmax == 31
-    for r in prange(x.shape[0]):
+    for r in range(x.shape[0]):
         xr = x[r]
         orow = out[r]
         xt = np.empty((QK, nb), np.float32)

@@ -3,13 +3,13 @@
 Layouts and rounding are documented in :mod:`quantkit.formats.nonlinear`; this module mirrors ggml operation by
 operation in float32 (rules as in :mod:`quantkit.kernels.kq_primitives`).  Kernels take ``x: float32[rows, n]``,
 ``qw: float32[n]`` (ignored unless ``use_qw``) and write ``out: uint8[rows, ...]``, parallel over rows with
-``prange``; rows are independent, so the bytes do not depend on the thread count.
+threads (:func:`quantkit.kernels.rows.over_rows`); rows are independent, so the bytes do not depend on the thread count.
 """
 from __future__ import annotations
 
 import numpy as np
 from gguf.quants import IQ4_NL as _GGUF_IQ4_NL
-from numba import njit, prange
+from numba import njit
 
 from .kq_primitives import F32, GROUP_MAX_EPS, ONE, ZERO, fp32_to_fp16, jit, nearest_int, put_u16
 
@@ -101,11 +101,11 @@ def _levels(x, o, scale_inv, out, pos):
         out[pos + j] = best_index(scale_inv * x[o + j]) | (best_index(scale_inv * x[o + 16 + j]) << 4)
 
 
-@njit(parallel=True, cache=True, error_model="numpy")
+@njit(cache=True, nogil=True, error_model="numpy")
 def iq4_nl(x, qw, use_qw, out):
     """IQ4_NL: 18-byte blocks (d f16, qs[16]); each 32-block is its own super-block."""
     nb = x.shape[1] // BLOCK
-    for r in prange(x.shape[0]):
+    for r in range(x.shape[0]):
         xr = x[r]
         orow = out[r]
         w = np.empty(BLOCK, np.float32)
@@ -119,13 +119,13 @@ def iq4_nl(x, qw, use_qw, out):
             _levels(xr, o, ONE / d if d != ZERO else ZERO, orow, pos + 2)
 
 
-@njit(parallel=True, cache=True, error_model="numpy")
+@njit(cache=True, nogil=True, error_model="numpy")
 def iq4_xs(x, qw, use_qw, out):
     """IQ4_XS: 136-byte super-blocks of 256 (d f16, scales_h u16, scales_l[4], qs[128])."""
     sbs = 256
     n_sub = sbs // BLOCK
     nsb = x.shape[1] // sbs
-    for r in prange(x.shape[0]):
+    for r in range(x.shape[0]):
         xr = x[r]
         orow = out[r]
         w = np.empty(BLOCK, np.float32)
