@@ -32,6 +32,7 @@ from quantkit.io.gguf_writer import GGUFWriter, plan_layout
 from quantkit.io.safetensors import SafetensorsFile, write_safetensors
 from quantkit.testing.recipe_texts import PRE_TOKENIZER as PRE, Q2_RECIPE
 from quantkit.testing.tiny_models import TinyCheckpointCache
+from test_convert import leftovers, one_line_error
 
 CLI = [sys.executable, "-c", "from quantkit.cli import main; main()"]
 #: Seeded kill points of the kill -9 test (issue: at least 20).
@@ -58,16 +59,6 @@ def args_for(src: Path, out: Path, recipe: Path, *more) -> list[str]:
 def run(*args, jobs: int = 1):
     return CliRunner().invoke(main, ["convert", *map(str, args), "-j", str(jobs)])
 
-
-def one_line_error(result) -> str:
-    assert result.exit_code not in (0, None), result.output
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
-    return lines[0]
-
-
-def leftovers(out: Path) -> set[str]:
-    return {p.name for p in out.parent.iterdir() if p.name.startswith(out.name)}
 
 
 @pytest.fixture(scope="module")

@@ -29,26 +29,12 @@ from quantkit.cli import main
 from quantkit.imatrix import Entry, make_imatrix, save_imatrix
 from quantkit.testing.tiny_models import ARCHS as TINY_ARCHS
 from quantkit.testing.tiny_models import TinyCheckpointCache, build_tiny_model
+from quantkit.testing.recipe_texts import F32_RECIPE
 from test_arch import EXPECTED_DIFFERENCES, LLAMA_CPP_SRC, PRE_TOKENIZER, reference_value, run_converter, same_value
 
 pytestmark = [pytest.mark.interop, pytest.mark.slow]
 ARCHS = tuple(TINY_ARCHS)
 
-#: F32 everywhere, the source-precision classes (hc, ape, indexer) included: what ``--outtype f32`` writes.
-F32_RECIPE = """name = "f32-interop"
-architectures = ["deepseek_v4", "glm5_next", "qwen4_exp", "qwen3_moe", "deepseek_v3"]
-[defaults]
-type = "F32"
-[[rule]]
-class = "hc"
-type = "F32"
-[[rule]]
-class = "ape"
-type = "F32"
-[[rule]]
-class = "indexer"
-type = "F32"
-"""
 #: What llama.cpp's converter makes of DeepSeek V4's official FP8 + FP4 release: MXFP4 experts (lossless), Q8_0
 #: for every FP8 source, BF16 sources kept BF16, F32 elsewhere.
 V4_CONVERTER_RECIPE = """name = "v4-as-llama-cpp"

@@ -32,6 +32,7 @@ from quantkit.io.gguf_reader import GGUFFile
 from quantkit.runtime import load_model
 from quantkit.runtime.weights import CheckpointWeights
 from quantkit.testing.tiny_models import build_tiny_model, get_arch as tiny_arch
+from quantkit.testing.recipe_texts import F32_RECIPE
 
 DATA = Path(__file__).parent / "data" / "imatrix"
 MANIFEST = json.loads((DATA / "manifest.json").read_text())
@@ -373,21 +374,6 @@ for name, (values, count, src0_ne) in stats.items():
     arrays[name + ".count"] = np.array(count)
     arrays[name + ".src0_ne"] = np.array(src0_ne)
 np.savez(out, **arrays)
-"""
-#: F32 everywhere (the source-precision classes too): llama.cpp runs it as transformers does.
-F32_RECIPE = """name = "f32-grouped"
-architectures = ["deepseek_v4"]
-[defaults]
-type = "F32"
-[[rule]]
-class = "hc"
-type = "F32"
-[[rule]]
-class = "ape"
-type = "F32"
-[[rule]]
-class = "indexer"
-type = "F32"
 """
 
 

@@ -20,7 +20,6 @@ weighted distances overflow float32), the row's status says which and the caller
 from __future__ import annotations
 
 import numpy as np
-from numba import njit, prange
 
 from ..formats.iq_tables import NB_ALIGN
 from .kq_primitives import F32, GROUP_MAX_EPS, ONE, ZERO, fp32_to_fp16, jit, make_qp_quants, nearest_int, put_u16

@@ -138,7 +138,7 @@ def load_tokenizer(path: str | os.PathLike, tokenizer: str | os.PathLike | None 
     if resolved.is_file() and resolved.suffix != ".safetensors":
         size = resolved.stat().st_size
         raise FormatError("not a GGUF file (empty)" if size == 0 else
-                          f"not a GGUF file (no GGUF magic in its first bytes) nor a .safetensors checkpoint",
+                          "not a GGUF file (no GGUF magic in its first bytes) nor a .safetensors checkpoint",
                           path=resolved)
     return _tokenizer_dir(resolved if resolved.is_dir() else resolved.parent,
                           "; pass --tokenizer DIR (the source checkpoint's tokenizer)")

@@ -23,3 +23,19 @@ type = "Q8_0"
 class = "routed_experts"
 type = "source"
 """
+#: F32 everywhere, the source-precision classes (hc, ape, indexer) included: what llama.cpp's ``--outtype f32``
+#: writes, and what llama.cpp runs as transformers does.
+F32_RECIPE = """name = "f32-interop"
+architectures = ["deepseek_v4", "glm5_next", "qwen4_exp", "qwen3_moe", "deepseek_v3"]
+[defaults]
+type = "F32"
+[[rule]]
+class = "hc"
+type = "F32"
+[[rule]]
+class = "ape"
+type = "F32"
+[[rule]]
+class = "indexer"
+type = "F32"
+"""

@@ -42,10 +42,9 @@ from ..convert.tensors import TensorJob, imatrix_shapes, load_model_imatrix
 from ..errors import SourceError
 from ..formats.api import tensor_nbytes
 from ..formats.registry import GGMLType, ImatrixUse, get_format
-from ..io.atomic import sha256_file
 from ..io.checkpoint import open_checkpoint
 from ..io.gguf_reader import GGUFFile
-from .replan import SHARD_SUFFIX, _show, _same_kv
+from .replan import SourceFileHashes, _show, _same_kv
 from .report import FAILED, PASSED, SKIPPED, Check, check
 
 #: Keys that describe the writer or the tokenizer, not the model's hyperparameters.
@@ -60,7 +59,7 @@ def is_foreign(f: GGUFFile) -> bool:
 
 
 @dataclass
-class ForeignPlan:
+class ForeignPlan(SourceFileHashes):
     """The plan read off a foreign file: a job per provable tensor, a reason per unproven one."""
 
     source: ResolvedSource
@@ -85,13 +84,6 @@ class ForeignPlan:
     def source_path(self) -> Path:
         return self.source.path
 
-    @property
-    def shards(self) -> list[Path]:
-        return [p for p in self.files if p.name.endswith(SHARD_SUFFIX)]
-
-    def hash_file(self, path: Path) -> None:
-        self.computed_hashes[path.name] = sha256_file(path)
-        self.hashed_bytes += path.stat().st_size
 
 
 def _lossless(qtype: GGMLType, encoding: str) -> str:

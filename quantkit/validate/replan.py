@@ -58,8 +58,21 @@ IDENTITY_KEYS = ("quantkit.source.repo", "quantkit.source.revision")
 VALUE_CHARS_SHOWN = 60
 
 
+class SourceFileHashes:
+    """What a plan of the payload audit does with its source files (``files``, ``computed_hashes``,
+    ``hashed_bytes``): the re-plan of a quantkit artifact and the plan read off a foreign one share it."""
+
+    @property
+    def shards(self) -> list[Path]:
+        return [p for p in self.files if p.name.endswith(SHARD_SUFFIX)]
+
+    def hash_file(self, path: Path) -> None:
+        self.computed_hashes[path.name] = sha256_file(path)
+        self.hashed_bytes += path.stat().st_size
+
+
 @dataclass
-class Replan:
+class Replan(SourceFileHashes):
     """The re-planned artifact: the conversion's inputs, its jobs, the expected layout, and the source hashes."""
 
     prepared: Prepared
@@ -92,13 +105,6 @@ class Replan:
     def imatrix_shapes(self) -> dict[str, tuple[int, int]]:
         return self.prepared.imatrix_shapes
 
-    @property
-    def shards(self) -> list[Path]:
-        return [p for p in self.files if p.name.endswith(SHARD_SUFFIX)]
-
-    def hash_file(self, path: Path) -> None:
-        self.computed_hashes[path.name] = sha256_file(path)
-        self.hashed_bytes += path.stat().st_size
 
 
 # -- inputs ---------------------------------------------------------------------------------------------------

@@ -160,8 +160,8 @@ def _match(table: ArchDialect, name: str, side: str, linear_layers: Iterable[int
         layer = int(m.group("L")) if "L" in m.groupdict() else None
         if (row.linear_only or row.attention_only) and side == "llama_cpp":
             if linear is None:
-                raise FormatError(f"names a different ds4 tensor in linear-attention and attention blocks: the "
-                                  f"layer types are needed", tensor=name)
+                raise FormatError("names a different ds4 tensor in linear-attention and attention blocks: the "
+                                  "layer types are needed", tensor=name)
             if (layer in linear) != row.linear_only:
                 continue
         return index, row, layer
@@ -464,8 +464,8 @@ def convert_payload(move: TensorMove, raw: bytes | memoryview | np.ndarray, to: 
     with np.errstate(invalid="ignore", divide="ignore"):
         a = np.log(np.negative(x.astype(np.float64))).astype(np.float32)
     if not np.array_equal(_neg_exp(a).view(np.uint32), x.view(np.uint32)):
-        raise FormatError(f"-exp(A_log) does not map back to the same float32 bytes from its log; "
-                          f"convert ds4's A_log from the source checkpoint instead", tensor=move.source)
+        raise FormatError("-exp(A_log) does not map back to the same float32 bytes from its log; "
+                          "convert ds4's A_log from the source checkpoint instead", tensor=move.source)
     return a.astype("<f4").tobytes()
 
 
