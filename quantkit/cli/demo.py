@@ -23,7 +23,8 @@ def _step(title: str) -> None:
 @click.command("demo")
 @click.option("--workdir", type=click.Path(file_okay=False, path_type=Path),
               help="keep the artifacts here (default: a temporary directory, removed at the end)")
-@click.option("-j", "--jobs", type=click.IntRange(min=1), default=1, show_default=True, help="convert worker processes")
+@click.option("-j", "--jobs", type=click.IntRange(min=1), default=2, show_default=True,
+              help="convert worker processes (on a first run each compiles its own share of the encoders)")
 @click.pass_context
 def demo(ctx, workdir, jobs):
     """Convert the bundled model (IQ2_XXS/Q2_K recipe with its imatrix), validate, score and compare with F16."""
