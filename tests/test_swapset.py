@@ -495,3 +495,20 @@ def test_fused_expert_weights_encode_per_expert(fmt, convention):
             np.testing.assert_array_equal(stacked[suffix][0][e].reshape(array.shape), array)
     decoded = enc.decode({k: a for k, (a, _) in stacked.items()})
     np.testing.assert_array_equal(decoded[1], enc.decode({k: a for k, (a, _) in enc.encode(w[1]).items()}))
+
+
+def test_a_sidecar_never_replaces_a_shard_it_is_made_from(model):
+    """A sidecar named like a shard of a sharded checkpoint is refused before any work, even with --force."""
+    d = model()
+    shard = d / "weights-a.safetensors"
+    (d / "model.safetensors").rename(shard)
+    names = SafetensorsFile(shard)
+    weight_map = {n: shard.name for n in names.names()}
+    names.close()
+    (d / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    before = sha256_file(shard)
+    out = run("swapset", d, "--family", "inproj", "--format", "fp8-tensor", "--name", "weights-a", "--force")
+    lines = out.output.strip().splitlines()
+    assert out.exit_code == 2 and len(lines) == 1, out.output
+    assert "weights-a.safetensors" in lines[0]
+    assert sha256_file(shard) == before and not (d / "weights-a.json").exists()

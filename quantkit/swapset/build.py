@@ -27,7 +27,7 @@ import numpy as np
 from .. import __version__
 from ..arch import get_arch
 from ..errors import EncodeError, MissingSourceError, OutputExistsError, RecipeError, SourceError
-from ..io.atomic import atomic_output, sha256_file
+from ..io.atomic import atomic_output, check_output, input_files, sha256_file
 from ..io.checkpoint import Checkpoint, open_checkpoint
 from . import calibrate, draft
 from .encodings import Encoding, get_encoding
@@ -583,12 +583,26 @@ def _manifest(plan: SwapsetPlan, request: SwapsetRequest, ckpt: Checkpoint, src:
     }
 
 
+def _input_files(request: SwapsetRequest, ckpt, src) -> list[Path]:
+    """The files a swapset build reads: the checkpoints' shards and configs, and the files the request names."""
+    read = [request.token_ids_file, request.calibration, request.sample]
+    for checkpoint in (ckpt, src):
+        if checkpoint is not None:
+            read += {checkpoint.tensor_info(n).file for n in checkpoint.tensor_names()}
+            read += [Path(checkpoint.path) / name for name in ("config.json", "model.safetensors.index.json")]
+    return input_files(read)
+
+
 def build_swapset(request: SwapsetRequest) -> BuildResult:
     """Plan, encode and write a sidecar beside ``request.model_dir``; returns the paths and the manifest."""
     with _open(request) as (ckpt, src):
         plan = _plan(request, ckpt, src)
-        act_amax, hidden = _measure(plan, ckpt)
         st, js = sidecar_paths(ckpt.path, plan.name)
+        # before the long work: a sidecar never replaces a file it is made from (a shard named like it, say)
+        inputs = _input_files(request, ckpt, src)
+        for path, what in ((st, "sidecar payload"), (js, "sidecar manifest")):
+            check_output(path, inputs=inputs, overwrite=request.force, what=what)
+        act_amax, hidden = _measure(plan, ckpt)
         renamed = False
         try:
             with atomic_output(js, overwrite=request.force) as js_tmp:
