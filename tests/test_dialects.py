@@ -513,3 +513,18 @@ def test_runtime_reads_a_ds4_file_as_its_llama_cpp_twin(converted, arch):
     finally:
         reference.close()
         ds4.close()
+
+
+def test_qwen4exp_ds4_refuses_an_imatrix_for_kda_output(tiny_checkpoints):
+    """llama.cpp's ssm_out has its input columns in tiled V-head order, ds4's kda_output in the checkpoint's: the
+    imatrix entry collected under llama.cpp's name does not apply column for column, so the plan refuses it."""
+    recipe = parse_recipe('name = "gdn-q4k"\narchitectures = ["qwen4_exp"]\n[defaults]\ntype = "Q8_0"\n'
+                          'fallback = "BF16"\n[[rule]]\nclass = "gdn_output"\ntype = "Q4_K"\n')
+    source = tiny_checkpoints.get("qwen4_exp")
+    pre = PRE_TOKENIZER["qwen4_exp"]
+    imatrix = {"blk.0.ssm_out.weight": np.ones(256, np.float32)}
+    assert build_plan(source, recipe, imatrix=imatrix, pre_tokenizer=pre).dialect == LLAMA_CPP
+    with pytest.raises(RecipeError, match="kda_output.*blk.0.ssm_out.weight"):
+        build_plan(source, recipe, imatrix=imatrix, pre_tokenizer=pre, dialect=DS4)
+    ds4 = build_plan(source, recipe, bootstrap=True, pre_tokenizer=pre, dialect=DS4)   # own weight energy: fine
+    assert {t.name: t.importance for t in ds4.tensors}["blk.0.kda_output.weight"] == "bootstrap"
