@@ -343,13 +343,15 @@ def test_qwen4_exp_marks_indexed_layers_in_compress_ratios(tiny):
 def test_transform_steps_agree_with_their_shape_rules():
     hp = {"num_attention_heads": 2, "qk_nope_head_dim": 3, "v_head_dim": 4, "linear_num_key_heads": 2,
           "linear_num_value_heads": 4, "linear_key_head_dim": 2, "linear_value_head_dim": 3, "indexer_n_heads": 2,
-          "indexer_head_dim": 2, "linear_num_heads": 2, "linear_head_dim": 3}
+          "indexer_head_dim": 2, "linear_num_heads": 2, "linear_head_dim": 3, "head_dim": 3}
     rng = np.random.default_rng(0)
     shapes = {"gate_half": (3, 8, 5), "up_half": (3, 8, 5), "kv_b_k": (14, 6), "kv_b_v": (14, 6),
-              "neg_exp": (5,), "plus_one": (5,), "first_heads": (4,), "conv_4d": (6, 1, 4), "kda_conv_q": (18, 1, 4),
+              "neg_exp": (5,), "plus_one": (5,), "first_heads": (4,), "conv_4d": (6, 1, 4), "conv_3d": (6, 1, 4), "kda_conv_q": (18, 1, 4),
               "kda_conv_k": (18, 1, 4), "kda_conv_v": (18, 1, 4), "squeeze": (6, 1, 4),
               "gdn_qkv_v_order": (20, 5), "gdn_rows_v_order": (12, 5), "gdn_heads_order": (4,),
-              "gdn_conv_v_order": (20, 4), "gdn_cols_v_order": (5, 12), "indexer_q": (6, 5), "indexer_k": (6, 5)}
+              "gdn_conv_v_order": (20, 4), "gdn_cols_v_order": (5, 12), "indexer_q": (6, 5), "indexer_k": (6, 5),
+              "gdn_q_part": (20, 1, 4), "gdn_k_part": (20, 5), "gdn_v_part": (20, 5), "query_half": (12, 5),
+              "gate_half_rows": (12, 5)}
     assert set(shapes) == set(transforms.STEPS) - {"to_int32"}
     for name, shape in shapes.items():
         x = rng.standard_normal(shape).astype(np.float32)

@@ -226,9 +226,155 @@ def test_redialect_refuses_an_unmapped_tensor_by_name(converted, tmp_path):
     assert not out.exists() and not out.with_name(out.name + ".partial").exists()
 
 
-def test_ds4_dialect_refuses_qwen4exp_with_the_reason():
-    with pytest.raises(UnsupportedError, match="qwen38-next"):
+def test_ds4_dialect_names_refuse_qwen4exp_with_the_reason():
+    with pytest.raises(UnsupportedError, match="ssm_out.*kda_output"):
         to_dialect_name("blk.0.attn_qkv.weight", "qwen4exp", DS4)
+
+
+# -- Qwen3.8 Flash Next: ds4's own layout, built from the checkpoint ----------------------------------------------
+
+@pytest.fixture(scope="module")
+def qwen_converted(tmp_path_factory, tiny_checkpoints):
+    """(recipe, dialect) -> the tiny qwen4_exp converted with the Q8_0 recipe or in F32, in either dialect."""
+    from test_convert_interop import F32_RECIPE
+
+    out = tmp_path_factory.mktemp("qwen38")
+    source = tiny_checkpoints.get("qwen4_exp")
+    f32 = out / "f32.toml"
+    f32.write_text(F32_RECIPE)
+    files = {}
+    for recipe in ("q8_0", "f32"):
+        for dialect in (LLAMA_CPP, DS4):
+            path = out / f"{recipe}-{dialect}.gguf"
+            convert(ConvertRequest(source=str(source), out=path, recipe=str(f32) if recipe == "f32" else recipe,
+                                   jobs=1, progress=False, pre_tokenizer=PRE_TOKENIZER["qwen4_exp"], dialect=dialect))
+            files[recipe, dialect] = path
+    return files
+
+
+def _qwen38_symbols(md) -> dict[str, int]:
+    v = lambda k: int(md["qwen38-next." + k].value)  # noqa: E731
+    d = v("linear_attention.head_dimension")
+    return {"E": v("embedding_length"), "QK": v("linear_attention.qk_head_count") * d,
+            "VD": v("linear_attention.head_count") * d, "HV": v("linear_attention.head_count"), "D": d,
+            "K": v("linear_attention.conv_kernel"), "H": v("attention.head_count"), "HD": v("attention.key_length"),
+            "HC": v("hyper_connection.count"), "PC": v("hyper_connection.count") * v("embedding_length")}
+
+
+def _qwen38_blocks(md, layer: int) -> set[str]:
+    kinds = {"all", "linear" if md["qwen38-next.layer_types"].value[layer] == 0 else "attention"}
+    if layer == md["qwen38-next.ple.layer"].value:
+        kinds.add("ple")
+    return kinds
+
+
+def _untiled(n_k: int, v_per_k: int, head_dim: int) -> np.ndarray:
+    """Index of each checkpoint row among llama.cpp's tiled rows: llama.cpp's ``_reorder_v_heads`` reshapes to
+    [n_k, v_per_k, head_dim] and swaps the first two axes (conversion/qwen.py:466-490), so its row i is the
+    checkpoint's row ``tiled[i]``."""
+    n = n_k * v_per_k * head_dim
+    tiled = np.arange(n).reshape(n_k, v_per_k, head_dim).transpose(1, 0, 2).reshape(n)
+    return np.argsort(tiled)
+
+
+def _from_llama(relation: str, theirs: np.ndarray, md) -> np.ndarray:
+    """The values of a ds4 tensor as the data file's ``relation`` derives them from llama.cpp's F32 tensor."""
+    sym = _qwen38_symbols(md)
+    n_k, d = int(md["qwen38-next.linear_attention.qk_head_count"].value), sym["D"]
+    v_per_k = sym["HV"] // n_k
+    qk = sym["QK"]
+    if relation in ("qkv_q", "conv_q"):
+        return theirs[:qk]
+    if relation in ("qkv_k", "conv_k"):
+        return theirs[qk:2 * qk]
+    if relation in ("qkv_v", "conv_v"):
+        return theirs[2 * qk:][_untiled(n_k, v_per_k, d)]
+    if relation == "v_rows":
+        return theirs[_untiled(n_k, v_per_k, d)]
+    if relation in ("v_heads", "a_log"):
+        return theirs[_untiled(n_k, v_per_k, 1)]
+    if relation == "v_cols":
+        return theirs[:, _untiled(n_k, v_per_k, d)]
+    if relation in ("query", "gate"):   # llama.cpp writes q_proj as it is: per head [query | output gate]
+        heads, hd = sym["H"], sym["HD"]
+        return theirs.reshape(heads, 2, hd, -1)[:, 0 if relation == "query" else 1].reshape(heads * hd, -1)
+    assert relation == "same", relation
+    return theirs
+
+
+def test_qwen4exp_ds4_census(qwen_converted):
+    """Every key and tensor of the tiny Qwen3.8 in ds4's dialect against ds4's builder (the data file): names, order,
+    key types and values, tensor shapes and types, and the F32 payload of every ds4 tensor against the rows of the
+    llama.cpp tensor it comes from."""
+    rows = _rows("ds4_qwen4exp.tsv")
+    with GGUFFile(qwen_converted["q8_0", DS4]) as ds4, GGUFFile(qwen_converted["q8_0", LLAMA_CPP]) as ref:
+        md = ds4.metadata
+        assert md["general.architecture"].value == "qwen38-next" and dialect_of(md) == DS4
+        keys = [r for r in rows if r["kind"] == "key"]
+        assert [k for k in md if k.startswith("qwen38-next.")] == [r["ds4_name"] for r in keys]
+        recurrent = list(ref.metadata["qwen4exp.attention.recurrent_layers"].value)
+        for r in keys:
+            kv, rel = md[r["ds4_name"]], r["relation"]
+            assert _type_ok(kv, r["ds4_type"]), (r["ds4_name"], kv.type)
+            theirs = ref.metadata.get(r["llama_cpp_name"])
+            if rel == "copy":
+                assert _same_value(kv, theirs), r["ds4_name"]
+            elif rel.startswith("constant:"):
+                assert float(kv.value) == float(rel.split(":")[1]), r["ds4_name"]
+            elif rel == "vocab":
+                assert kv.value == len(ref.metadata["tokenizer.ggml.tokens"].value)
+            elif rel == "nonzero":
+                assert {int(v) for v in theirs.value if v} == {kv.value}, r["ds4_name"]
+            elif rel == "only":
+                assert list(theirs.value) == [kv.value], r["ds4_name"]
+            else:
+                assert rel == "layer_types" and list(kv.value) == [0 if x else 1 for x in recurrent]
+        symbols = _qwen38_symbols(md)
+        blocks = md["qwen38-next.block_count"].value
+        tensor_rows = [r for r in rows if r["kind"] == "tensor"]
+        first_block = next(i for i, r in enumerate(tensor_rows) if "{L}" in r["ds4_name"])
+        expected = {}
+        for index, r in enumerate(tensor_rows):
+            layers = [None] if "{L}" not in r["ds4_name"] else \
+                [L for L in range(blocks) if r["blocks"] in _qwen38_blocks(md, L)]
+            for L in layers:
+                section = 1 if L is not None else (0 if index < first_block else 2)
+                expected[r["ds4_name"].replace("{L}", str(L))] = \
+                    (r, r["llama_cpp_name"].replace("{L}", str(L)), (section, L or 0, index))
+        assert list(ds4.tensors) == sorted(expected, key=lambda n: expected[n][2])
+        for name, t in ds4.tensors.items():
+            r, llama_name, _ = expected[name]
+            theirs = ref.tensors[llama_name]
+            want_type = theirs.type if r["ds4_type"] == "-" else GGMLType[r["ds4_type"]]
+            assert GGMLType(t.type) == GGMLType(want_type), (name, GGMLType(t.type).name)
+            want = tuple(reversed(theirs.shape)) if r["ds4_ggml_dims"] == "=llama.cpp" \
+                else _dims(r["ds4_ggml_dims"], symbols)
+            assert tuple(reversed(t.shape)) == want, (name, tuple(reversed(t.shape)), want)
+    relations = {n: (r["relation"], llama) for n, (r, llama, _) in expected.items()}
+    with GGUFFile(qwen_converted["f32", DS4]) as ds4, GGUFFile(qwen_converted["f32", LLAMA_CPP]) as ref:
+        assert list(ds4.tensors) == sorted(expected, key=lambda n: expected[n][2])   # the same census in F32
+        for name, t in ds4.tensors.items():
+            relation, llama_name = relations[name]
+            assert GGMLType(t.type) is GGMLType.F32 and GGMLType(ref.tensors[llama_name].type) is GGMLType.F32
+            ours = np.frombuffer(bytes(ds4.data(name)), "<f4").reshape(t.shape)
+            theirs = np.frombuffer(bytes(ref.data(llama_name)), "<f4").reshape(ref.tensors[llama_name].shape)
+            if relation.startswith("conv_"):
+                ours = ours.reshape(ours.shape[0], ours.shape[-1])   # [C, 1, K]; llama.cpp squeezed [C, K]
+            want = _from_llama(relation, theirs, ds4.metadata)
+            if relation == "a_log":   # llama.cpp stores -exp(A_log)
+                np.testing.assert_allclose(-np.exp(ours.astype(np.float64)), want, rtol=3e-7, err_msg=name)
+            else:
+                assert np.array_equal(ours.reshape(-1), want.reshape(-1)), name
+                assert ours.size == want.size, name
+
+
+def test_qwen4exp_redialect_is_refused_naming_the_tensor(qwen_converted, tmp_path):
+    for src, to in ((qwen_converted["q8_0", LLAMA_CPP], "ds4"), (qwen_converted["q8_0", DS4], "llama.cpp")):
+        out = tmp_path / f"to-{to}.gguf"
+        result = CliRunner().invoke(main, ["redialect", str(src), "--to", to, "-o", str(out)])
+        assert result.exit_code != 0, result.output
+        assert "ssm_out" in result.output and "kda_output" in result.output, result.output
+        assert not out.exists()
 
 
 def test_names_both_ways():
@@ -367,3 +513,18 @@ def test_runtime_reads_a_ds4_file_as_its_llama_cpp_twin(converted, arch):
     finally:
         reference.close()
         ds4.close()
+
+
+def test_qwen4exp_ds4_refuses_an_imatrix_for_kda_output(tiny_checkpoints):
+    """llama.cpp's ssm_out has its input columns in tiled V-head order, ds4's kda_output in the checkpoint's: the
+    imatrix entry collected under llama.cpp's name does not apply column for column, so the plan refuses it."""
+    recipe = parse_recipe('name = "gdn-q4k"\narchitectures = ["qwen4_exp"]\n[defaults]\ntype = "Q8_0"\n'
+                          'fallback = "BF16"\n[[rule]]\nclass = "gdn_output"\ntype = "Q4_K"\n')
+    source = tiny_checkpoints.get("qwen4_exp")
+    pre = PRE_TOKENIZER["qwen4_exp"]
+    imatrix = {"blk.0.ssm_out.weight": np.ones(256, np.float32)}
+    assert build_plan(source, recipe, imatrix=imatrix, pre_tokenizer=pre).dialect == LLAMA_CPP
+    with pytest.raises(RecipeError, match="kda_output.*blk.0.ssm_out.weight"):
+        build_plan(source, recipe, imatrix=imatrix, pre_tokenizer=pre, dialect=DS4)
+    ds4 = build_plan(source, recipe, bootstrap=True, pre_tokenizer=pre, dialect=DS4)   # own weight energy: fine
+    assert {t.name: t.importance for t in ds4.tensors}["blk.0.kda_output.weight"] == "bootstrap"

@@ -232,6 +232,48 @@ def _gdn_cols_v_order(x: np.ndarray, hp: Hparams) -> np.ndarray:
     return _reorder_v(x, 1, k_heads, v_per_k, v_dim)
 
 
+# --- ds4's Qwen3.8 layout (qwen38-next): the fused GDN q/k/v and the gated query, split without reordering ---
+
+def _gdn_part(index: int) -> tuple[Callable[[np.ndarray, Hparams], np.ndarray], Callable[[Shape, Hparams], Shape]]:
+    # rows (or conv channels) of in_proj_qkv / conv1d in the checkpoint's order: [q | k | v], V heads grouped by K
+    def bounds(shape: Shape, hp: Hparams) -> tuple[int, int]:
+        k_heads, v_per_k, k_dim, v_dim = _gdn_dims(hp)
+        qk, v = k_heads * k_dim, k_heads * v_per_k * v_dim
+        _need(len(shape) >= 1 and shape[0] == 2 * qk + v, f"[2*linear_num_key_heads*linear_key_head_dim + "
+              f"linear_num_value_heads*linear_value_head_dim = {2 * qk + v}, ...]", shape, "gdn_part")
+        return ((0, qk), (qk, 2 * qk), (2 * qk, 2 * qk + v))[index]
+
+    def shape_fn(shape: Shape, hp: Hparams) -> Shape:
+        start, stop = bounds(shape, hp)
+        return (stop - start, *shape[1:])
+
+    def apply(x: np.ndarray, hp: Hparams) -> np.ndarray:
+        start, stop = bounds(x.shape, hp)
+        return x[start:stop]
+
+    return apply, shape_fn
+
+
+def _gated_query(half: int) -> tuple[Callable[[np.ndarray, Hparams], np.ndarray], Callable[[Shape, Hparams], Shape]]:
+    # q_proj of the gated attention: per head [query (head_dim rows) | output gate (head_dim rows)]
+    def dims(shape: Shape, hp: Hparams) -> tuple[int, int]:
+        heads = _int(hp, "num_attention_heads")
+        head_dim = hp.get("head_dim") or _int(hp, "hidden_size") // heads
+        _need(len(shape) == 2 and shape[0] == 2 * heads * head_dim,
+              f"[2*num_attention_heads*head_dim = {2 * heads * head_dim}, hidden]", shape, "gated_query")
+        return heads, int(head_dim)
+
+    def shape_fn(shape: Shape, hp: Hparams) -> Shape:
+        heads, head_dim = dims(shape, hp)
+        return (heads * head_dim, shape[1])
+
+    def apply(x: np.ndarray, hp: Hparams) -> np.ndarray:
+        heads, head_dim = dims(x.shape, hp)
+        return x.reshape(heads, 2, head_dim, x.shape[1])[:, half].reshape(heads * head_dim, x.shape[1])
+
+    return apply, shape_fn
+
+
 # --- Qwen4-Exp indexer: one [q; k] projection split in two ---
 
 def _indexer_q_rows(shape: Shape, hp: Hparams) -> int:
@@ -253,6 +295,8 @@ def _steps() -> dict[str, Step]:
     q_apply, q_shape = _kda_conv_part(0)
     k_apply, k_shape = _kda_conv_part(1)
     v_apply, v_shape = _kda_conv_part(2)
+    gdn = [_gdn_part(i) for i in range(3)]
+    query, gate = _gated_query(0), _gated_query(1)
     table = [
         Step("gate_half", _gate_half, _half_shape, "first half of a fused [E, 2*ff, embd] gate_up tensor"),
         Step("up_half", _up_half, _half_shape, "second half of a fused [E, 2*ff, embd] gate_up tensor"),
@@ -273,6 +317,11 @@ def _steps() -> dict[str, Step]:
         Step("gdn_heads_order", _gdn_heads_order, _same, "one entry per V head, to tiled head order"),
         Step("gdn_conv_v_order", _gdn_conv_v_order, _same, "V channels of the squeezed conv to tiled head order"),
         Step("gdn_cols_v_order", _gdn_cols_v_order, _same, "columns (V heads x head_v_dim) to tiled head order"),
+        Step("gdn_q_part", *gdn[0], "q rows (or conv channels) of in_proj_qkv, checkpoint order (ds4)"),
+        Step("gdn_k_part", *gdn[1], "k rows (or conv channels) of in_proj_qkv, checkpoint order (ds4)"),
+        Step("gdn_v_part", *gdn[2], "v rows (or conv channels) of in_proj_qkv, V heads grouped by K (ds4)"),
+        Step("query_half", *query, "query rows of a per-head [query | gate] q_proj (ds4's attn_q)"),
+        Step("gate_half_rows", *gate, "output-gate rows of a per-head [query | gate] q_proj (ds4's attn_gate)"),
         Step("indexer_q", _indexer_q, lambda s, hp: (_indexer_q_rows(s, hp), s[1]), "q rows of index_qk_proj"),
         Step("indexer_k", _indexer_k, lambda s, hp: (s[0] - _indexer_q_rows(s, hp), s[1]), "k rows of index_qk_proj"),
     ]

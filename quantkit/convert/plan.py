@@ -40,7 +40,9 @@ from typing import Any, Iterable, Mapping
 import numpy as np
 
 from ..arch import OutputTensor, get_arch
-from ..arch.dialects import LAYOUT_A_LOG, LAYOUT_CONV, LLAMA_CPP, translate
+from ..arch import transforms
+from ..arch.dialects import (LAYOUT_A_LOG, LAYOUT_CONV, LLAMA_CPP, relaid_dialect, relaid_metadata,
+                              relaid_tensors, translate)
 from ..errors import RecipeError, SourceError
 from ..formats.api import tensor_nbytes
 from ..formats.registry import GGMLType, ImatrixUse, get_format
@@ -377,7 +379,10 @@ def build_plan(source: str | os.PathLike, recipe: Recipe | str | os.PathLike, *,
     plan = Plan(Path(source), model_type, recipe, tensors, metadata, label=label, bootstrap=bootstrap,
                 imatrix_entries=len(imatrix) if imatrix is not None else None, skipped=skipped,
                 unused_rules=[resolution.explain_unused(r) for r in resolution.unused_rules], resolution=resolution)
-    return plan if dialect == LLAMA_CPP else in_dialect(plan, dialect)
+    if dialect == LLAMA_CPP:
+        return plan
+    table = relaid_dialect(arch.gguf_arch, dialect)
+    return in_dialect(plan, dialect) if table is None else relaid_plan(plan, table, amap.hp, shapes)
 
 
 #: Transform steps the ds4 dialect replaces: ds4 keeps A_log itself and [C, 1, K] convolutions.
@@ -398,3 +403,29 @@ def in_dialect(plan: Plan, dialect: str) -> Plan:
         tensors.append(replace(t, output=replace(t.output, gguf_name=move.name, shape=move.shape, sources=sources),
                                llama_cpp_name=move.source))
     return replace(plan, tensors=tensors, metadata=translation.metadata, dialect=dialect)
+
+
+def relaid_plan(plan: Plan, table, hp: Mapping[str, Any], source_shapes: Mapping[str, tuple[int, ...]]) -> Plan:
+    """The plan in the ds4 dialect of an architecture ds4 lays out differently (:data:`quantkit.arch.dialects.ds4.
+    RELAID`): each ds4 tensor built from the checkpoint rows the llama.cpp tensor is built from, through the table
+    row's own transform steps (row slices, no head reordering), with the llama.cpp tensor's type."""
+    by_name = {t.name: t for t in plan.tensors}
+    tensors = []
+    for ds4_name, llama_name, row in relaid_tensors(table, list(by_name)):
+        t = by_name[llama_name]
+        output = replace(t.output, gguf_name=ds4_name)
+        if row.steps is not None:
+            if len(t.output.sources) != 1:
+                raise SourceError(f"ds4's {ds4_name} is built from one source tensor, the plan has "
+                                  f"{len(t.output.sources)}", tensor=llama_name)
+            source = replace(t.output.sources[0], transform=row.steps)
+            shape = transforms.output_shape(row.steps, source_shapes[source.hf_name], hp)
+            output = replace(output, shape=shape, sources=(source,))
+        if row.columns_permuted and t.importance == "imatrix":
+            raise RecipeError(f"ds4's {ds4_name} keeps the checkpoint's column order where llama.cpp tiles the V "
+                              f"heads, so the imatrix entry {llama_name!r} does not apply column for column; give "
+                              f"this tensor a type that ignores importance (Q8_0) or use bootstrap importance",
+                              path=plan.recipe.where())
+        tensors.append(replace(t, output=output, nbytes=tensor_nbytes(t.qtype, output.shape),
+                               llama_cpp_name=llama_name))
+    return replace(plan, tensors=tensors, metadata=relaid_metadata(plan.metadata, table), dialect="ds4")

@@ -72,6 +72,24 @@ class KeyRow:
     llama_cpp: str | None
     llama_cpp_type: Any
     derive: str = "copy"
+    value: Any = None
+    """The value of a ``constant`` key (one the llama.cpp dialect hard-codes in its loader)."""
+
+
+@dataclass(frozen=True)
+class RelaidRow:
+    """One ds4 tensor built from the source rows of a llama.cpp tensor, not from its payload.
+
+    ``steps``: the transform steps (:mod:`quantkit.arch.transforms`) from the checkpoint tensor, replacing the
+    llama.cpp rule's (None: the same steps).  ``section``: 0 before the blocks, 1 in a block (``{L}`` names),
+    2 after them.  ``columns_permuted``: llama.cpp permutes this tensor's input columns (so an imatrix collected
+    under llama.cpp's name does not apply to it column for column)."""
+
+    ds4: str
+    llama_cpp: str
+    steps: tuple[str, ...] | None = None
+    columns_permuted: bool = False
+    note: str = ""
 
 
 @dataclass(frozen=True)
@@ -85,10 +103,19 @@ class ArchDialect:
     markers: tuple[str, ...] = ()
     keep_order: bool = False
     passthrough_arch_keys: bool = False
+    ds4_arch: str | None = None
+    """ds4's ``general.architecture`` where it is not llama.cpp's (Qwen3.8: ``qwen38-next``)."""
+    relaid: tuple["RelaidRow", ...] = ()
+    """Tensors ds4 lays out differently (a :class:`RelaidRow` per ds4 tensor, in ds4's order within a block):
+    such an architecture converts from the checkpoint only (:func:`relaid_tensors`), never by re-dialecting."""
     _patterns: dict = field(default_factory=dict, compare=False, repr=False)
 
     def k(self, template: str) -> str:
         return template.format(arch=self.gguf_arch)
+
+    def kd(self, template: str) -> str:
+        """A key template under ds4's architecture name."""
+        return template.format(arch=self.ds4_arch or self.gguf_arch)
 
     def pattern(self, template: str) -> re.Pattern:
         if template not in self._patterns:
@@ -143,10 +170,18 @@ def _arch_of(metadata: Mapping[str, KV]) -> str:
 def dialect_of(metadata: Mapping[str, KV]) -> str:
     """``ds4`` when the metadata carries keys only ds4's dialect writes, else ``llama.cpp``."""
     arch = _arch_of(metadata)
-    table = _tables().ARCHS.get(arch)
+    ds4 = _tables()
+    if any(t.ds4_arch == arch for t in ds4.RELAID.values()):
+        return DS4
+    table = ds4.ARCHS.get(arch)
     if table is not None and any(table.k(m) in metadata for m in table.markers):
         return DS4
     return LLAMA_CPP
+
+
+def relaid_dialect(arch: str, dialect: str) -> ArchDialect | None:
+    """The table of an architecture ``dialect`` lays out differently (built from the checkpoint's rows), else None."""
+    return _tables().RELAID.get(arch) if dialect == DS4 else None
 
 
 # -- names --------------------------------------------------------------------------------------------------------
@@ -244,8 +279,25 @@ def _to_ds4_keys(md: Mapping[str, KV], table: ArchDialect) -> dict[str, KV]:
     if table.passthrough_arch_keys:
         out.update((k, v) for k, v in md.items() if k.startswith(table.gguf_arch + "."))
     for row in table.keys:
-        key, src = table.k(row.ds4), table.k(row.llama_cpp) if row.llama_cpp else None
-        if row.derive == "copy":
+        key, src = table.kd(row.ds4), table.k(row.llama_cpp) if row.llama_cpp else None
+        if row.derive == "constant":
+            out[key] = _cast(row.value, row.ds4_type)
+        elif row.derive == "recurrent_to_layer_types":   # llama.cpp: true = recurrent; ds4: 0 linear, 1 attention
+            out[key] = _cast([0 if v else 1 for v in _values(_need(md, src, key))], row.ds4_type)
+        elif row.derive == "nonzero_constant":   # a per-block array, 0 on the blocks it does not apply to
+            values = {v for v in _values(_need(md, src, key)) if v}
+            if len(values) != 1:
+                raise FormatError(f"{src} holds {sorted(values) or 'no'} non-zero values; ds4's {key} is one value",
+                                  field=src)
+            out[key] = _cast(values.pop(), row.ds4_type)
+        elif row.derive == "only_element":
+            values = _values(_need(md, src, key))
+            if len(values) != 1:
+                raise FormatError(f"{src} lists {len(values)} values; ds4's {key} is one", field=src)
+            out[key] = _cast(values[0], row.ds4_type)
+        elif row.derive == "present":   # 1 where the llama.cpp key is there and non-zero
+            out[key] = _cast(1 if src in md and _scalar(md[src]) else 0, row.ds4_type)
+        elif row.derive == "copy":
             out[key] = _cast(_scalar(_need(md, src, key)), row.ds4_type) if not isinstance(row.ds4_type, ArrayOf) \
                 else _cast(_values(_need(md, src, key)), row.ds4_type)
         elif row.derive == "zero_if_absent":
@@ -395,6 +447,49 @@ def _translate_tensors(tensors: Sequence[tuple[str, tuple[int, ...], Any]], md: 
     return [m for _, m in sorted(zip(keys, moves), key=lambda p: p[0])]
 
 
+# -- relaid architectures (converted from the checkpoint only) ------------------------------------------------------
+
+def relaid_tensors(table: ArchDialect, names: Sequence[str]) -> list[tuple[str, str, RelaidRow]]:
+    """The ds4 tensors of a relaid architecture built from llama.cpp-dialect tensors ``names``: ``(ds4 name,
+    llama.cpp name, row)`` in ds4's order (head, then block by block in row order, then tail).  A llama.cpp
+    tensor the table does not name is refused, naming it."""
+    by_llama: dict[str, list[tuple[int, RelaidRow]]] = {}
+    for index, row in enumerate(table.relaid):
+        by_llama.setdefault(row.llama_cpp, []).append((index, row))
+    first_block = next(i for i, r in enumerate(table.relaid) if "{L}" in r.ds4)
+    out = []
+    for name in names:
+        found = [(i, r, m) for template, rows in by_llama.items()
+                 if (m := table.pattern(template).fullmatch(name)) for i, r in rows]
+        if not found:
+            raise FormatError(f"no ds4 tensor of {table.ds4_arch or table.gguf_arch} is built from this "
+                              f"{table.gguf_arch} tensor: nothing written", tensor=name)
+        for index, row, m in found:
+            layer = int(m.group("L")) if "L" in m.groupdict() else None
+            section = 1 if layer is not None else (0 if index < first_block else 2)
+            out.append(((section, -1 if layer is None else layer, index), _rename(row.ds4, layer), name, row))
+    return [(ds4, llama, row) for _, ds4, llama, row in sorted(out, key=lambda e: e[0])]
+
+
+def relaid_metadata(metadata: Mapping[str, KV] | Iterable[tuple[str, KV]], table: ArchDialect) -> list[tuple[str, KV]]:
+    """ds4's keys for a relaid architecture from llama.cpp-dialect ``metadata``: the model's keys replaced, in place,
+    by the table's (under ds4's architecture name); every other key kept where it is."""
+    md = dict(metadata)
+    mapped = _to_ds4_keys(md, table)
+    out = {}
+    placed = False
+    for key, kv in md.items():
+        if key.startswith(table.gguf_arch + "."):
+            if not placed:
+                out.update(mapped)
+                placed = True
+            continue
+        out[key] = KV(table.ds4_arch, GGUFValueType.STRING) if key == "general.architecture" else kv
+    if not placed:
+        out.update(mapped)
+    return list(out.items())
+
+
 # -- translation --------------------------------------------------------------------------------------------------
 
 def _translate_once(md: Mapping[str, KV], tensors, table: ArchDialect, to: str) -> Translation:
@@ -470,5 +565,5 @@ def convert_payload(move: TensorMove, raw: bytes | memoryview | np.ndarray, to: 
 
 
 __all__ = ["DIALECTS", "DS4", "LAYOUT_A_LOG", "LAYOUT_CONV", "LAYOUT_SAME", "LLAMA_CPP", "ArchDialect", "KeyRow",
-           "TensorMove", "TensorRow", "Translation", "arch_dialect", "convert_payload", "dialect_of",
-           "to_dialect_name", "to_llamacpp_name", "translate"]
+           "RelaidRow", "TensorMove", "TensorRow", "Translation", "arch_dialect", "convert_payload", "dialect_of",
+           "relaid_dialect", "relaid_metadata", "relaid_tensors", "to_dialect_name", "to_llamacpp_name", "translate"]
