@@ -65,3 +65,31 @@ def test_bytes_do_not_depend_on_thread_count(qtype):
     one, many = corpus.encode_at_thread_counts(qtype, corpus.family("outliers", 8, 1024),
                                                corpus.imatrix("random", 1024))
     assert np.array_equal(one, many)
+
+
+def _tie_blocks() -> np.ndarray:
+    """Blocks where a scan's order decides the result: +a and -a both of largest |x| (either first, in the same or
+    different lanes of the kernels' min/max tree), and min or max a zero of both signs."""
+    rng = np.random.default_rng(7)
+    blocks = []
+    for first, second in ((3, 11), (11, 3), (0, 31), (31, 0), (5, 13)):
+        for sign in (1, -1):
+            b = rng.uniform(-0.5, 0.5, 32)
+            b[first], b[second] = sign * 0.75, -sign * 0.75
+            blocks.append(b)
+    for z0, z1 in ((0.0, -0.0), (-0.0, 0.0)):
+        for sign in (1, -1):
+            for p0, p1 in ((2, 9), (17, 4)):
+                b = sign * rng.uniform(0.1, 1.0, 32)
+                b[p0], b[p1] = z0, z1
+                blocks.append(b)
+        b = np.zeros(32)
+        b[6], b[21] = z0, z1
+        blocks.append(b)
+    return np.asarray(blocks, np.float32).reshape(1, -1)
+
+
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q5_0", "Q5_1"])
+def test_order_dependent_min_max_match_ggml(ggml, qtype):
+    x = _tie_blocks()
+    assert np.array_equal(quantkit.encode(x, qtype), ggml.quantize(x, qtype))

@@ -240,8 +240,8 @@ def _fast_encoder(qtype: GGMLType):
     def encode(x: np.ndarray, imatrix: np.ndarray | None) -> np.ndarray:
         out = np.empty((x.shape[0], x.shape[1] // QK * type_size), np.uint8)
         if imatrix is None:
-            kernel = nb.affine if affine else nb.symmetric
-            over_rows(x.shape[0], lambda r0, r1: kernel(x[r0:r1], out[r0:r1], nmax, type_size))
+            kernel = getattr(nb, qtype.name.lower())  # one kernel per type, compiled for its constants
+            over_rows(x.shape[0], lambda r0, r1: kernel(x[r0:r1], out[r0:r1]))
         else:
             over_rows(x.shape[0],
                       lambda r0, r1: nb.with_imatrix(x[r0:r1], imatrix, out[r0:r1], nmax, type_size, affine))

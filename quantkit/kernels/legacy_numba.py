@@ -21,26 +21,11 @@ from .kq_primitives import (F32, ONE, QKX_STATE_ROWS, QX_STATE_ROWS, ZERO, fp32_
 QK = 32
 _HALF = F32(0.5)
 _TWO_POW_31 = F32(2.0 ** 31)
-_INT32_MIN = np.int64(-2147483648)
 _FLT_MAX = F32(3.4028234663852886e38)
 # make_qkx3_quants arguments of quantize_row_q4_1_impl / q5_1_impl: rmin, rdelta, nstep
 _QKX3_RMIN = F32(-0.9)
 _QKX3_RDELTA = F32(0.05)
 _QKX3_NSTEP = 36
-
-
-@njit(inline="always")
-def c_int(v):
-    """C's float → int32 conversion on x86 (cvttss2si): truncation; NaN, inf and |v| ≥ 2³¹ give INT32_MIN."""
-    ok = abs(v) < _TWO_POW_31
-    i = np.int64(v if ok else ZERO)  # selects, not branches: loops over this vectorize
-    return i if ok else _INT32_MIN
-
-
-@njit(inline="always")
-def c_int8(v):
-    """``(int8_t)v`` for a float v: the low byte of :func:`c_int`, as a signed value."""
-    return ((c_int(v) + 128) & 0xFF) - 128
 
 
 @njit(inline="always")
@@ -54,28 +39,87 @@ def c_roundf_byte(v):
     return i & 0xFF
 
 
-@jit
-def _abs_max(x, o):
-    """amax and the signed value that reached it first (ggml's ``if (amax < fabsf(v))`` scan)."""
-    amax = ZERO
-    mx = ZERO
-    for j in range(QK):
-        v = x[o + j]
-        bigger = amax < abs(v)
-        mx = v if bigger else mx
-        amax = abs(v) if bigger else amax
-    return amax, mx
+@njit(inline="always")
+def _c_low_byte(v):
+    """The low byte of C's ``(int)v`` (x86: NaN, inf and |v| >= 2^31 give INT32_MIN, whose low byte is 0).
+
+    int32 conversion and selects only: the quant loops over this vectorize (an int64 conversion would not)."""
+    ok = abs(v) < _TWO_POW_31
+    return (np.int32(v if ok else ZERO) & 0xFF) if ok else 0
 
 
-@jit
-def _min_max(x, o):
+@njit(inline="always")
+def _c_min_byte(v, top):
+    """``(uint8_t)MIN(top, (int8_t)v)``: a low byte of 128..255 is a negative int8, which MIN keeps."""
+    b = _c_low_byte(v)
+    return b if (b <= top or b >= 128) else top
+
+
+@njit(inline="always")
+def _fmin(a, b):
+    return a if a < b else b
+
+
+@njit(inline="always")
+def _fmax(a, b):
+    return a if a > b else b
+
+
+@njit(inline="always")
+def _lane_min_max(x, o):
+    a = x[o]
+    b = x[o + 8]
+    c = x[o + 16]
+    e = x[o + 24]
+    return _fmin(_fmin(a, b), _fmin(c, e)), _fmax(_fmax(a, b), _fmax(c, e))
+
+
+@njit(inline="always")
+def _block_min_max(x, o):
+    """The smallest and largest value of a block of finite weights, as a tree of 8 independent lanes (ggml's
+    sequential scan is one long dependency chain).  Values only: which zero (+0 or -0) a scan keeps depends on
+    the order, so callers rescan a block whose result is a zero."""
+    l0, h0 = _lane_min_max(x, o)
+    l1, h1 = _lane_min_max(x, o + 1)
+    l2, h2 = _lane_min_max(x, o + 2)
+    l3, h3 = _lane_min_max(x, o + 3)
+    l4, h4 = _lane_min_max(x, o + 4)
+    l5, h5 = _lane_min_max(x, o + 5)
+    l6, h6 = _lane_min_max(x, o + 6)
+    l7, h7 = _lane_min_max(x, o + 7)
+    mn = _fmin(_fmin(_fmin(l0, l4), _fmin(l1, l5)), _fmin(_fmin(l2, l6), _fmin(l3, l7)))
+    mx = _fmax(_fmax(_fmax(h0, h4), _fmax(h1, h5)), _fmax(_fmax(h2, h6), _fmax(h3, h7)))
+    return mn, mx
+
+
+@njit(inline="always")
+def _first_abs_max(x, o):
+    """ggml's ``if (amax < fabsf(v)) { amax = fabsf(v); max = v; }`` from +0: the first weight of largest |x|.
+
+    From the block's min and max; only a tie of +a and -a needs the scan (and an all-zero block gives +0)."""
+    mn, mx = _block_min_max(x, o)
+    if mx > -mn:
+        return mx
+    if -mn > mx:
+        return mn
+    if mx > ZERO:
+        for j in range(QK):
+            if abs(x[o + j]) == mx:
+                return x[o + j]
+    return ZERO
+
+
+@njit(inline="always")
+def _strict_min_max(x, o):
     """ggml's ``if (v < min) min = v; if (v > max) max = v;`` from ±FLT_MAX."""
-    mn = _FLT_MAX
-    mx = -_FLT_MAX
-    for j in range(QK):
-        v = x[o + j]
-        mn = v if v < mn else mn
-        mx = v if v > mx else mx
+    mn, mx = _block_min_max(x, o)
+    if mn == ZERO or mx == ZERO:  # the scan's order decides the sign of a zero
+        mn = _FLT_MAX
+        mx = -_FLT_MAX
+        for j in range(QK):
+            v = x[o + j]
+            mn = v if v < mn else mn
+            mx = v if v > mx else mx
     return mn, mx
 
 
@@ -96,25 +140,6 @@ def _pack(out, pos, L, five_bit):
     if five_bit:
         for k in range(4):
             out[pos + k] = (qh >> (8 * k)) & 0xFF
-
-
-@jit
-def _ref_quants(x, o, nmax, affine, idd, mn, L):
-    """quantize_row_q{4,5}_{0,1}_ref's quants of one block into L.
-
-    Symmetric (Q4_0, Q5_0): ``MIN(2nmax-1, (int8)(x*id + nmax + 0.5))``; affine (Q4_1, Q5_1):
-    ``(int8)((x - min)*id + 0.5)``, clamped with ``MIN(15, ·)`` for Q4_1 only.
-    """
-    offset = F32(nmax) + _HALF
-    top = 2 * nmax - 1
-    clamp = nmax == 15
-    for j in range(QK):
-        if affine:
-            q = c_int8((x[o + j] - mn) * idd + _HALF)
-            L[j] = q if (q < nmax or not clamp) else nmax
-        else:
-            q = c_int8(x[o + j] * idd + offset)
-            L[j] = q if q < top else top
 
 
 @jit
@@ -146,45 +171,89 @@ def q8_0(x, out):
                 orow[pos + 2 + j] = c_roundf_byte(xr[o + j] * idd)
 
 
-@njit(cache=True, nogil=True, error_model="numpy")
-def symmetric(x, out, nmax, type_size):
-    """Q4_0 (nmax 8, 18-byte blocks) and Q5_0 (nmax 16, 22-byte blocks) without an importance matrix.
-
-    ggml: d = max/-nmax (max: the first weight of largest |x|), q = MIN(2nmax-1, (int8)(x*id + nmax + 0.5)).
-    """
+@njit(inline="always")
+def _symmetric(x, out, nmax, type_size, five_bit):
+    """quantize_row_q4_0_ref / q5_0_ref: d = max/-nmax (max: the first weight of largest |x|),
+    q = MIN(2nmax-1, (int8)(x*id + nmax + 0.5)).  Inlined with constant arguments, so each type's kernel is
+    compiled for its own nmax and layout."""
     nb = x.shape[1] // QK
+    offset = F32(nmax) + _HALF
+    top = 2 * nmax - 1
+    qs = 6 if five_bit else 2
     for r in range(x.shape[0]):
         xr = x[r]
         orow = out[r]
-        L = np.empty(QK, np.int32)
         for ib in range(nb):
+            o = ib * QK
             pos = ib * type_size
-            _, mx = _abs_max(xr, ib * QK)
-            d = mx / F32(-nmax)
+            d = _first_abs_max(xr, o) / F32(-nmax)
+            idd = ONE / d if d != ZERO else ZERO
             put_u16(orow, pos, fp32_to_fp16(d))
-            _ref_quants(xr, ib * QK, nmax, False, ONE / d if d != ZERO else ZERO, ZERO, L)
-            _pack(orow, pos + 2, L, nmax == 16)
+            qh = 0
+            for j in range(16):
+                lo = _c_min_byte(xr[o + j] * idd + offset, top)
+                hi = _c_min_byte(xr[o + 16 + j] * idd + offset, top)
+                if five_bit:
+                    orow[pos + qs + j] = (lo & 0x0F) | ((hi & 0x0F) << 4)
+                    qh |= (((lo & 0x10) >> 4) << j) | (((hi & 0x10) >> 4) << (j + 16))
+                else:
+                    orow[pos + qs + j] = (lo | (hi << 4)) & 0xFF
+            if five_bit:
+                for k in range(4):
+                    orow[pos + 2 + k] = (qh >> (8 * k)) & 0xFF
 
 
-@njit(cache=True, nogil=True, error_model="numpy")
-def affine(x, out, nmax, type_size):
-    """Q4_1 (nmax 15, 20-byte blocks) and Q5_1 (nmax 31, 24-byte blocks) without an importance matrix.
-
-    ggml: d = (max-min)/nmax, m = min, q = (int8)((x-min)*id + 0.5), clamped with MIN(15, ·) for Q4_1 only.
-    """
+@njit(inline="always")
+def _affine(x, out, nmax, type_size, five_bit):
+    """quantize_row_q4_1_ref / q5_1_ref: d = (max-min)/nmax, m = min, q = (int8)((x-min)*id + 0.5), clamped
+    with MIN(15, ·) for Q4_1 only (Q5_1 stores ``(uint8_t)`` of it)."""
     nb = x.shape[1] // QK
+    qs = 8 if five_bit else 4
     for r in range(x.shape[0]):
         xr = x[r]
         orow = out[r]
-        L = np.empty(QK, np.int32)
         for ib in range(nb):
+            o = ib * QK
             pos = ib * type_size
-            mn, mx = _min_max(xr, ib * QK)
+            mn, mx = _strict_min_max(xr, o)
             d = (mx - mn) / F32(nmax)
+            idd = ONE / d if d != ZERO else ZERO
             put_u16(orow, pos, fp32_to_fp16(d))
             put_u16(orow, pos + 2, fp32_to_fp16(mn))
-            _ref_quants(xr, ib * QK, nmax, True, ONE / d if d != ZERO else ZERO, mn, L)
-            _pack(orow, pos + 4, L, nmax == 31)
+            qh = 0
+            for j in range(16):
+                if five_bit:
+                    lo = _c_low_byte((xr[o + j] - mn) * idd + _HALF)
+                    hi = _c_low_byte((xr[o + 16 + j] - mn) * idd + _HALF)
+                    orow[pos + qs + j] = (lo & 0x0F) | ((hi & 0x0F) << 4)
+                    qh |= (((lo & 0x10) >> 4) << j) | (((hi & 0x10) >> 4) << (j + 16))
+                else:
+                    lo = _c_min_byte((xr[o + j] - mn) * idd + _HALF, 15)
+                    hi = _c_min_byte((xr[o + 16 + j] - mn) * idd + _HALF, 15)
+                    orow[pos + qs + j] = (lo | (hi << 4)) & 0xFF
+            if five_bit:
+                for k in range(4):
+                    orow[pos + 4 + k] = (qh >> (8 * k)) & 0xFF
+
+
+@njit(cache=True, nogil=True, error_model="numpy")
+def q4_0(x, out):
+    _symmetric(x, out, 8, 18, False)
+
+
+@njit(cache=True, nogil=True, error_model="numpy")
+def q5_0(x, out):
+    _symmetric(x, out, 16, 22, True)
+
+
+@njit(cache=True, nogil=True, error_model="numpy")
+def q4_1(x, out):
+    _affine(x, out, 15, 20, False)
+
+
+@njit(cache=True, nogil=True, error_model="numpy")
+def q5_1(x, out):
+    _affine(x, out, 31, 24, True)
 
 
 @njit(cache=True, nogil=True, error_model="numpy")
