@@ -13,7 +13,9 @@ the bytes do not depend on the thread count.
 from __future__ import annotations
 
 import numpy as np
-from numba import njit
+from llvmlite import ir
+from numba import njit, types
+from numba.extending import intrinsic
 
 from .kq_primitives import (F32, ONE, QKX_STATE_ROWS, QX_STATE_ROWS, ZERO, fp32_to_fp16, jit,
                             make_qkx_quants_lanes, make_qx_quants_lanes, put_u16)
@@ -22,6 +24,7 @@ QK = 32
 _HALF = F32(0.5)
 _TWO_POW_31 = F32(2.0 ** 31)
 _FLT_MAX = F32(3.4028234663852886e38)
+_INT8_END = F32(128)
 # make_qkx3_quants arguments of quantize_row_q4_1_impl / q5_1_impl: rmin, rdelta, nstep
 _QKX3_RMIN = F32(-0.9)
 _QKX3_RDELTA = F32(0.05)
@@ -56,48 +59,53 @@ def _c_min_byte(v, top):
 
 
 @njit(inline="always")
-def _fmin(a, b):
-    return a if a < b else b
+def _small_quants(v_a, v_b):
+    """Whether every quant value of a block lies in [0, 128), given the values v_a and v_b it takes at the block's
+    smallest and largest weight.  Each quant is ``x*id + c`` or ``(x - min)*id + c``: correctly rounded float
+    operations are monotone in x, so every weight's value lies between v_a and v_b.  In [0, 128) C's
+    ``(int)`` is a plain truncation and ``(int8_t)`` keeps it, so the block needs none of :func:`_c_low_byte`'s
+    emulation (NaN, inf, |v| >= 2^31: only blocks with a zero, huge or tiny scale fail this test)."""
+    return v_a >= ZERO and v_a < _INT8_END and v_b >= ZERO and v_b < _INT8_END
+
+
+_V8 = ir.VectorType(ir.FloatType(), 8)
+
+
+@intrinsic
+def _block_min_max(typingctx, x, o):
+    """The smallest and largest value of the 32 finite float32 weights ``x[o:o+32]`` of a C-contiguous row.
+
+    Written as <8 x float> vector IR: numba runs LLVM without the SLP vectorizer and the loop vectorizer leaves
+    8-trip loops alone, so plain code gets scalar minss/maxss chains.  Values only: which zero (+0 or -0) a scan
+    keeps depends on its order, so callers rescan a block whose result decides on a zero."""
+    if not (isinstance(x, types.Array) and x.ndim == 1 and x.layout == "C" and x.dtype == types.float32):
+        return None
+    sig = types.UniTuple(types.float32, 2)(x, types.intp)
+
+    def codegen(context, builder, signature, args):
+        row = context.make_array(signature.args[0])(context, builder, args[0])
+        vectors = builder.bitcast(builder.gep(row.data, [args[1]]), _V8.as_pointer())
+        v = [builder.load(builder.gep(vectors, [ir.Constant(ir.IntType(64), k)]), align=4) for k in range(4)]
+
+        def reduce(pred):
+            def pick(a, b):
+                return builder.select(builder.fcmp_ordered(pred, a, b), a, b)
+            m = pick(pick(v[0], v[1]), pick(v[2], v[3]))
+            for w in (4, 2, 1):
+                lanes = [ir.Constant(ir.VectorType(ir.IntType(32), w), list(range(k, k + w))) for k in (0, w)]
+                m = pick(builder.shuffle_vector(m, m, lanes[0]), builder.shuffle_vector(m, m, lanes[1]))
+            return builder.extract_element(m, ir.Constant(ir.IntType(32), 0))
+
+        return context.make_tuple(builder, signature.return_type, (reduce("<"), reduce(">")))
+
+    return sig, codegen
 
 
 @njit(inline="always")
-def _fmax(a, b):
-    return a if a > b else b
-
-
-@njit(inline="always")
-def _lane_min_max(x, o):
-    a = x[o]
-    b = x[o + 8]
-    c = x[o + 16]
-    e = x[o + 24]
-    return _fmin(_fmin(a, b), _fmin(c, e)), _fmax(_fmax(a, b), _fmax(c, e))
-
-
-@njit(inline="always")
-def _block_min_max(x, o):
-    """The smallest and largest value of a block of finite weights, as a tree of 8 independent lanes (ggml's
-    sequential scan is one long dependency chain).  Values only: which zero (+0 or -0) a scan keeps depends on
-    the order, so callers rescan a block whose result is a zero."""
-    l0, h0 = _lane_min_max(x, o)
-    l1, h1 = _lane_min_max(x, o + 1)
-    l2, h2 = _lane_min_max(x, o + 2)
-    l3, h3 = _lane_min_max(x, o + 3)
-    l4, h4 = _lane_min_max(x, o + 4)
-    l5, h5 = _lane_min_max(x, o + 5)
-    l6, h6 = _lane_min_max(x, o + 6)
-    l7, h7 = _lane_min_max(x, o + 7)
-    mn = _fmin(_fmin(_fmin(l0, l4), _fmin(l1, l5)), _fmin(_fmin(l2, l6), _fmin(l3, l7)))
-    mx = _fmax(_fmax(_fmax(h0, h4), _fmax(h1, h5)), _fmax(_fmax(h2, h6), _fmax(h3, h7)))
-    return mn, mx
-
-
-@njit(inline="always")
-def _first_abs_max(x, o):
+def _first_abs_max(x, o, mn, mx):
     """ggml's ``if (amax < fabsf(v)) { amax = fabsf(v); max = v; }`` from +0: the first weight of largest |x|.
 
     From the block's min and max; only a tie of +a and -a needs the scan (and an all-zero block gives +0)."""
-    mn, mx = _block_min_max(x, o)
     if mx > -mn:
         return mx
     if -mn > mx:
@@ -179,28 +187,20 @@ def _symmetric(x, out, nmax, type_size, five_bit):
     nb = x.shape[1] // QK
     offset = F32(nmax) + _HALF
     top = 2 * nmax - 1
-    qs = 6 if five_bit else 2
     for r in range(x.shape[0]):
         xr = x[r]
         orow = out[r]
         for ib in range(nb):
             o = ib * QK
             pos = ib * type_size
-            d = _first_abs_max(xr, o) / F32(-nmax)
+            mn, mx = _block_min_max(xr, o)
+            d = _first_abs_max(xr, o, mn, mx) / F32(-nmax)
             idd = ONE / d if d != ZERO else ZERO
             put_u16(orow, pos, fp32_to_fp16(d))
-            qh = 0
-            for j in range(16):
-                lo = _c_min_byte(xr[o + j] * idd + offset, top)
-                hi = _c_min_byte(xr[o + 16 + j] * idd + offset, top)
-                if five_bit:
-                    orow[pos + qs + j] = (lo & 0x0F) | ((hi & 0x0F) << 4)
-                    qh |= (((lo & 0x10) >> 4) << j) | (((hi & 0x10) >> 4) << (j + 16))
-                else:
-                    orow[pos + qs + j] = (lo | (hi << 4)) & 0xFF
-            if five_bit:
-                for k in range(4):
-                    orow[pos + 2 + k] = (qh >> (8 * k)) & 0xFF
+            if _small_quants(mn * idd + offset, mx * idd + offset):
+                _pack_quants(xr, o, orow, pos + 2, idd, ZERO, offset, top, five_bit, True)
+            else:
+                _pack_quants(xr, o, orow, pos + 2, idd, ZERO, offset, top, five_bit, False)
 
 
 @njit(inline="always")
@@ -208,7 +208,7 @@ def _affine(x, out, nmax, type_size, five_bit):
     """quantize_row_q4_1_ref / q5_1_ref: d = (max-min)/nmax, m = min, q = (int8)((x-min)*id + 0.5), clamped
     with MIN(15, ·) for Q4_1 only (Q5_1 stores ``(uint8_t)`` of it)."""
     nb = x.shape[1] // QK
-    qs = 8 if five_bit else 4
+    top = 15 if nmax == 15 else 255  # MIN(255, ·) leaves a byte as it is
     for r in range(x.shape[0]):
         xr = x[r]
         orow = out[r]
@@ -220,20 +220,35 @@ def _affine(x, out, nmax, type_size, five_bit):
             idd = ONE / d if d != ZERO else ZERO
             put_u16(orow, pos, fp32_to_fp16(d))
             put_u16(orow, pos + 2, fp32_to_fp16(mn))
-            qh = 0
-            for j in range(16):
-                if five_bit:
-                    lo = _c_low_byte((xr[o + j] - mn) * idd + _HALF)
-                    hi = _c_low_byte((xr[o + 16 + j] - mn) * idd + _HALF)
-                    orow[pos + qs + j] = (lo & 0x0F) | ((hi & 0x0F) << 4)
-                    qh |= (((lo & 0x10) >> 4) << j) | (((hi & 0x10) >> 4) << (j + 16))
-                else:
-                    lo = _c_min_byte((xr[o + j] - mn) * idd + _HALF, 15)
-                    hi = _c_min_byte((xr[o + 16 + j] - mn) * idd + _HALF, 15)
-                    orow[pos + qs + j] = (lo | (hi << 4)) & 0xFF
-            if five_bit:
-                for k in range(4):
-                    orow[pos + 4 + k] = (qh >> (8 * k)) & 0xFF
+            if _small_quants((mn - mn) * idd + _HALF, (mx - mn) * idd + _HALF):
+                _pack_quants(xr, o, orow, pos + 4, idd, mn, _HALF, top, five_bit, True)
+            else:
+                _pack_quants(xr, o, orow, pos + 4, idd, mn, _HALF, top, five_bit, False)
+
+
+@njit(inline="always")
+def _pack_quants(xr, o, orow, pos, idd, mn, offset, top, five_bit, small):
+    """One block's quants ``(uint8_t)MIN(top, (int8_t)((x - mn)*id + offset))`` stored at pos: 4-bit
+    ``qs[j] = q[j] | q[j+16] << 4``; 5-bit ``qh`` (u32, bit j = bit 4 of q[j]), then qs of the low nibbles.
+    ``small``: :func:`_small_quants` holds, so the conversion is a plain truncation.  The symmetric types pass
+    mn = +0, and ``x - 0`` is x (also for x = -0: -0 - +0 = -0)."""
+    qs = pos + 4 if five_bit else pos
+    qh = 0
+    for j in range(16):
+        if small:
+            lo = min(np.int32((xr[o + j] - mn) * idd + offset), top)
+            hi = min(np.int32((xr[o + 16 + j] - mn) * idd + offset), top)
+        else:
+            lo = _c_min_byte((xr[o + j] - mn) * idd + offset, top)
+            hi = _c_min_byte((xr[o + 16 + j] - mn) * idd + offset, top)
+        if five_bit:
+            orow[qs + j] = (lo & 0x0F) | ((hi & 0x0F) << 4)
+            qh |= (((lo & 0x10) >> 4) << j) | (((hi & 0x10) >> 4) << (j + 16))
+        else:
+            orow[qs + j] = (lo | (hi << 4)) & 0xFF
+    if five_bit:
+        for k in range(4):
+            orow[pos + k] = (qh >> (8 * k)) & 0xFF
 
 
 @njit(cache=True, nogil=True, error_model="numpy")
