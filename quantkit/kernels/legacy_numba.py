@@ -25,6 +25,7 @@ _HALF = F32(0.5)
 _TWO_POW_31 = F32(2.0 ** 31)
 _FLT_MAX = F32(3.4028234663852886e38)
 _INT8_END = F32(128)
+_MINUS_ZERO = F32(-0.0)
 # make_qkx3_quants arguments of quantize_row_q4_1_impl / q5_1_impl: rmin, rdelta, nstep
 _QKX3_RMIN = F32(-0.9)
 _QKX3_RDELTA = F32(0.05)
@@ -105,16 +106,16 @@ def _block_min_max(typingctx, x, o):
 def _first_abs_max(x, o, mn, mx):
     """ggml's ``if (amax < fabsf(v)) { amax = fabsf(v); max = v; }`` from +0: the first weight of largest |x|.
 
-    From the block's min and max; only a tie of +a and -a needs the scan (and an all-zero block gives +0)."""
-    if mx > -mn:
-        return mx
-    if -mn > mx:
-        return mn
-    if mx > ZERO:
-        for j in range(QK):
-            if abs(x[o + j]) == mx:
-                return x[o + j]
-    return ZERO
+    From the block's min and max (a select: which one wins is a coin flip on random weights, a branch would
+    be mispredicted half the time); only a tie of +a and -a needs the scan (an all-zero block gives +0)."""
+    first = mx if mx > -mn else mn
+    if mx == -mn:
+        first = ZERO
+        if mx > ZERO:
+            for j in range(QK):
+                if abs(x[o + j]) == mx:
+                    return x[o + j]
+    return first
 
 
 @njit(inline="always")
@@ -198,9 +199,9 @@ def _symmetric(x, out, nmax, type_size, five_bit):
             idd = ONE / d if d != ZERO else ZERO
             put_u16(orow, pos, fp32_to_fp16(d))
             if _small_quants(mn * idd + offset, mx * idd + offset):
-                _pack_quants(xr, o, orow, pos + 2, idd, ZERO, offset, top, five_bit, True)
+                _pack_quants(xr, o, orow, pos + 2, idd, _MINUS_ZERO, offset, top, five_bit, True)
             else:
-                _pack_quants(xr, o, orow, pos + 2, idd, ZERO, offset, top, five_bit, False)
+                _pack_quants(xr, o, orow, pos + 2, idd, _MINUS_ZERO, offset, top, five_bit, False)
 
 
 @njit(inline="always")
@@ -231,7 +232,9 @@ def _pack_quants(xr, o, orow, pos, idd, mn, offset, top, five_bit, small):
     """One block's quants ``(uint8_t)MIN(top, (int8_t)((x - mn)*id + offset))`` stored at pos: 4-bit
     ``qs[j] = q[j] | q[j+16] << 4``; 5-bit ``qh`` (u32, bit j = bit 4 of q[j]), then qs of the low nibbles.
     ``small``: :func:`_small_quants` holds, so the conversion is a plain truncation.  The symmetric types pass
-    mn = +0, and ``x - 0`` is x (also for x = -0: -0 - +0 = -0)."""
+    mn = -0: ``x - -0`` is x except that x = -0 becomes +0, and ``±0*id + offset`` is the same value either
+    way (offset, or NaN for an infinite id).  With +0 LLVM would drop the subtraction, fully unroll the
+    shorter loop and never vectorize it."""
     qs = pos + 4 if five_bit else pos
     qh = 0
     for j in range(16):
