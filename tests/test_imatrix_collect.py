@@ -465,7 +465,8 @@ def test_runtime_model_collects_what_transformers_model_does(tiny_checkpoints, a
 
 def test_collect_with_a_tiny_budget_streams_and_gives_the_same_imatrix(tmp_path, monkeypatch):
     """``max_memory`` smaller than one layer: every layer streams from the checkpoint, the cache never holds more
-    than the budget, and the imatrix is the unlimited one bit for bit."""
+    than the budget, and the imatrix is the unlimited one bit for bit (which also keeps decoded weights from one
+    chunk to the next: the kept tensors give what decoding again gives)."""
     peaks = []
     close = CheckpointWeights.close
 

@@ -35,8 +35,11 @@ runs as its own sequence.  Differences from llama-imatrix: matrix products with 
 too (llama-imatrix skips them), and sums accumulate in float64.
 
 Memory: the accumulators (one float64 row per column per matrix), one chunk's activations, the cache of
-assembled weights (``max_memory`` bytes, default half the available memory) and the weight being used.  With
-``max_memory`` on CUDA, weights are also streamed to the device per use rather than all placed there.
+assembled weights (``max_memory`` bytes, default half the available memory) and the weight being used.  Without
+``max_memory``, weights decoded for one chunk are also kept for the next (up to :data:`KEEP_FRACTION` of the
+available memory: each weight is decoded once per run, not once per chunk); with it, nothing decoded is kept, so
+``max_memory`` bounds what stays in memory.  With ``max_memory`` on CUDA, weights are also streamed to the device
+per use rather than all placed there.
 
 Resume: every ``save_every`` chunks the accumulators go to ``<out>.resume.gguf`` (an imatrix GGUF recording the
 chunks done and the inputs' identity); a later run with the same inputs continues from there.
@@ -73,6 +76,9 @@ RESUME_IDENTITY = ("source_sha256", "text_sha256", "ctx", "all_experts", "proces
 MLA_STEPS = ("kv_b_k", "kv_b_v")
 ROUTED_CLASSES = frozenset({"routed_gate", "routed_up", "routed_down"})
 DTYPES = ("float32", "bfloat16", "float16")
+#: Share of the available memory that decoded weights may keep between chunks when ``max_memory`` is not given
+#: (the assembled payloads' cache has its own half: see :mod:`quantkit.runtime.weights`).
+KEEP_FRACTION = 0.25
 #: ``torch.Tensor`` methods whose result is still the weight they are called on, for the product it feeds:
 #: casts (any weight), and views of a packed weight (a fresh tensor holding the same values).
 CAST_METHODS = ("float", "to", "type", "contiguous")
@@ -521,6 +527,9 @@ class CollectOptions:
     """Bytes of assembled weights kept in memory (:class:`quantkit.runtime.weights.CheckpointWeights`); None: its
     default share of the available memory."""
     save_every: int = DEFAULT_SAVE_EVERY
+    threads: int | None = None
+    """torch threads the chunks run on (llama-imatrix's ``-t``); None: torch's default.  Small models run faster
+    on fewer: each operation is too small to share, and a thread that waits for a busy core stalls the others."""
     restart: bool = False
     overwrite: bool = False
     progress: bool = True
@@ -561,11 +570,13 @@ def collect_imatrix(source: str | os.PathLike, text_path: str | os.PathLike, out
     import transformers
 
     from ..runtime import load_model
+    from ..runtime.weights import available_memory
 
     chunks = calibration_chunks(transformers.AutoTokenizer.from_pretrained(source), text, opts.ctx, opts.chunks)
     # a memory bound on CUDA also streams the weights to the device per use instead of placing every one there
+    keep = int(KEEP_FRACTION * available_memory()) if opts.max_memory is None else 0
     model = load_model(source, opts.device, config=config, dtype=getattr(torch, opts.dtype),
-                       stream=opts.max_memory is not None, cache_bytes=opts.max_memory)
+                       stream=opts.max_memory is not None, cache_bytes=opts.max_memory, keep_bytes=keep)
     try:
         return _collect(model, amap, chunks, out, identity, opts, source, text_path)
     finally:
@@ -588,6 +599,12 @@ def _collect(model, amap: ArchMap, chunks: list[list[int]], out: Path, identity:
         return make_imatrix(collector.acc.entries(), datasets=[str(text_path)], chunk_count=n_done,
                             chunk_size=opts.ctx, synthetic=synthetic, provenance={**provenance, **extra})
 
+    threads = torch.get_num_threads()
+    if opts.threads is not None:
+        if opts.threads < 1:
+            raise SourceError(f"the thread count must be positive, got {opts.threads}", field="threads")
+        # set here, after loading: loading the decoders (numba's runtime) resets the process's OpenMP threads
+        torch.set_num_threads(opts.threads)
     try:
         for i in tqdm(range(done, len(chunks)), initial=done, total=len(chunks), unit="chunk",
                       disable=not opts.progress, desc="imatrix"):
@@ -597,6 +614,7 @@ def _collect(model, amap: ArchMap, chunks: list[list[int]], out: Path, identity:
                 save_imatrix(snapshot(i + 1, chunks_done=str(i + 1)), state, fmt="gguf", overwrite=True)
     finally:
         collector.close()
+        torch.set_num_threads(threads)
     imatrix = snapshot(len(chunks))
     save_imatrix(imatrix, out, fmt="gguf", overwrite=opts.overwrite)
     state.unlink(missing_ok=True)
