@@ -215,6 +215,7 @@ class _Recorder:
                                                 (CAST_METHODS, PACKED_VIEW_METHODS, PACKED_SELECT_METHODS))
         self.mute_experts = False
         self._aliases: dict[int, tuple[weakref.ref, tuple[_Param, int | None]]] = {}
+        self._last_input: tuple[weakref.ref, int, Any] | None = None
 
     def lookup(self, w) -> tuple[_Param, int | None] | None:
         """The parameter (and expert) a tensor is a view of, or None."""
@@ -293,10 +294,22 @@ class _Recorder:
         rows = x.detach().reshape(-1, n)
         if rows.shape[0] == 0:
             return
-        sq_sum = rows.to(torch.float64).square().sum(dim=0)
+        sq_sum = self._square_sums(x, rows)
         for t in p.targets:
             self.acc.add(t.name, t.n_mat, t.mat if t.mat is not None else (expert or 0),
                          sq_sum if t.order is None else sq_sum[t.order], rows.shape[0])
+
+    def _square_sums(self, x, rows):
+        """Σx² over ``rows`` (a view of ``x``) in float64; the last answer again when ``x`` is the same unchanged
+        tensor (one input of several products: q, k and v projections)."""
+        import torch
+
+        last = self._last_input
+        if last is not None and last[0]() is x and last[1] == x._version and last[2].shape[-1] == rows.shape[-1]:
+            return last[2]
+        sq_sum = rows.to(torch.float64).square().sum(dim=0)
+        self._last_input = (weakref.ref(x), x._version, sq_sum)
+        return sq_sum
 
     @contextmanager
     def active(self):
@@ -327,6 +340,7 @@ class _Recorder:
         with Mode():
             yield
         self._aliases.clear()
+        self._last_input = None
 
 
 # -- the collector ------------------------------------------------------------------------------------------------
