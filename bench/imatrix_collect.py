@@ -7,8 +7,8 @@ speed side by side with ``llama-imatrix``.
 
 ``--vs-llama``: the bundled example model and its calibration text, converted to an F32 GGUF for llama-imatrix
 (``quantkit convert`` with the F32 interop recipe), both tools with the same chunk size and count and
-``--threads`` threads (``llama-imatrix -t``; quantkit's ``--threads``, also run with one thread), runs
-interleaved.  Cold: quantkit with an empty numba cache (it compiles its decoders), llama-imatrix's first run;
+``--threads`` threads (``llama-imatrix -t``; quantkit's ``--threads``, and quantkit with its default thread
+count), runs interleaved.  Cold: quantkit with an empty numba cache (it compiles its decoders), llama-imatrix's first run;
 warm: a numba cache filled by an earlier run.  Measured per run: wall time of the whole command (tokens/s =
 ctx x chunks / wall, what a user waits for) and, inside quantkit's process, the imports, the load and the
 chunk loop alone; llama-imatrix's own ``prompt eval`` figure where it prints one.  Prints one JSON object per
@@ -155,6 +155,7 @@ import torch, transformers
 from quantkit.imatrix.collect import CollectOptions, Collector, collect_imatrix
 imported = time.perf_counter()
 src, text, out, ctx, chunks, threads = sys.argv[1:7]
+threads = int(threads) or None          # 0: the command's default
 marks = []
 run_chunk = Collector.run_chunk
 
@@ -163,7 +164,7 @@ def timed(self, input_ids):
     run_chunk(self, input_ids)
 
 Collector.run_chunk = timed
-collect_imatrix(src, text, out, CollectOptions(ctx=int(ctx), chunks=int(chunks), threads=int(threads),
+collect_imatrix(src, text, out, CollectOptions(ctx=int(ctx), chunks=int(chunks), threads=threads,
                                                save_every=0, progress=False, overwrite=True))
 done = time.perf_counter()
 print(json.dumps({"import_s": imported - start, "load_s": marks[0] - imported, "chunks_s": done - marks[0]}))
@@ -221,9 +222,8 @@ def versus_llama(args) -> None:
         warm_cache = root / "numba-warm"
         run_quantkit(root / "warmup.gguf", args.ctx, args.chunks, args.threads, warm_cache)   # fills the cache
         runs: dict[str, list[dict]] = {}
-        configs = [("llama-imatrix", None), (f"quantkit -t {args.threads}", args.threads)]
-        if args.threads != 1:
-            configs.append(("quantkit -t 1", 1))
+        configs = [("llama-imatrix", None), (f"quantkit -t {args.threads}", args.threads),
+                   ("quantkit default -t", 0)]
         for repeat in range(args.repeats):
             for state in ("cold", "warm"):
                 for label, threads in configs:

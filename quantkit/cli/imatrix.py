@@ -152,7 +152,8 @@ def _arch_map(config_path):
               help="memory for the model's assembled weights (e.g. 8G; 0: none kept, each is read per use); a "
                    "larger model streams from the checkpoint (default: half the available memory)")
 @click.option("-t", "--threads", type=click.IntRange(min=1), default=None,
-              help="CPU threads the model runs on (like llama-imatrix -t; default: torch's, one per core)")
+              help="CPU threads the model runs on (like llama-imatrix -t; default: one per 1024 of the hidden "
+                   "size, at most one per core)")
 @click.option("--save-every", default=10, show_default=True, help="write the resume state every N chunks")
 @click.option("--restart", is_flag=True, help="ignore a resume state left by an interrupted run")
 @click.option("--force", is_flag=True, help="overwrite the output")

@@ -79,6 +79,8 @@ DTYPES = ("float32", "bfloat16", "float16")
 #: Share of the available memory that decoded weights may keep between chunks when ``max_memory`` is not given
 #: (the assembled payloads' cache has its own half: see :mod:`quantkit.runtime.weights`).
 KEEP_FRACTION = 0.25
+#: Hidden size per torch thread of the default thread count (:attr:`CollectOptions.threads`).
+WIDTH_PER_THREAD = 1024
 #: ``torch.Tensor`` methods whose result is still the weight they are called on, for the product it feeds:
 #: casts (any weight), and views of a packed weight (a fresh tensor holding the same values).
 CAST_METHODS = ("float", "to", "type", "contiguous")
@@ -542,8 +544,10 @@ class CollectOptions:
     default share of the available memory."""
     save_every: int = DEFAULT_SAVE_EVERY
     threads: int | None = None
-    """torch threads the chunks run on (llama-imatrix's ``-t``); None: torch's default.  Small models run faster
-    on fewer: each operation is too small to share, and a thread that waits for a busy core stalls the others."""
+    """torch threads the chunks run on (llama-imatrix's ``-t``); None: one per :data:`WIDTH_PER_THREAD` of the
+    model's hidden size, at most torch's default (one per core).  Small models run faster on fewer: each
+    operation is too small to share, and an operation split over threads waits for the slowest, so one thread
+    whose core is busy with another process stalls the step by a scheduler time slice."""
     restart: bool = False
     overwrite: bool = False
     progress: bool = True
@@ -575,6 +579,8 @@ def collect_imatrix(source: str | os.PathLike, text_path: str | os.PathLike, out
         raise OutputExistsError("output exists; refusing to replace it", path=out)
     if opts.dtype not in DTYPES:
         raise SourceError(f"dtype {opts.dtype!r} is not one of {DTYPES}")
+    if opts.threads is not None and opts.threads < 1:
+        raise SourceError(f"the thread count must be positive, got {opts.threads}", field="threads")
     text = read_text(text_path)
     config = _read_config(source)
     amap = get_arch(config.get("model_type", "")).bind(config)
@@ -614,11 +620,10 @@ def _collect(model, amap: ArchMap, chunks: list[list[int]], out: Path, identity:
                             chunk_size=opts.ctx, synthetic=synthetic, provenance={**provenance, **extra})
 
     threads = torch.get_num_threads()
-    if opts.threads is not None:
-        if opts.threads < 1:
-            raise SourceError(f"the thread count must be positive, got {opts.threads}", field="threads")
-        # set here, after loading: loading the decoders (numba's runtime) resets the process's OpenMP threads
-        torch.set_num_threads(opts.threads)
+    hidden = getattr(model.module.config.get_text_config(), "hidden_size", None)
+    run_threads = opts.threads or (max(1, min(threads, int(hidden) // WIDTH_PER_THREAD)) if hidden else threads)
+    # set here, after loading: loading the decoders (numba's runtime) resets the process's OpenMP threads
+    torch.set_num_threads(run_threads)
     try:
         for i in tqdm(range(done, len(chunks)), initial=done, total=len(chunks), unit="chunk",
                       disable=not opts.progress, desc="imatrix"):
