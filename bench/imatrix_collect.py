@@ -1,6 +1,20 @@
-"""``quantkit imatrix collect`` on a synthetic MoE checkpoint several times larger than its memory budget.
+"""``quantkit imatrix collect`` on a synthetic MoE checkpoint several times larger than its memory budget, or its
+speed side by side with ``llama-imatrix``.
 
     python bench/imatrix_collect.py [--gib 6] [--budget 1G] [--ctx 128] [--chunks 4] [--workdir /tmp]
+    python bench/imatrix_collect.py --vs-llama LLAMA_IMATRIX_BINARY [--ctx 128] [--chunks 4] [--threads 2]
+        [--repeats 3]
+
+``--vs-llama``: the bundled example model and its calibration text, converted to an F32 GGUF for llama-imatrix
+(``quantkit convert`` with the F32 interop recipe), both tools with the same chunk size and count and
+``--threads`` threads (``llama-imatrix -t``; quantkit's ``--threads``, and quantkit with its default thread
+count), runs interleaved.  Cold: quantkit with an empty numba cache (it compiles its decoders), llama-imatrix's first run;
+warm: a numba cache filled by an earlier run.  Measured per run: wall time of the whole command (tokens/s =
+ctx x chunks / wall, what a user waits for) and, inside quantkit's process, the imports, the load and the
+chunk loop alone; llama-imatrix's own ``prompt eval`` figure where it prints one.  Prints one JSON object per
+configuration (medians) and a table.
+
+Otherwise:
 
 Generates the seeded BF16 qwen3_moe checkpoint of ``bench/convert.py`` (at least ``--gib`` GiB, one shard per
 layer), then collects an imatrix from it over the bundled example's calibration text, in a child process, twice:
@@ -19,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -132,14 +147,145 @@ def run_collect(ckpt: Path, out: Path, budget: int | None, ctx: int, chunks: int
             "peak_rss_anon": peak_anon}
 
 
+# Runs in the child for --vs-llama: the command's own path (collect_imatrix), its phases timed.
+SPEED_DRIVER = r"""
+import json, sys, time
+start = time.perf_counter()
+import torch, transformers
+from quantkit.imatrix.collect import CollectOptions, Collector, collect_imatrix
+imported = time.perf_counter()
+src, text, out, ctx, chunks, threads = sys.argv[1:7]
+threads = int(threads) or None          # 0: the command's default
+marks = []
+run_chunk = Collector.run_chunk
+
+def timed(self, input_ids):
+    marks.append(time.perf_counter())
+    run_chunk(self, input_ids)
+
+Collector.run_chunk = timed
+collect_imatrix(src, text, out, CollectOptions(ctx=int(ctx), chunks=int(chunks), threads=threads,
+                                               save_every=0, progress=False, overwrite=True))
+done = time.perf_counter()
+print(json.dumps({"import_s": imported - start, "load_s": marks[0] - imported, "chunks_s": done - marks[0]}))
+"""
+
+
+def f32_gguf(root: Path) -> Path:
+    """The bundled example model as an F32 GGUF (llama-imatrix's input; the same weights as the checkpoint)."""
+    from quantkit.examples import PRE_TOKENIZER
+    from quantkit.testing.recipe_texts import F32_RECIPE
+
+    recipe, out = root / "f32.toml", root / "tiny-moe-f32.gguf"
+    recipe.write_text(F32_RECIPE)
+    subprocess.run([sys.executable, "-m", "quantkit.cli", "convert", str(example_model_dir()), "-o", str(out),
+                    "--recipe", str(recipe), "--pre-tokenizer", PRE_TOKENIZER, "--no-progress"], check=True,
+                   capture_output=True)
+    return out
+
+
+def run_quantkit(out: Path, ctx: int, chunks: int, threads: int, numba_cache: Path) -> dict:
+    env = {**os.environ, "NUMBA_CACHE_DIR": str(numba_cache)}
+    start = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-c", SPEED_DRIVER, str(example_model_dir()), str(TEXT), str(out),
+                           str(ctx), str(chunks), str(threads)], capture_output=True, text=True, env=env)
+    wall = time.perf_counter() - start
+    if proc.returncode != 0:
+        raise SystemExit(f"quantkit failed:\n{proc.stderr[-3000:]}")
+    return {"wall_s": wall, **json.loads(proc.stdout.strip().splitlines()[-1])}
+
+
+def run_llama(binary: str, gguf: Path, out: Path, ctx: int, chunks: int, threads: int) -> dict:
+    import re
+
+    command = [binary, "-m", str(gguf), "-f", str(TEXT), "--chunks", str(chunks), "-c", str(ctx), "-b", str(ctx),
+               "-ub", str(ctx), "-ctk", "f32", "-ctv", "f32", "-fa", "off", "-t", str(threads), "--no-ppl",
+               "--seed", "0", "-o", str(out)]
+    start = time.perf_counter()
+    proc = subprocess.run(command, capture_output=True, text=True)
+    wall = time.perf_counter() - start
+    if proc.returncode != 0:
+        raise SystemExit(f"llama-imatrix failed:\n{proc.stderr[-3000:]}")
+    found = re.search(r"prompt eval time =\s*([\d.]+) ms /\s*(\d+) tokens", proc.stdout + proc.stderr)
+    return {"wall_s": wall, "eval_s": float(found.group(1)) / 1000 if found else None}
+
+
+def versus_llama(args) -> None:
+    import statistics
+
+    from _common import commit, machine
+
+    tokens = args.ctx * args.chunks
+    root = Path(tempfile.mkdtemp(prefix="quantkit-bench-imatrix-speed-", dir=args.workdir))
+    try:
+        gguf = f32_gguf(root)
+        warm_cache = root / "numba-warm"
+        run_quantkit(root / "warmup.gguf", args.ctx, args.chunks, args.threads, warm_cache)   # fills the cache
+        runs: dict[str, list[dict]] = {}
+        configs = [("llama-imatrix", None), (f"quantkit -t {args.threads}", args.threads),
+                   ("quantkit default -t", 0)]
+        for repeat in range(args.repeats):
+            for state in ("cold", "warm"):
+                for label, threads in configs:
+                    key = f"{label} {state}"
+                    if threads is None:
+                        if state == "cold" and repeat > 0:
+                            continue        # only its first run is cold
+                        measured = run_llama(args.vs_llama, gguf, root / "llama.gguf", args.ctx, args.chunks,
+                                             args.threads)
+                    else:
+                        cache = warm_cache if state == "warm" else root / f"numba-cold-{repeat}-{threads}"
+                        measured = run_quantkit(root / "quantkit.gguf", args.ctx, args.chunks, threads, cache)
+                    runs.setdefault(key, []).append(measured)
+        records = []
+        for key, measured in runs.items():
+            med = {k: statistics.median(m[k] for m in measured) for k in measured[0] if measured[0][k] is not None}
+            record = {"name": f"imatrix collect speed: {key}", "runs": len(measured), "tokens": tokens,
+                      "ctx": args.ctx, "chunks": args.chunks, **med, "tokens_per_s": tokens / med["wall_s"],
+                      "machine": machine(), "commit": commit()}
+            if "chunks_s" in med:
+                record["loop_tokens_per_s"] = tokens / med["chunks_s"]
+            if "eval_s" in med:
+                record["loop_tokens_per_s"] = tokens / med["eval_s"]
+            records.append(record)
+        by_name = {r["name"].split(": ", 1)[1]: r for r in records}
+        for r in records:
+            key = r["name"].split(": ", 1)[1]
+            state = key.rsplit(" ", 1)[1]
+            ref = by_name.get(f"llama-imatrix {state}") or by_name["llama-imatrix warm"]
+            if not key.startswith("llama"):
+                r["ratio_vs_llama"] = r["tokens_per_s"] / ref["tokens_per_s"]
+                if "loop_tokens_per_s" in r and "loop_tokens_per_s" in ref:
+                    r["loop_ratio_vs_llama"] = r["loop_tokens_per_s"] / ref["loop_tokens_per_s"]
+            emit(r)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+    print(f"\n{tokens} tokens ({args.chunks} chunks of {args.ctx}); medians")
+    print(f"{'run':<26}{'wall':>8}{'tok/s':>9}{'ratio':>7}{'import':>8}{'load':>7}{'loop':>7}{'loop tok/s':>11}"
+          f"{'ratio':>7}")
+    for r in records:
+        key = r["name"].split(": ", 1)[1]
+        opt = (lambda k, f: format(r[k], f) if k in r else "-")
+        print(f"{key:<26}{r['wall_s']:>7.2f}s{r['tokens_per_s']:>9.0f}{opt('ratio_vs_llama', '.2f'):>7}"
+              f"{opt('import_s', '.2f'):>8}{opt('load_s', '.2f'):>7}{opt('chunks_s', '.2f'):>7}"
+              f"{opt('loop_tokens_per_s', '.0f'):>11}{opt('loop_ratio_vs_llama', '.2f'):>7}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--vs-llama", metavar="LLAMA_IMATRIX", help="compare speed with this llama-imatrix binary")
+    parser.add_argument("--threads", type=int, default=2, help="threads of both tools (--vs-llama)")
+    parser.add_argument("--repeats", type=int, default=3, help="interleaved runs of each (--vs-llama)")
     parser.add_argument("--gib", type=float, default=6.0, help="checkpoint size at least this many GiB")
     parser.add_argument("--budget", default="1G", help="--max-memory of the streaming run (e.g. 1G)")
     parser.add_argument("--ctx", type=int, default=128)
     parser.add_argument("--chunks", type=int, default=4)
     parser.add_argument("--workdir", default="/tmp")
     args = parser.parse_args()
+    if args.vs_llama:
+        versus_llama(args)
+        return
     budget = ByteSize().convert(args.budget, None, None)
 
     layers = max(1, -(-int(args.gib * GIB) // layer_bytes()))

@@ -465,7 +465,8 @@ def test_runtime_model_collects_what_transformers_model_does(tiny_checkpoints, a
 
 def test_collect_with_a_tiny_budget_streams_and_gives_the_same_imatrix(tmp_path, monkeypatch):
     """``max_memory`` smaller than one layer: every layer streams from the checkpoint, the cache never holds more
-    than the budget, and the imatrix is the unlimited one bit for bit."""
+    than the budget, and the imatrix is the unlimited one bit for bit (which also keeps decoded weights from one
+    chunk to the next: the kept tensors give what decoding again gives)."""
     peaks = []
     close = CheckpointWeights.close
 
@@ -499,6 +500,9 @@ def test_cli_collect_and_bad_input(tmp_path):
     imx = load_imatrix(out)
     bad_size = runner.invoke(main, [*args[:-1], str(tmp_path / "size.gguf"), "--max-memory", "lots"])
     assert bad_size.exit_code == 2 and "'lots' is not a size" in bad_size.output
+    bad_threads = runner.invoke(main, [*args[:-1], str(tmp_path / "threads.gguf"), "--threads", "0"])
+    assert bad_threads.exit_code == 2 and "--threads" in bad_threads.output
+    assert not (tmp_path / "threads.gguf").exists()
     assert "observed 32 of 32 experts (100.00%)" in result.output
     assert not imx.synthetic                      # the bundled example is an untrained test model
     assert (imx.chunk_count, imx.chunk_size, imx.datasets) == (2, 64, [str(DATA / "calibration-a.txt")])

@@ -151,12 +151,15 @@ def _arch_map(config_path):
 @click.option("--max-memory", type=ByteSize(), default=None,
               help="memory for the model's assembled weights (e.g. 8G; 0: none kept, each is read per use); a "
                    "larger model streams from the checkpoint (default: half the available memory)")
+@click.option("-t", "--threads", type=click.IntRange(min=1), default=None,
+              help="CPU threads the model runs on (like llama-imatrix -t; default: one per 1024 of the hidden "
+                   "size, at most one per core)")
 @click.option("--save-every", default=10, show_default=True, help="write the resume state every N chunks")
 @click.option("--restart", is_flag=True, help="ignore a resume state left by an interrupted run")
 @click.option("--force", is_flag=True, help="overwrite the output")
 @click.option("--progress/--no-progress", default=True, show_default=True, help="show a progress bar (as convert)")
 def collect(source, text, output, ctx, chunks, all_experts, process_output, synthetic, device, dtype, max_memory,
-            save_every, restart, force, progress):
+            threads, save_every, restart, force, progress):
     """Run SOURCE (a Hugging Face checkpoint) over the text and collect its imatrix, like llama-imatrix."""
     from ..extras import require_runtime
 
@@ -165,7 +168,7 @@ def collect(source, text, output, ctx, chunks, all_experts, process_output, synt
 
     opts = CollectOptions(ctx=ctx, chunks=chunks, all_experts=all_experts, process_output=process_output,
                           synthetic=synthetic, device=device, dtype=dtype, max_memory=max_memory,
-                          save_every=save_every, restart=restart,
+                          threads=threads, save_every=save_every, restart=restart,
                           overwrite=force, progress=progress)
     imx = collect_imatrix(source, text, output, opts)
     click.echo(f"wrote {output}: {len(imx.entries)} entries, {imx.chunk_count} chunks of {ctx} tokens, "

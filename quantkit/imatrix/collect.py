@@ -35,8 +35,11 @@ runs as its own sequence.  Differences from llama-imatrix: matrix products with 
 too (llama-imatrix skips them), and sums accumulate in float64.
 
 Memory: the accumulators (one float64 row per column per matrix), one chunk's activations, the cache of
-assembled weights (``max_memory`` bytes, default half the available memory) and the weight being used.  With
-``max_memory`` on CUDA, weights are also streamed to the device per use rather than all placed there.
+assembled weights (``max_memory`` bytes, default half the available memory) and the weight being used.  Without
+``max_memory``, weights decoded for one chunk are also kept for the next (up to :data:`KEEP_FRACTION` of the
+available memory: each weight is decoded once per run, not once per chunk); with it, nothing decoded is kept, so
+``max_memory`` bounds what stays in memory.  With ``max_memory`` on CUDA, weights are also streamed to the device
+per use rather than all placed there.
 
 Resume: every ``save_every`` chunks the accumulators go to ``<out>.resume.gguf`` (an imatrix GGUF recording the
 chunks done and the inputs' identity); a later run with the same inputs continues from there.
@@ -73,6 +76,11 @@ RESUME_IDENTITY = ("source_sha256", "text_sha256", "ctx", "all_experts", "proces
 MLA_STEPS = ("kv_b_k", "kv_b_v")
 ROUTED_CLASSES = frozenset({"routed_gate", "routed_up", "routed_down"})
 DTYPES = ("float32", "bfloat16", "float16")
+#: Share of the available memory that decoded weights may keep between chunks when ``max_memory`` is not given
+#: (the assembled payloads' cache has its own half: see :mod:`quantkit.runtime.weights`).
+KEEP_FRACTION = 0.25
+#: Hidden size per torch thread of the default thread count (:attr:`CollectOptions.threads`).
+WIDTH_PER_THREAD = 1024
 #: ``torch.Tensor`` methods whose result is still the weight they are called on, for the product it feeds:
 #: casts (any weight), and views of a packed weight (a fresh tensor holding the same values).
 CAST_METHODS = ("float", "to", "type", "contiguous")
@@ -209,6 +217,7 @@ class _Recorder:
                                                 (CAST_METHODS, PACKED_VIEW_METHODS, PACKED_SELECT_METHODS))
         self.mute_experts = False
         self._aliases: dict[int, tuple[weakref.ref, tuple[_Param, int | None]]] = {}
+        self._last_input: tuple[weakref.ref, int, Any] | None = None
 
     def lookup(self, w) -> tuple[_Param, int | None] | None:
         """The parameter (and expert) a tensor is a view of, or None."""
@@ -287,10 +296,22 @@ class _Recorder:
         rows = x.detach().reshape(-1, n)
         if rows.shape[0] == 0:
             return
-        sq_sum = rows.to(torch.float64).square().sum(dim=0)
+        sq_sum = self._square_sums(x, rows)
         for t in p.targets:
             self.acc.add(t.name, t.n_mat, t.mat if t.mat is not None else (expert or 0),
                          sq_sum if t.order is None else sq_sum[t.order], rows.shape[0])
+
+    def _square_sums(self, x, rows):
+        """Σx² over ``rows`` (a view of ``x``) in float64; the last answer again when ``x`` is the same unchanged
+        tensor (one input of several products: q, k and v projections)."""
+        import torch
+
+        last = self._last_input
+        if last is not None and last[0]() is x and last[1] == x._version and last[2].shape[-1] == rows.shape[-1]:
+            return last[2]
+        sq_sum = rows.to(torch.float64).square().sum(dim=0)
+        self._last_input = (weakref.ref(x), x._version, sq_sum)
+        return sq_sum
 
     @contextmanager
     def active(self):
@@ -321,6 +342,7 @@ class _Recorder:
         with Mode():
             yield
         self._aliases.clear()
+        self._last_input = None
 
 
 # -- the collector ------------------------------------------------------------------------------------------------
@@ -521,6 +543,11 @@ class CollectOptions:
     """Bytes of assembled weights kept in memory (:class:`quantkit.runtime.weights.CheckpointWeights`); None: its
     default share of the available memory."""
     save_every: int = DEFAULT_SAVE_EVERY
+    threads: int | None = None
+    """torch threads the chunks run on (llama-imatrix's ``-t``); None: one per :data:`WIDTH_PER_THREAD` of the
+    model's hidden size, at most torch's default (one per core).  Small models run faster on fewer: each
+    operation is too small to share, and an operation split over threads waits for the slowest, so one thread
+    whose core is busy with another process stalls the step by a scheduler time slice."""
     restart: bool = False
     overwrite: bool = False
     progress: bool = True
@@ -552,6 +579,8 @@ def collect_imatrix(source: str | os.PathLike, text_path: str | os.PathLike, out
         raise OutputExistsError("output exists; refusing to replace it", path=out)
     if opts.dtype not in DTYPES:
         raise SourceError(f"dtype {opts.dtype!r} is not one of {DTYPES}")
+    if opts.threads is not None and opts.threads < 1:
+        raise SourceError(f"the thread count must be positive, got {opts.threads}", field="threads")
     text = read_text(text_path)
     config = _read_config(source)
     amap = get_arch(config.get("model_type", "")).bind(config)
@@ -561,11 +590,13 @@ def collect_imatrix(source: str | os.PathLike, text_path: str | os.PathLike, out
     import transformers
 
     from ..runtime import load_model
+    from ..runtime.weights import available_memory
 
     chunks = calibration_chunks(transformers.AutoTokenizer.from_pretrained(source), text, opts.ctx, opts.chunks)
     # a memory bound on CUDA also streams the weights to the device per use instead of placing every one there
+    keep = int(KEEP_FRACTION * available_memory()) if opts.max_memory is None else 0
     model = load_model(source, opts.device, config=config, dtype=getattr(torch, opts.dtype),
-                       stream=opts.max_memory is not None, cache_bytes=opts.max_memory)
+                       stream=opts.max_memory is not None, cache_bytes=opts.max_memory, keep_bytes=keep)
     try:
         return _collect(model, amap, chunks, out, identity, opts, source, text_path)
     finally:
@@ -588,6 +619,11 @@ def _collect(model, amap: ArchMap, chunks: list[list[int]], out: Path, identity:
         return make_imatrix(collector.acc.entries(), datasets=[str(text_path)], chunk_count=n_done,
                             chunk_size=opts.ctx, synthetic=synthetic, provenance={**provenance, **extra})
 
+    threads = torch.get_num_threads()
+    hidden = getattr(model.module.config.get_text_config(), "hidden_size", None)
+    run_threads = opts.threads or (max(1, min(threads, int(hidden) // WIDTH_PER_THREAD)) if hidden else threads)
+    # set here, after loading: loading the decoders (numba's runtime) resets the process's OpenMP threads
+    torch.set_num_threads(run_threads)
     try:
         for i in tqdm(range(done, len(chunks)), initial=done, total=len(chunks), unit="chunk",
                       disable=not opts.progress, desc="imatrix"):
@@ -597,6 +633,7 @@ def _collect(model, amap: ArchMap, chunks: list[list[int]], out: Path, identity:
                 save_imatrix(snapshot(i + 1, chunks_done=str(i + 1)), state, fmt="gguf", overwrite=True)
     finally:
         collector.close()
+        torch.set_num_threads(threads)
     imatrix = snapshot(len(chunks))
     save_imatrix(imatrix, out, fmt="gguf", overwrite=opts.overwrite)
     state.unlink(missing_ok=True)

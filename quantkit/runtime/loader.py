@@ -168,26 +168,28 @@ def _check_metadata(weights, amap: ArchMap, model) -> None:
 
 def load_model(path: str | os.PathLike, device: str | torch.device = "cpu", *,
                config: Mapping[str, Any] | None = None, dtype: torch.dtype = torch.float32,
-               stream: bool = False, cache_bytes: int | None = None,
+               stream: bool = False, cache_bytes: int | None = None, keep_bytes: int = 0,
                replace: Mapping[str, Callable[[], np.ndarray]] | None = None) -> RuntimeModel:
     """A GGUF file (made by quantkit) or a safetensors checkpoint as a runnable transformers model.
 
     ``config``: the source ``config.json`` as a dict, overriding the file's.  ``stream=True`` (CUDA) keeps the
     payloads in host memory (the mapped file) and copies each to the device per use, for models larger than the
     device.  ``cache_bytes`` and ``replace`` apply to a checkpoint (:class:`.weights.CheckpointWeights`).
+    ``keep_bytes``: packed weights decoded on use are kept, up to this many bytes (:class:`.packed.Assembler`),
+    for a model run many times (a calibration run).
     """
     device = torch.device(device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise UnsupportedError("device cuda requested but torch sees no CUDA device")
     weights = open_weights(path, config, cache_bytes=cache_bytes, replace=replace)
     try:
-        return _load(weights, device, dtype, stream)
+        return _load(weights, device, dtype, stream, keep_bytes)
     except BaseException:
         weights.close()
         raise
 
 
-def _load(weights, device: torch.device, dtype: torch.dtype, stream: bool) -> RuntimeModel:
+def _load(weights, device: torch.device, dtype: torch.dtype, stream: bool, keep_bytes: int) -> RuntimeModel:
     model_type = weights.config.get("model_type")
     amap = get_arch(model_type).bind(weights.config)
     gguf_arch = weights.metadata.get("general.architecture") if weights.metadata is not None else None
@@ -197,7 +199,7 @@ def _load(weights, device: torch.device, dtype: torch.dtype, stream: bool) -> Ru
     model = model_skeleton(weights.config, dtype)
     _check_metadata(weights, amap, model)
     store = WeightStore(weights, device, stream=stream)
-    assembler = Assembler(store)
+    assembler = Assembler(store, keep_bytes)
     stored = {name: t.shape for name, t in weights.tensors.items()}
     used: set[str] = set()
     packed: dict[str, TensorPlan] = {}

@@ -37,6 +37,7 @@ from ..errors import FormatError
 from ..formats.api import decode as cpu_decode
 from ..formats.registry import GGMLType, layout
 from .inverse import VALUE_INVERSES, Part, TensorPlan
+from .weights import PayloadCache
 
 #: Decoded tensors whose finiteness is awaited before the store synchronizes and checks them.
 MAX_PENDING_CHECKS = 4096
@@ -164,11 +165,17 @@ def scale_companion(gguf_name: str) -> str:
 # -- rebuilding model tensors ----------------------------------------------------------------------------------------
 
 class Assembler:
-    """Builds model tensors from GGUF tensors by their plans (positions kept on the device)."""
+    """Builds model tensors from GGUF tensors by their plans (positions kept on the device).
 
-    def __init__(self, store: WeightStore):
+    ``keep_bytes``: packed weights' built tensors (:meth:`weight`) are kept in a least-recently-used cache of at
+    most this many bytes, so a weight used again (every forward pass of a calibration run) is not decoded again;
+    0 (the default) keeps none.  The decoders are deterministic, so a kept tensor holds the values a new build
+    would."""
+
+    def __init__(self, store: WeightStore, keep_bytes: int = 0):
         self.store = store
         self._places: dict[tuple[str, str], Strided | torch.Tensor] = {}
+        self.kept = PayloadCache(keep_bytes)
 
     def _place(self, plan: TensorPlan, part: Part) -> "Strided | torch.Tensor":
         """Where a part's values go in (one slice of) the model tensor: a strided view, else flat positions."""
@@ -209,6 +216,19 @@ class Assembler:
         for part in plan.parts:
             self._scatter(plan, out, part, self.store.decode(part.gguf_name, index), batch)
         return out
+
+    def weight(self, plan: TensorPlan, dtype: torch.dtype, index: int | None = None) -> torch.Tensor:
+        """:meth:`build`, answered from the cache of built weights when it holds the tensor (see the class doc)."""
+        if self.kept.budget == 0:
+            return self.build(plan, dtype, index)
+        if index is not None and not plan.sliced:
+            return self.weight(plan, dtype)[index]      # a view: the whole tensor is what is kept
+        key = (plan.name, dtype, index)
+        built = self.kept.get(key)
+        if built is None:
+            built = self.build(plan, dtype, index)
+            self.kept.put(key, built)
+        return built.detach()   # a fresh tensor object: dispatch must not return one it returned before
 
     def rows(self, plan: TensorPlan, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
         """Rows ``ids`` of a 2-D model tensor that is one GGUF tensor unchanged; None for other plans."""
@@ -267,7 +287,7 @@ class PackedTensor(torch.Tensor):
         return f"PackedTensor({self.plan.name}, shape={tuple(self.plan.shape)}, from {list(self.plan.gguf_names)})"
 
     def materialize(self) -> torch.Tensor:
-        return self.assembler.build(self.plan, self.dtype)
+        return self.assembler.weight(self.plan, self.dtype)
 
     __torch_function__ = torch._C._disabled_torch_function_impl
 
@@ -276,7 +296,7 @@ class PackedTensor(torch.Tensor):
         kwargs = kwargs or {}
         if func is _aten.select.int and isinstance(args[0], PackedTensor) and args[1] == 0 \
                     and args[0].plan.sliced:
-            return args[0].assembler.build(args[0].plan, args[0].dtype, _index(args[2], args[0].shape[0]))
+            return args[0].assembler.weight(args[0].plan, args[0].dtype, _index(args[2], args[0].shape[0]))
         if func is _aten.embedding.default and isinstance(args[0], PackedTensor):
             picked = args[0].assembler.rows(args[0].plan, args[1], args[0].dtype)
             if picked is not None:

@@ -126,7 +126,7 @@ def available_memory() -> int:
 
 class PayloadCache:
     """Least-recently-used payloads by key (``(name, index)``), at most ``budget`` bytes in all (an entry larger
-    than the budget is not kept).
+    than the budget is not kept).  Entries are arrays or tensors (anything with ``nbytes``).
 
     ``peak_bytes`` is the most the cache ever held; ``hits`` and ``misses`` count :meth:`get` answers.
     """
