@@ -47,11 +47,14 @@ def glm_checkpoint(tmp_path_factory):
         config.text_config.indexer_types = ["full"] * config.text_config.num_hidden_layers
         return config
 
+    # built models are cached by (arch, seed, dtype): drop them so the patched config is used, and again after
+    tiny_models._cached_model.cache_clear()
     tiny_models.ARCHS["glm5_next"] = dataclasses.replace(original, make_config=make_config)
     try:
         return tiny_models.save_tiny_checkpoint("glm5_next", tmp_path_factory.mktemp("glm") / "ckpt")
     finally:
         tiny_models.ARCHS["glm5_next"] = original
+        tiny_models._cached_model.cache_clear()
 
 
 @pytest.fixture(scope="module")

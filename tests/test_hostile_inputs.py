@@ -108,7 +108,7 @@ def test_sample_mode_catches_a_flipped_byte_in_any_expert_for_every_seed(tmp_pat
         gguf.write_bytes(bytes(data))
         for seed in range(3):
             result = run("validate", gguf, "--source", examples.example_model_dir(), "--seed", seed,
-                         "--json", tmp_path / "r.json")
+                         "--json", tmp_path / "r.json", "--force")
             assert result.exit_code == EXIT_CHECK_FAILED, (expert, seed, result.output)
             report = json.loads((tmp_path / "r.json").read_text())
             (entry,) = [e for e in report["tensors"] if e["name"] == t.name]

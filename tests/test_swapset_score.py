@@ -272,5 +272,5 @@ def test_bad_sidecar_requests_are_refused_with_one_line(scored, tmp_path):
     changed = "model.layers.0.mlp.experts.3.up_proj.weight"
     tensors[changed] = -tensors[changed]
     write_safetensors(stale / "model.safetensors", tensors, {"format": "pt"}, dtypes=dtypes, overwrite=True)
-    one_line_error(run("score", stale, fx, out_tsv, "--ctx", CTX, "--sidecar", NV), 1, f"sidecar '{NV}' does not match")
+    one_line_error(run("score", stale, fx, out_tsv, "--ctx", CTX, "--sidecar", NV), 2, f"sidecar '{NV}' does not match")
     assert not out_tsv.exists()
