@@ -229,6 +229,21 @@ def test_redialect_refuses_an_unmapped_tensor_by_name(converted, tmp_path):
     assert not out.exists() and not out.with_name(out.name + ".partial").exists()
 
 
+def test_redialect_never_replaces_its_input(converted, tmp_path):
+    """-o naming the input (or a link to it) is refused before anything is written, even with --force."""
+    import shutil
+
+    src = tmp_path / "in.gguf"
+    shutil.copyfile(converted["glm5-next", LLAMA_CPP], src)
+    link = tmp_path / "link.gguf"
+    link.symlink_to(src)
+    before = src.read_bytes()
+    for out in (src, link):
+        result = CliRunner().invoke(main, ["redialect", str(src), "--to", "ds4", "-o", str(out), "--force"])
+        assert result.exit_code == 2 and "would overwrite an input" in result.output, result.output
+    assert src.read_bytes() == before and link.resolve() == src
+
+
 def test_ds4_dialect_names_refuse_qwen4exp_with_the_reason():
     with pytest.raises(UnsupportedError, match="ssm_out.*kda_output"):
         to_dialect_name("blk.0.attn_qkv.weight", "qwen4exp", DS4)

@@ -13,7 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..arch.dialects import LAYOUT_A_LOG, convert_payload, dialect_of, translate
-from ..errors import OutputExistsError, ValidationError
+from ..errors import ValidationError
+from ..io.atomic import check_output, input_files
 from ..io.gguf_reader import GGUFFile
 from ..io.gguf_writer import GGUFWriter, plan_layout
 
@@ -33,9 +34,8 @@ class RedialectResult:
 
 def redialect(src: str | os.PathLike, out: str | os.PathLike, *, to: str, force: bool = False) -> RedialectResult:
     """Write ``src`` in dialect ``to`` as ``out``."""
-    out = Path(out)
-    if out.exists() and not force:
-        raise OutputExistsError("output exists", path=out)
+    # never the input itself (also through a link), never an existing file without --force
+    out = check_output(out, inputs=input_files([src]), overwrite=force)
     with GGUFFile(src) as gguf:
         frm = dialect_of(gguf.metadata)
         translation = translate(gguf.metadata, [(t.name, t.shape, t.type) for t in gguf.tensors.values()], to=to)
