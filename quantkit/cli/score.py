@@ -153,8 +153,11 @@ def check(path):
 @click.option("--format", "table_format", type=click.Choice(["quantkit", "ds4", "ds4-nll"]), default="quantkit",
               show_default=True, help="ds4: score_official's 26-column table (ds4-nll: its 7 NLL columns) with the "
               "identity record in OUT.tsv.json")
+@click.option("--arithmetic", type=click.Choice(["float32", "ggml-cpu"]), default="float32", show_default=True,
+              help="ggml-cpu: round each product's activations as llama.cpp's CPU backend does (Q8_K/Q8_0/F16 by "
+              "weight type; MLA absorbed), for per-token parity with llama-perplexity -ctk f32 -ctv f32")
 def score(model, fixture_dir, out, ctx, device, allow_cross_checkpoint, kld_base, save_logits, tokenizer, sidecars,
-          label, table_format):
+          label, table_format, arithmetic):
     """Score MODEL (GGUF or checkpoint) on FIXTURE; write the per-case table OUT.tsv."""
     require_runtime("quantkit score")
     from ..fixtures.directory import read_fixture
@@ -181,7 +184,7 @@ def score(model, fixture_dir, out, ctx, device, allow_cross_checkpoint, kld_base
     codec, identity = describe_model(model, tokenizer=tokenizer)
     identity = with_label(identity, label)
     plan = plan_scoring(fx, codec, identity, ctx=ctx, allow_cross_checkpoint=allow_cross_checkpoint)
-    source = load_source(identity, device=device, replace=replace)
+    source = load_source(identity, device=device, replace=replace, arithmetic=arithmetic)
 
     def progress(s):
         click.echo(f"{s.id} prompt={s.prompt_tokens} target={s.target_tokens} avg_nll={s.avg_nll:.6f} "

@@ -230,7 +230,8 @@ def run_scoring(source: LogitSource, codec: TextCodec, plan: ScoringPlan, *,
     header = {"version": TABLE_VERSION,
               "fixture": {"content_sha256": fixture.content_sha256, "label": fixture.label,
                           "cases": len(fixture.cases), "path": str(fixture.path)},
-              "model": plan.identity.to_json(), "ctx": plan.ctx, "cross_checkpoint": plan.cross_checkpoint}
+              "model": plan.identity.to_json(), "ctx": plan.ctx, "cross_checkpoint": plan.cross_checkpoint,
+              "arithmetic": getattr(source, "arithmetic", "float32")}
     return ScoreResult(header, scores, list(plan.warnings), kld)
 
 

@@ -48,6 +48,8 @@ from .metrics import COLUMNS, NLL_COLUMNS, CaseScore, Totals, case_row, parse_ro
 HEADER_PREFIX = "# quantkit-score "
 TABLE_VERSION = 1
 HEADER_KEYS = ("version", "fixture", "model", "ctx", "cross_checkpoint")
+#: Header keys a table may carry besides :data:`HEADER_KEYS` (tables written before them lack them).
+OPTIONAL_HEADER_KEYS = ("arithmetic",)
 FIXTURE_KEYS = ("content_sha256", "label", "cases", "path")
 #: Table layouts by ``--format`` name -> columns.
 LAYOUTS = {"quantkit": COLUMNS, "ds4": COLUMNS, "ds4-nll": NLL_COLUMNS}
@@ -129,8 +131,9 @@ def _check_header(header: Any, where: str) -> dict[str, Any]:
     if not isinstance(header, dict) or header.get("version") != TABLE_VERSION:
         found = header.get("version") if isinstance(header, dict) else header
         raise FixtureError(f"{where}: header version is {found!r}, expected {TABLE_VERSION}")
-    if set(header) != set(HEADER_KEYS):
-        raise FixtureError(f"{where}: header keys {sorted(header)}, expected {sorted(HEADER_KEYS)}")
+    if not set(HEADER_KEYS) <= set(header) <= set(HEADER_KEYS + OPTIONAL_HEADER_KEYS):
+        raise FixtureError(f"{where}: header keys {sorted(header)}, expected {sorted(HEADER_KEYS)} "
+                           f"(optionally {', '.join(OPTIONAL_HEADER_KEYS)})")
     fixture = header["fixture"]
     if not isinstance(fixture, dict) or set(fixture) != set(FIXTURE_KEYS) \
             or not isinstance(fixture["content_sha256"], str) or not isinstance(fixture["cases"], int):
