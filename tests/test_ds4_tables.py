@@ -8,6 +8,7 @@ ds4's ``compare_scores.py`` does.
 from __future__ import annotations
 
 import csv
+import hashlib
 import json
 import re
 import shutil
@@ -342,6 +343,15 @@ def test_example_model_ds4_tables_give_the_same_comparison(tmp_path, example_ggu
 
     reference = compare(tables["quantkit", "f16"], tables["quantkit", "q2"])
     assert reference["delta_new_minus_old"] > 0       # Q2 fits the fixture worse than F16
+    for name in ("f16", "q2"):      # two runs of one model (one table per layout): no regression, exit 0
+        again = runner.invoke(main, ["compare", str(tables["quantkit", name]), str(tables["ds4", name])])
+        assert again.exit_code == 0 and "gate=no regression exit=0" in again.output, again.output
+    record = read_table(tables["quantkit", "q2"]).header["evidence"]     # what produced the table
+    gguf = example_ggufs["q2"]
+    assert record["artifact"]["sha256"] == hashlib.sha256(gguf.read_bytes()).hexdigest()
+    assert record["artifact"]["size"] == gguf.stat().st_size and record["device"] == "cpu"
+    assert record["dtype"] == "float32" and record["threads_from"] == "torch" and "torch" in record["tools"]
+    assert record["fixture"]["content_sha256"] == read_table(tables["quantkit", "q2"]).fixture_sha256
     assert compare(tables["ds4", "f16"], tables["ds4", "q2"]) == reference
     assert compare(tables["ds4", "f16"], tables["quantkit", "q2"]) == reference
     for key in ("f16", "q2"):

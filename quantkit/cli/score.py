@@ -222,13 +222,16 @@ def compare(old, new, resamples, seed, policy_path, baseline, as_json):
 
     Exit codes: 0 no regression, 1 a blocker rule fired, 2 unusable input (tables, policy or baseline).
     Either table may be a quantkit table or a ds4 score_official table (with or without quantkit's OUT.tsv.json)."""
-    sys.exit(run_compare(old, new, resamples=resamples, seed=seed, policy_path=policy_path, baseline=baseline,
-                         as_json=as_json))
+    from . import EXIT_CHECK_FAILED, EXIT_OK
+
+    regression = run_compare(old, new, resamples=resamples, seed=seed, policy_path=policy_path, baseline=baseline,
+                             as_json=as_json)
+    sys.exit(EXIT_CHECK_FAILED if regression else EXIT_OK)
 
 
 def run_compare(old, new, *, resamples: int = 10_000, seed: int = 0, policy_path=None, baseline=None,
-                as_json: bool = False) -> int:
-    """Print the comparison of OLD and NEW; return the gate's exit code (0 or 1)."""
+                as_json: bool = False) -> bool:
+    """Print the comparison of OLD and NEW; return whether the gate found a regression (a blocker rule fired)."""
     from ..scoring.compare import compare_tables
     from ..scoring.policy import load_baseline, load_policy
     from ..scoring.table import read_table
@@ -238,7 +241,7 @@ def run_compare(old, new, *, resamples: int = 10_000, seed: int = 0, policy_path
     result = compare_tables(read_table(old), read_table(new), resamples=resamples, seed=seed, policy=policy,
                             baseline=recorded)
     click.echo(json.dumps(result.to_json(), indent=1) if as_json else "\n".join(result.report_lines()))
-    return result.exit_code
+    return bool(result.failed)
 
 
 COMMANDS = [fixture, score, compare]
