@@ -80,7 +80,7 @@ def test_planted_first_token_regression_exits_1_with_nll_unchanged(tmp_path):
     rules = {r.name: r for r in result.rules}
     assert rules["nll"].status == "pass" and rules["nll"].regression == 0 and rules["nll"].interval == (0.0, 0.0)
     first = rules["first_token"]
-    assert first.status == "FAIL" and first.old == (old.totals.first_matches, 100)
+    assert first.status == "fail" and first.old == (old.totals.first_matches, 100)
     assert first.new == (old.totals.first_matches - len(flipped), 100)
     assert first.regression == pytest.approx(len(flipped) / 100)
     assert first.tolerance < first.interval[0] <= first.regression <= first.interval[1]

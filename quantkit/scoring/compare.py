@@ -69,7 +69,7 @@ CONFIDENCE = 0.95
 #: Index matrix elements drawn per block (bounds memory to ~8 bytes x this).
 BLOCK_ELEMENTS = 1 << 22
 VERDICTS = ("better", "worse", "no established difference")
-PASS, FAIL, WARN, NO_REFERENCE = "pass", "FAIL", "warn", "no API reference"
+PASS, FAIL, WARN, NO_REFERENCE = "pass", "fail", "warn", "no API reference"
 GATE_VERDICTS = ("no regression", "regression")
 
 
@@ -135,7 +135,7 @@ class RuleResult:
                       "regression": self.regression, "ci95": list(self.interval)}
 
     def line(self) -> str:
-        head = f"rule {self.name:<14} {self.status:<4}"
+        head = f"rule {self.name:<14} {self.status.upper() if self.status == FAIL else self.status:<4}"
         if self.status == NO_REFERENCE:
             return f"rule {self.name:<14} {NO_REFERENCE}: {self.reason}"
 
