@@ -7,9 +7,10 @@ Exit codes, the same for every command (errors map through :data:`ERROR_TABLE`, 
 
 ====  ==========================================================================================================
 0     success
-1     a check ran and failed: ``validate`` found a difference, ``swapset status --record`` a missing sidecar
+1     a check ran and failed: ``validate`` found a difference, ``swapset status --record`` a missing sidecar,
+      ``compare`` a regression by a blocker rule of its release gate (:mod:`quantkit.scoring.compare`)
 2     the input cannot be used: a missing, unreadable, truncated or malformed file (GGUF, safetensors, config.json,
-      recipe, imatrix, fixture, sidecar), inputs that do not belong together (an imatrix of another model, a
+      recipe, imatrix, fixture, sidecar, score table, compare policy or baseline), inputs that do not belong together (an imatrix of another model, a
       resume of other inputs, a fixture of another checkpoint), an output that exists, a bad option value
 3     not available here: a capability quantkit does not implement, or an optional dependency that is not
       installed (the message gives the ``pip install`` line)

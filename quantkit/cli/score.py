@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from pathlib import Path
 
 import click
@@ -213,16 +214,37 @@ def score(model, fixture_dir, out, ctx, device, allow_cross_checkpoint, kld_base
 @click.option("--resamples", type=click.IntRange(min=10_000), default=10_000, show_default=True,
               help="bootstrap resamples")
 @click.option("--seed", type=int, default=0, show_default=True, help="bootstrap seed")
+@click.option("--policy", "policy_path", type=click.Path(dir_okay=False, path_type=Path),
+              help="the gate's thresholds (TOML; default: the shipped quantkit/scoring/policy.toml)")
+@click.option("--baseline", help="recorded release figures to place NEW in: a shipped name "
+              "(deepseek-v4.1-flash-general-100, glm-5.3-flash) or a .toml/.json file")
 @click.option("--json", "as_json", is_flag=True, help="print the comparison as JSON")
-def compare(old, new, resamples, seed, as_json):
-    """Compare score tables OLD.tsv and NEW.tsv of one fixture: deltas, case wins, bootstrap interval, verdict.
+def compare(old, new, resamples, seed, policy_path, baseline, as_json):
+    """Compare score tables OLD.tsv and NEW.tsv of one fixture: deltas, case wins, paired bootstrap intervals, and
+    the release gate's rules (NLL, first-token, greedy prefix, API top-1, pair order, top-token agreement).
 
-    Either may be a quantkit table or a ds4 score_official table (with or without quantkit's OUT.tsv.json)."""
+    Exit codes: 0 no regression, 1 a blocker rule fired, 2 unusable input (tables, policy or baseline).
+    Either table may be a quantkit table or a ds4 score_official table (with or without quantkit's OUT.tsv.json)."""
+    from . import EXIT_CHECK_FAILED, EXIT_OK
+
+    regression = run_compare(old, new, resamples=resamples, seed=seed, policy_path=policy_path, baseline=baseline,
+                             as_json=as_json)
+    sys.exit(EXIT_CHECK_FAILED if regression else EXIT_OK)
+
+
+def run_compare(old, new, *, resamples: int = 10_000, seed: int = 0, policy_path=None, baseline=None,
+                as_json: bool = False) -> bool:
+    """Print the comparison of OLD and NEW; return whether the gate found a regression (a blocker rule fired)."""
     from ..scoring.compare import compare_tables
+    from ..scoring.policy import load_baseline, load_policy
     from ..scoring.table import read_table
 
-    result = compare_tables(read_table(old), read_table(new), resamples=resamples, seed=seed)
+    policy = load_policy(policy_path)
+    recorded = load_baseline(baseline) if baseline is not None else None
+    result = compare_tables(read_table(old), read_table(new), resamples=resamples, seed=seed, policy=policy,
+                            baseline=recorded)
     click.echo(json.dumps(result.to_json(), indent=1) if as_json else "\n".join(result.report_lines()))
+    return bool(result.failed)
 
 
 COMMANDS = [fixture, score, compare]

@@ -56,8 +56,11 @@ def validate(artifact, source, recipe, imatrix, payload, seed, structure_only, j
                      structure_only=structure_only)
     except (QuantkitError, OSError) as exc:
         if json_path is not None:
+            from ..evidence import evidence
+
             _write_json(json_path, {"format": "quantkit-validation", "artifact": str(artifact), "ok": False,
-                                    "exit_code": EXIT_BAD_INPUT, "error": " ".join(str(exc).split())}, force)
+                                    "exit_code": EXIT_BAD_INPUT, "error": " ".join(str(exc).split()),
+                                    "evidence": evidence()}, force)
         raise
     if json_path is not None:
         _write_json(json_path, report.to_json(), force)

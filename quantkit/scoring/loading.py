@@ -39,8 +39,23 @@ class RuntimeSource:
         return self._identity
 
     @property
+<<<<<<< HEAD
     def arithmetic(self) -> str:
         return self.model.arithmetic
+=======
+    def device(self) -> str:
+        """Where the model runs, for evidence records (``cuda:0 (NVIDIA H200)``, ``cpu``)."""
+        device = self.model.device
+        if device.type == "cuda":
+            import torch
+
+            return f"{device} ({torch.cuda.get_device_name(device)})"
+        return str(device)
+
+    @property
+    def dtype(self) -> str:
+        return str(self.model.dtype).removeprefix("torch.")
+>>>>>>> gate
 
     def logits(self, token_ids: Sequence[int]) -> np.ndarray:
         from ..runtime import logits

@@ -28,8 +28,10 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Sequence
 
 from ..errors import UnsupportedError
+from ..evidence import evidence
 from ..io.gguf_reader import GGUFFile
 from .foreign import foreign_plan, is_foreign, proof_check, source_hash_check, unverified_checks
 from .foreign import metadata_check as foreign_metadata_check
@@ -46,18 +48,24 @@ INVENTORY_CHECKS = ("inventory.tensors", "inventory.metadata", "inventory.file_s
 
 
 def validate(artifact: str | os.PathLike, *, source: str | None = None, recipe: str | None = None,
-             imatrix: str | None = None, payload: str = "sample", seed: int = 0, structure_only: bool = False
-             ) -> Report:
-    """Validate ``artifact`` (see the module docstring)."""
+             imatrix: str | None = None, payload: str = "sample", seed: int = 0, structure_only: bool = False,
+             command: Sequence[str] | None = None) -> Report:
+    """Validate ``artifact`` (see the module docstring).  The report's evidence record
+    (:func:`quantkit.evidence.evidence`) gives the artifact's SHA-256 and size and ``command`` (default
+    ``sys.argv``)."""
     if payload not in PAYLOAD_MODES:
         raise UnsupportedError(f"payload mode {payload!r} is not one of {PAYLOAD_MODES}")
     path = Path(artifact)
     if path.suffix in SIDECAR_SUFFIXES:
-        return _sidecar(path, payload, seed)
-    sequential = structure_only or payload != "sample"
-    with GGUFFile(path) as f, ArtifactReader(path, f.file_size, sequential=sequential) as reader:
-        return _gguf(f, reader, source=source, recipe=recipe, imatrix=imatrix, payload=payload, seed=seed,
-                     structure_only=structure_only)
+        report = _sidecar(path, payload, seed)
+    else:
+        sequential = structure_only or payload != "sample"
+        with GGUFFile(path) as f, ArtifactReader(path, f.file_size, sequential=sequential) as reader:
+            report = _gguf(f, reader, source=source, recipe=recipe, imatrix=imatrix, payload=payload, seed=seed,
+                           structure_only=structure_only)
+    # the CPU re-encodes payloads in the converter's own types: no model runs, so no dtype
+    report.evidence = evidence(artifact=path, device="cpu", command=command)
+    return report
 
 
 def _gguf(f: GGUFFile, reader: ArtifactReader, *, source, recipe, imatrix, payload: str, seed: int,
