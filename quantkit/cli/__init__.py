@@ -7,7 +7,8 @@ Exit codes, the same for every command (errors map through :data:`ERROR_TABLE`, 
 
 ====  ==========================================================================================================
 0     success
-1     a check ran and failed: ``validate`` found a difference, ``swapset status --record`` a missing sidecar
+1     a check ran and failed: ``validate`` found a difference, ``swapset status --record`` a missing sidecar,
+      ``transport assemble``/``fetch`` bytes that differ from their manifest (a corrupt, truncated or reordered part)
 2     the input cannot be used: a missing, unreadable, truncated or malformed file (GGUF, safetensors, config.json,
       recipe, imatrix, fixture, sidecar), inputs that do not belong together (an imatrix of another model, a
       resume of other inputs, a fixture of another checkpoint), an output that exists, a bad option value
@@ -30,7 +31,7 @@ import sys
 import click
 
 from .. import __version__
-from ..errors import (FixtureError, FormatError, MissingDependencyError, OutputExistsError, QuantkitError,
+from ..errors import (CorruptDataError, FixtureError, FormatError, MissingDependencyError, OutputExistsError, QuantkitError,
                       RecipeError, SourceError, UnsupportedError, ValidationError)
 
 EXIT_OK = 0
@@ -44,6 +45,7 @@ EXIT_BROKEN_PIPE = 141     # 128 + SIGPIPE
 ERROR_TABLE: list[tuple[type[BaseException], int, str]] = [
     (OutputExistsError, EXIT_BAD_INPUT, "pass --force to overwrite"),
     (MissingDependencyError, EXIT_UNAVAILABLE, ""),
+    (CorruptDataError, EXIT_CHECK_FAILED, ""),
     (UnsupportedError, EXIT_UNAVAILABLE, ""),
     (ValidationError, EXIT_BAD_INPUT, ""),
     (FormatError, EXIT_BAD_INPUT, ""),
@@ -141,7 +143,7 @@ def inspect(path, as_json, show_all):
 
 # Modules that define extra commands, each exporting ``COMMANDS`` (a list of click commands or groups).
 COMMAND_MODULES: tuple[str, ...] = ("recipes", "convert", "validate", "imatrix", "swapset", "score", "demo",
-                                    "redialect")
+                                    "redialect", "transport")
 
 
 def _attach_commands() -> None:
