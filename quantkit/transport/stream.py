@@ -22,12 +22,13 @@ RING_DEPTH = 4
 
 def copy_range(src_fd: int, src_offset: int, length: int, dst_fd: int | None, dst_offset: int,
                digests: Sequence, *, src_path: Path | None = None, advance: Callable[[int], None] | None = None,
-               chunk: int = CHUNK_BYTES) -> None:
+               chunk: int | None = None) -> None:
     """Copy ``length`` bytes from ``src_fd`` at ``src_offset`` to ``dst_fd`` at ``dst_offset`` (no destination:
     only hash), updating every digest in ``digests`` with them in order.  ``advance(n)`` is called per chunk.
     A source shorter than asked is a :class:`TruncatedFileError` naming ``src_path``."""
     if length <= 0:
         return
+    chunk = chunk or CHUNK_BYTES
     ring = [bytearray(min(chunk, length)) for _ in range(min(RING_DEPTH, -(-length // chunk)))]
     pending: list[list[Future]] = [[] for _ in ring]
     workers = [ThreadPoolExecutor(max_workers=1, thread_name_prefix="quantkit-sha256") for _ in digests]
