@@ -330,3 +330,29 @@ def test_shard_assembly_refuses_a_bad_shard_by_name(shards, tmp_path, fault):
     assert "part 2 of 6" in result.output and second.name in result.output and not out.exists()
     if fault == "reordered":
         assert "reordered" in result.output
+
+
+# -- validate -------------------------------------------------------------------------------------------------
+
+def test_validate_proves_a_manifest_without_assembling(byte_parts, shards, tmp_path):
+    for m in (byte_parts, shards):
+        result = cli("validate", m.path)
+        assert result.exit_code == 0 and "transport.file_hash" in result.output and m.file.sha256 in result.output, \
+            result.output
+    _flip(shards.part_path(1), 1000)
+    shards.part_path(3).unlink()
+    result = cli("validate", shards.path)
+    assert result.exit_code == 1, result.output
+    assert "part 2 of 6 is corrupt" in result.output and "part 4 of 6 is missing" in result.output
+    assert not (shards.directory / shards.file.name).exists()
+
+
+def test_validate_checks_a_shard_set_from_any_shard(model, shards):
+    result = cli("validate", shards.part_path(2))
+    tensors = len(gguf.GGUFReader(model).tensors)
+    assert result.exit_code == 0 and f"{tensors} tensors = split.tensors.count" in result.output, result.output
+    _swap(shards.part_path(1), shards.part_path(2))
+    shards.part_path(5).unlink()
+    result = cli("validate", shards.part_path(0))
+    assert result.exit_code == 1, result.output
+    assert "shard 6 of 6 is missing" in result.output and "split.no = 2" in result.output

@@ -78,18 +78,17 @@ def _label(m: Manifest, i: int) -> str:
     return f"part {i + 1} of {len(m.parts)}"
 
 
-def check_part_files(m: Manifest) -> None:
-    """Step 1's file checks: every part present with its manifest size."""
-    for i, part in enumerate(m.parts):
-        path = m.part_path(i)
-        try:
-            size = path.stat().st_size
-        except FileNotFoundError:
-            raise MissingSourceError(f"{_label(m, i)} is missing", path=path) from None
-        if size != part.size:
-            how = "truncated" if size < part.size else "longer than it should be"
-            raise CorruptDataError(f"{_label(m, i)} is {how}: {size:,} bytes, the manifest says {part.size:,}",
-                                   path=path)
+def check_part_file(m: Manifest, i: int) -> None:
+    """Step 1's file check of part ``i``: present, with its manifest size."""
+    path = m.part_path(i)
+    try:
+        size = path.stat().st_size
+    except FileNotFoundError:
+        raise MissingSourceError(f"{_label(m, i)} is missing", path=path) from None
+    if size != m.parts[i].size:
+        how = "truncated" if size < m.parts[i].size else "longer than it should be"
+        raise CorruptDataError(f"{_label(m, i)} is {how}: {size:,} bytes, the manifest says {m.parts[i].size:,}",
+                               path=path)
 
 
 def mismatch_error(m: Manifest, i: int, found: str, path: Path) -> CorruptDataError:
@@ -103,7 +102,8 @@ def mismatch_error(m: Manifest, i: int, found: str, path: Path) -> CorruptDataEr
 
 
 def plan_assembly(m: Manifest) -> Plan:
-    check_part_files(m)
+    for i in range(len(m.parts)):
+        check_part_file(m, i)
     if m.kind == "bytes":
         segments, offset = [], 0
         for i, part in enumerate(m.parts):
