@@ -75,4 +75,25 @@ def assemble(manifest, out, force, progress):
                f"part matched its SHA-256")
 
 
-COMMANDS = [transport]
+@click.command("fetch")
+@click.argument("repo")
+@click.argument("files", nargs=-1, required=True)
+@click.option("-o", "--output-dir", "out_dir", type=click.Path(file_okay=False, path_type=Path), default=Path("."),
+              show_default=True, help="where the files go (an interrupted download resumes from <file>.partial)")
+@click.option("--manifest", help="transport manifest to verify every file against (a local file, or the name of one "
+                                 "in the repository)")
+@click.option("--revision", help="branch, tag or commit (default: main)")
+@click.option("--force", is_flag=True, help="replace existing files")
+@click.option("--progress/--no-progress", default=_progress_default, help="progress bar on stderr")
+def fetch(repo, files, out_dir, manifest, revision, force, progress):
+    """Download FILES of Hugging Face repository REPO (HF_ENDPOINT, HF_TOKEN honored), resuming an interrupted
+    download, each verified against --manifest's size and SHA-256 before it gets its final name."""
+    from ..transport.fetch import fetch as run
+
+    for got in run(repo, list(files), out_dir, manifest=manifest, revision=revision, force=force, progress=progress):
+        resumed = f", resumed after {got.resumed_bytes:,} bytes" if got.resumed_bytes else ""
+        check = "matches the manifest" if got.verified else "no manifest given: not verified"
+        click.echo(f"{got.path}: {got.size:,} bytes, sha256 {got.sha256} ({check}{resumed})")
+
+
+COMMANDS = [transport, fetch]
