@@ -311,6 +311,20 @@ def test_shards_read_by_gguf_py_carry_llama_cpps_split_keys_and_the_tensors_in_o
     assert all(payloads[t.name] == bytes(t.data.view(np.uint8).reshape(-1)) for t in original.tensors)
 
 
+@pytest.mark.parametrize("seed", [3, 4])
+def test_shard_assembly_killed_at_a_seeded_point_resumes_to_the_original(model, shards, tmp_path, seed):
+    chunks = -(-model.stat().st_size // (64 * 1024))
+    kill_at = random.Random(seed).randrange(2, chunks)
+    out = tmp_path / "merged.gguf"
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    run = subprocess.run([sys.executable, "-c", KILLER, str(shards.path), str(out), str(kill_at)], env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == -9, run.stderr
+    assert not out.exists()
+    assemble(shards.path, out)
+    assert sha256(out) == sha256(model)
+
+
 def test_merged_shards_equal_the_original_byte_for_byte(model, shards, tmp_path):
     out = tmp_path / "merged.gguf"
     result = cli("transport", "assemble", shards.path, "-o", out, "--no-progress")
