@@ -290,6 +290,28 @@ def test_llama_cpp_loads_the_shards_and_computes_the_same_logits(model, shards, 
     assert np.isfinite(whole).all() and np.array_equal(whole, split)
 
 
+def _llama_gguf_split() -> str | None:
+    return os.environ.get("LLAMA_GGUF_SPLIT") or shutil.which("llama-gguf-split")
+
+
+@pytest.mark.interop
+@pytest.mark.skipif(_llama_gguf_split() is None, reason="llama.cpp's llama-gguf-split not built: cmake --build "
+                    "<llama.cpp build> --target llama-gguf-split, then LLAMA_GGUF_SPLIT=<build>/bin/llama-gguf-split")
+@pytest.mark.parametrize("size", ["1M", "3M", "5M"])
+def test_shards_are_byte_identical_to_llama_gguf_split(model, tmp_path, size):
+    tool = Path(_llama_gguf_split())
+    reference = tmp_path / "reference"
+    reference.mkdir()
+    env = {**os.environ, "LD_LIBRARY_PATH": f"{tool.parent}{os.pathsep}{os.environ.get('LD_LIBRARY_PATH', '')}"}
+    run = subprocess.run([str(tool), "--split", "--split-max-size", size, str(model), str(reference / "tiny-f16")],
+                         capture_output=True, text=True, env=env, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    ours = split_file(model, tmp_path / "ours", parse_size(size))
+    assert sorted(p.name for p in reference.iterdir()) == [p.name for p in ours.parts]
+    for i, part in enumerate(ours.parts):
+        assert (reference / part.name).read_bytes() == ours.part_path(i).read_bytes(), part.name
+
+
 def test_shards_read_by_gguf_py_carry_llama_cpps_split_keys_and_the_tensors_in_order(model, shards):
     original = gguf.GGUFReader(model)
     keys = [f.name for f in original.fields.values() if not f.name.startswith("GGUF.")]
@@ -297,7 +319,7 @@ def test_shards_read_by_gguf_py_carry_llama_cpps_split_keys_and_the_tensors_in_o
     for i in range(len(shards.parts)):
         shard = gguf.GGUFReader(shards.part_path(i))
         fields = {f.name: f for f in shard.fields.values() if not f.name.startswith("GGUF.")}
-        split_keys = ["split.no", "split.count", "split.tensors.count"]
+        split_keys = ["split.no", "split.tensors.count", "split.count"]   # llama-gguf-split's order
         assert list(fields) == (keys + split_keys if i == 0 else split_keys)
         for key, vtype, value in [("split.no", gguf.GGUFValueType.UINT16, i),
                                   ("split.count", gguf.GGUFValueType.UINT16, 6),

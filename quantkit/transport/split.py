@@ -6,9 +6,10 @@ a manifest on disk always describes complete parts.
 
 GGUF shards follow llama.cpp's ``gguf-split`` (``tools/gguf-split/gguf-split.cpp``): shard ``k`` of ``N`` is named
 ``<stem>-%05d-of-%05d.gguf`` (``k`` from 1); the first carries every metadata key of the file followed by
-``split.no`` (UINT16, from 0), ``split.count`` (UINT16) and ``split.tensors.count`` (INT32, all shards' tensors), the
+``split.no`` (UINT16, from 0), ``split.tensors.count`` (INT32, all shards' tensors) and ``split.count`` (UINT16), the
 others only those three keys; tensors keep their order, each shard holding a run of whole tensors whose padded
-payload bytes fit ``part_size`` (a larger tensor gets a shard of its own), payloads padded to 32 bytes.
+payload bytes fit ``part_size`` (a larger tensor gets a shard of its own), payloads padded to 32 bytes.  The shards
+are byte-identical to ``llama-gguf-split --split --split-max-size`` of the same size (tests/test_transport.py).
 """
 from __future__ import annotations
 
@@ -28,7 +29,9 @@ from .manifest import Entry, Manifest, manifest_name
 from .stream import copy_range
 
 SPLIT_NO, SPLIT_COUNT, SPLIT_TENSORS_COUNT = "split.no", "split.count", "split.tensors.count"
-SPLIT_KEYS = (SPLIT_NO, SPLIT_COUNT, SPLIT_TENSORS_COUNT)
+#: In llama.cpp's order: gguf-split sets ``split.count`` last (a placeholder replaced once the shards are counted,
+#: and ggml's ``gguf_set_val`` moves a replaced key to the end).
+SPLIT_KEYS = (SPLIT_NO, SPLIT_TENSORS_COUNT, SPLIT_COUNT)
 #: llama.cpp pads shard payloads to GGUF_DEFAULT_ALIGNMENT whatever the file declares.
 SPLIT_ALIGNMENT = 32
 #: ``split.no`` and ``split.count`` are UINT16.
@@ -166,8 +169,9 @@ def split_gguf(source: Path, out_dir: Path, part_size: int, *, force: bool = Fal
         with open(source, "rb") as src, _progress(f.file_size, progress, source.name) as bar:
             copy_range(src.fileno(), 0, f.data_offset, None, 0, [whole], src_path=source, advance=bar.update)
             for i, (name, run) in enumerate(zip(names, runs)):
-                split_keys = {SPLIT_NO: KV(i, GGUFValueType.UINT16), SPLIT_COUNT: KV(len(runs), GGUFValueType.UINT16),
-                              SPLIT_TENSORS_COUNT: KV(len(f.tensors), GGUFValueType.INT32)}
+                split_keys = {SPLIT_NO: KV(i, GGUFValueType.UINT16),
+                              SPLIT_TENSORS_COUNT: KV(len(f.tensors), GGUFValueType.INT32),
+                              SPLIT_COUNT: KV(len(runs), GGUFValueType.UINT16)}
                 layout = plan_layout({**f.metadata, **split_keys} if i == 0 else split_keys, run)
                 start = f.data_offset + run[0].offset
                 length = run[-1].offset + align(run[-1].nbytes, SPLIT_ALIGNMENT) - run[0].offset
