@@ -1,11 +1,17 @@
 """Copy a byte range between files in bounded chunks while SHA-256 digests of it are updated.
 
-Reading and writing happen in the calling thread; each digest is updated in its own worker thread (``hashlib``
-releases the GIL on large buffers), so hashing overlaps the I/O instead of adding to it.  Memory is bounded by
-``RING_DEPTH × CHUNK_BYTES``: a buffer is refilled only after every digest has consumed it.
+The source is memory-mapped a chunk at a time: the digests read the mapped pages and ``pwrite`` copies them to the
+destination, one copy of every byte (a read into a buffer first would be a second).  Each digest is updated in its
+own worker thread (``hashlib`` releases the GIL on large buffers), so hashing overlaps the writing instead of adding
+to it.  At most ``RING_DEPTH`` chunks are mapped at once: a chunk is unmapped only after every digest consumed it.
+
+The source's size is checked before anything is mapped (a short source is a :class:`TruncatedFileError` naming it);
+like every memory map, a file truncated by another process while it is being copied ends the process (SIGBUS), which
+leaves the partial output and its journal for the resume.
 """
 from __future__ import annotations
 
+import mmap
 import os
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -14,9 +20,9 @@ from pathlib import Path
 from ..errors import TruncatedFileError
 from ..io.gguf_writer import pwrite_all
 
-#: Bytes per read/write: large enough to amortize system calls, small enough to keep several in flight.
+#: Bytes per mapped chunk: large enough to amortize system calls, small enough to keep several in flight.
 CHUNK_BYTES = 8 << 20
-#: Buffers in flight between the reader and the hashing threads.
+#: Chunks in flight between the writer and the hashing threads.
 RING_DEPTH = 4
 
 
@@ -24,42 +30,52 @@ def copy_range(src_fd: int, src_offset: int, length: int, dst_fd: int | None, ds
                digests: Sequence, *, src_path: Path | None = None, advance: Callable[[int], None] | None = None,
                chunk: int | None = None) -> None:
     """Copy ``length`` bytes from ``src_fd`` at ``src_offset`` to ``dst_fd`` at ``dst_offset`` (no destination:
-    only hash), updating every digest in ``digests`` with them in order.  ``advance(n)`` is called per chunk.
-    A source shorter than asked is a :class:`TruncatedFileError` naming ``src_path``."""
+    only hash), updating every digest in ``digests`` with them in order.  ``advance(n)`` is called per chunk."""
     if length <= 0:
         return
+    size = os.fstat(src_fd).st_size
+    if src_offset + length > size:
+        raise TruncatedFileError(f"EOF reading bytes {src_offset}..{src_offset + length}: the file has {size}",
+                                 path=src_path, offset=size)
     chunk = chunk or CHUNK_BYTES
-    ring = [bytearray(min(chunk, length)) for _ in range(min(RING_DEPTH, -(-length // chunk)))]
-    pending: list[list[Future]] = [[] for _ in ring]
+    in_flight: list[tuple[mmap.mmap, memoryview, list[Future]]] = []
     workers = [ThreadPoolExecutor(max_workers=1, thread_name_prefix="quantkit-sha256") for _ in digests]
     try:
         done = 0
-        slot = 0
         while done < length:
-            for future in pending[slot]:
-                future.result()
-            buf = memoryview(ring[slot])[:min(chunk, length - done)]
-            _read_exactly(src_fd, buf, src_offset + done, src_path, src_offset + length)
+            if len(in_flight) == RING_DEPTH:
+                _release(*in_flight.pop(0))
+            n = min(chunk, length - done)
+            start = src_offset + done
+            aligned = start - start % mmap.ALLOCATIONGRANULARITY
+            mapped = mmap.mmap(src_fd, n + start - aligned, offset=aligned, access=mmap.ACCESS_READ)
+            with memoryview(mapped) as whole:
+                view = whole[start - aligned:]
+            futures = [worker.submit(digest.update, view) for worker, digest in zip(workers, digests)]
+            in_flight.append((mapped, view, futures))
             if dst_fd is not None:
-                pwrite_all(dst_fd, buf, dst_offset + done)
-            pending[slot] = [worker.submit(digest.update, buf) for worker, digest in zip(workers, digests)]
-            done += len(buf)
+                pwrite_all(dst_fd, view, dst_offset + done)
+            done += n
             if advance is not None:
-                advance(len(buf))
-            slot = (slot + 1) % len(ring)
-        for futures in pending:
-            for future in futures:
-                future.result()
+                advance(n)
+        while in_flight:
+            _release(*in_flight.pop(0))
     finally:
         for worker in workers:
             worker.shutdown(wait=True)
+        for mapped, view, _ in in_flight:   # after an error: the workers are done with them now
+            _unmap(mapped, view)
 
 
-def _read_exactly(fd: int, buf: memoryview, offset: int, path: Path | None, end: int) -> None:
-    got = 0
-    while got < len(buf):
-        n = os.preadv(fd, [buf[got:]], offset + got)
-        if n == 0:
-            raise TruncatedFileError(f"EOF reading bytes {offset + got}..{end}: the file ended at {offset + got}",
-                                     path=path, offset=offset + got)
-        got += n
+def _release(mapped: mmap.mmap, view: memoryview, futures: list[Future]) -> None:
+    for future in futures:
+        future.result()
+    _unmap(mapped, view)
+
+
+def _unmap(mapped: mmap.mmap, view: memoryview) -> None:
+    view.release()
+    try:
+        mapped.close()
+    except BufferError:
+        pass   # a view lives on in an exception's traceback: the mapping goes with the last of them
