@@ -38,7 +38,8 @@ def transport():
 @transport.command("split")
 @click.argument("file", type=click.Path(exists=True, dir_okay=False, path_type=Path))
 @click.option("--part-size", required=True, type=SizeParam(),
-              help="largest part: 3MB, 49GB (powers of 1000), 1.5GiB (powers of 1024), or bytes")
+              help="largest part: 3MB, 49GB (powers of 1000), 1.5GiB (powers of 1024), or bytes; for shards, their "
+                   "padded tensor bytes (headers not counted), as llama-gguf-split --split-max-size counts")
 @click.option("-o", "--output-dir", "out_dir", required=True, type=click.Path(file_okay=False, path_type=Path),
               help="directory for the parts and the manifest (<file>.transport.json); created if missing")
 @click.option("--gguf/--bytes", "gguf", default=None,
