@@ -213,3 +213,16 @@ def test_a_killed_download_resumes_in_a_new_process(release, hub, tmp_path):
     assert result.exit_code == 0 and f"resumed after {stall:,} bytes" in result.output, result.output
     assert (out / name).read_bytes() == files[name]
     assert hub.requests[-1] == ("GET", f"/{REPO}/resolve/main/{name}", f"bytes={stall}-")
+
+
+def test_a_partial_of_another_version_is_discarded(release, hub, tmp_path):
+    m, files = release
+    name, out = m.parts[2].name, tmp_path / "down"
+    out.mkdir()
+    (out / f"{name}.partial").write_bytes(b"x" * 1000)   # bytes of an older upload of the file
+    (out / f"{name}.fetch-journal").write_text('{"repo": "%s", "file": "%s", "etag": "old", "commit": "%s", '
+                                               '"size": %d}' % (REPO, name, COMMIT, m.parts[2].size))
+    result = fetch(name, "-o", out, "--manifest", m.path)
+    assert result.exit_code == 0 and "resumed" not in result.output, result.output
+    assert (out / name).read_bytes() == files[name]
+    assert [r[2] for r in hub.requests if r[0] == "GET"] == [None]

@@ -23,7 +23,7 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
-from ..errors import CorruptDataError, MissingSourceError, OutOfSpaceError, SourceError
+from ..errors import CorruptDataError, MissingSourceError, OutOfSpaceError, SourceError, UnsupportedError
 from ..io.atomic import HASH_CHUNK_BYTES, check_output, fsync_path
 from .manifest import Entry, Manifest, load_manifest
 
@@ -148,6 +148,9 @@ def fetch_file(repo_id: str, filename: str, out_dir: Path, *, revision: str | No
                  expected_size=meta.size, displayed_filename=final.name,
                  tqdm_class=None if progress else _silent_tqdm())
         os.fsync(sink.file.fileno())
+    except ValueError as exc:   # huggingface_hub refuses plain-HTTP downloads over 50 GB (they need Xet)
+        raise UnsupportedError(f"{_first_line(exc)} (transport parts of at most 49GB avoid this)", path=where) \
+            from None
     except (httpx2.HTTPError, HfHubHTTPError, OSError) as exc:
         if isinstance(exc, OSError) and not isinstance(exc, HfHubHTTPError) and exc.errno is not None:
             raise   # a local file error (a full disk): the CLI names it
