@@ -37,8 +37,8 @@ from ..io.atomic import check_output, fsync_path, is_out_of_space, output_lock
 from ..io.gguf_reader import GGUFFile
 from ..io.gguf_writer import plan_layout
 from .manifest import Manifest, load_manifest
-from .split import SPLIT_COUNT, SPLIT_KEYS, SPLIT_NO, SPLIT_TENSORS_COUNT, _progress
-from .stream import copy_range
+from .split import SPLIT_COUNT, SPLIT_KEYS, SPLIT_NO, SPLIT_TENSORS_COUNT
+from .stream import copy_range, progress_bar
 
 PARTIAL_SUFFIX = ".partial"
 JOURNAL_SUFFIX = ".transport-journal"
@@ -66,7 +66,8 @@ class Plan:
 
 @dataclass
 class AssembleResult:
-    output: Path
+    output: Path | str
+    """The assembled file (its name while the copy runs)."""
     size: int
     parts: int
     resumed_parts: int
@@ -110,7 +111,7 @@ def plan_assembly(m: Manifest) -> Plan:
             segments.append(Segment(i, offset, 0, part.size))
             offset += part.size
         return Plan(m, segments)
-    metadata, tensors, runs = {}, [], []
+    metadata, tensors, data_offsets = {}, [], []
     for i in range(len(m.parts)):
         path = m.part_path(i)
         try:
@@ -132,7 +133,7 @@ def plan_assembly(m: Manifest) -> Plan:
             metadata = {k: v for k, v in shard_meta.items() if k not in SPLIT_KEYS}
             declared = shard_meta.get(SPLIT_TENSORS_COUNT)
         tensors.extend(shard_tensors)
-        runs.append((data_offset, sum(1 for _ in shard_tensors)))
+        data_offsets.append(data_offset)
     if declared is None or declared.value != len(tensors):
         raise CorruptDataError(f"the shards hold {len(tensors)} tensors, the first says {SPLIT_TENSORS_COUNT} = "
                                f"{None if declared is None else declared.value}", path=m.part_path(0))
@@ -141,7 +142,7 @@ def plan_assembly(m: Manifest) -> Plan:
         raise CorruptDataError(f"the shards merge into {layout.file_size:,} bytes, the manifest says "
                                f"{m.file.size:,}", path=m.path)
     segments, offset = [], layout.data_offset
-    for i, (data_offset, _) in enumerate(runs):
+    for i, data_offset in enumerate(data_offsets):
         length = m.parts[i].size - data_offset
         segments.append(Segment(i, offset, data_offset, length))
         offset += length
@@ -213,8 +214,8 @@ def _copy(plan: Plan, fd: int, partial: Path, done: set[int], journal: Path, pro
     extra = [whole] if whole is not None else []
     if os.fstat(fd).st_size != m.file.size:
         os.ftruncate(fd, m.file.size)
-    result = AssembleResult(partial, m.file.size, len(m.parts), 0, 0)
-    with _progress(m.file.size, progress, m.file.name) as bar:
+    result = AssembleResult(m.file.name, m.file.size, len(m.parts), 0, 0)
+    with progress_bar(m.file.size, progress, m.file.name) as bar:
         if plan.header:
             os.pwrite(fd, plan.header, 0)
             whole.update(plan.header)

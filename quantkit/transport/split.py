@@ -26,7 +26,7 @@ from ..io.gguf import KV, align
 from ..io.gguf_reader import GGUFFile
 from ..io.gguf_writer import plan_layout
 from .manifest import Entry, Manifest, manifest_name
-from .stream import copy_range
+from .stream import copy_range, progress_bar
 
 SPLIT_NO, SPLIT_COUNT, SPLIT_TENSORS_COUNT = "split.no", "split.count", "split.tensors.count"
 #: In llama.cpp's order: gguf-split sets ``split.count`` last (a placeholder replaced once the shards are counted,
@@ -45,13 +45,6 @@ def shard_name(stem: str, index: int, count: int) -> str:
 
 def byte_part_name(file_name: str, index: int, count: int) -> str:
     return f"{file_name}.part-{index + 1:05d}-of-{count:05d}"
-
-
-def _progress(total: int, enabled: bool, name: str):
-    from tqdm import tqdm
-
-    return tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=name, disable=not enabled,
-                dynamic_ncols=True, smoothing=0.05)
 
 
 def _check_outputs(out_dir: Path, names: list[str], source: Path, force: bool) -> None:
@@ -96,7 +89,7 @@ def split_bytes(source: Path, out_dir: Path, part_size: int, *, force: bool = Fa
     _check_space(out_dir, size)
     whole = hashlib.sha256()
     parts = []
-    with open(source, "rb") as src, _progress(size, progress, source.name) as bar:
+    with open(source, "rb") as src, progress_bar(size, progress, source.name) as bar:
         for i, name in enumerate(names):
             offset = i * part_size
             length = min(part_size, size - offset)
@@ -166,7 +159,7 @@ def split_gguf(source: Path, out_dir: Path, part_size: int, *, force: bool = Fal
         _check_space(out_dir, f.file_size + len(runs) * f.data_offset)
         whole = hashlib.sha256()
         parts = []
-        with open(source, "rb") as src, _progress(f.file_size, progress, source.name) as bar:
+        with open(source, "rb") as src, progress_bar(f.file_size, progress, source.name) as bar:
             copy_range(src.fileno(), 0, f.data_offset, None, 0, [whole], src_path=source, advance=bar.update)
             for i, (name, run) in enumerate(zip(names, runs)):
                 split_keys = {SPLIT_NO: KV(i, GGUFValueType.UINT16),

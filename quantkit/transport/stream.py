@@ -67,6 +67,14 @@ def copy_range(src_fd: int, src_offset: int, length: int, dst_fd: int | None, ds
             _unmap(mapped, view)
 
 
+def progress_bar(total: int, enabled: bool, name: str):
+    """A tqdm bar of bytes on stderr (``disable`` when not ``enabled``)."""
+    from tqdm import tqdm
+
+    return tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=name, disable=not enabled,
+                dynamic_ncols=True, smoothing=0.05)
+
+
 def _release(mapped: mmap.mmap, view: memoryview, futures: list[Future]) -> None:
     for future in futures:
         future.result()
