@@ -22,7 +22,7 @@ import pytest
 from click.testing import CliRunner
 
 from quantkit.cli import main
-from quantkit.errors import CorruptDataError, FormatError, MissingSourceError, OutOfSpaceError
+from quantkit.errors import CorruptDataError, FormatError, OutOfSpaceError
 from quantkit.examples import PRE_TOKENIZER, example_model_dir, example_recipe
 from quantkit.transport import assemble as assemble_mod
 from quantkit.transport import stream
@@ -88,7 +88,8 @@ def test_byte_assembly_equals_the_original(blob, byte_parts, tmp_path):
     result = cli("transport", "assemble", byte_parts.path, "-o", out, "--no-progress")
     assert result.exit_code == 0, result.output
     assert out.read_bytes() == blob.read_bytes()
-    assert not out.with_name(out.name + PARTIAL_SUFFIX).exists() and not out.with_name(out.name + JOURNAL_SUFFIX).exists()
+    assert not out.with_name(out.name + PARTIAL_SUFFIX).exists()
+    assert not out.with_name(out.name + JOURNAL_SUFFIX).exists()
 
 
 def _flip(path: Path, at: int) -> None:
@@ -193,7 +194,7 @@ def test_a_full_disk_during_assembly_stops_by_name_and_resumes(blob, byte_parts,
         # the preflight is told there is room, so the filesystem itself fills up while copying
         monkeypatch.setattr(assemble_mod.shutil, "disk_usage", lambda p: shutil._ntuple_diskusage(1 << 40, 0, 1 << 40))
         if not mounted:   # no tmpfs: a write hook fails the way a full filesystem does, from the third part on
-            real, calls = stream.pwrite_all, {"n": 0}
+            real = stream.pwrite_all
 
             def full(fd, buf, offset):
                 if offset >= 500_000:
