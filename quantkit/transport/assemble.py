@@ -11,7 +11,9 @@ In order:
    differs from the manifest is refused by name (:class:`CorruptDataError`; when its bytes are another part's,
    the message says the parts are reordered).  After each verified part the partial is synced and the part's
    index added to the journal ``<output>.transport-journal`` (written to a temporary name and renamed);
-4. on success the partial is synced and renamed to ``output`` and the journal removed.
+4. on success the partial is synced and renamed to ``output`` and the journal removed.  (The partial is managed
+   here, not by :func:`quantkit.io.atomic.atomic_output`, which deletes its partial on failure: that would throw
+   away the work a resume keeps, the same reason :class:`~quantkit.io.gguf_writer.GGUFWriter` manages its own.)
 
 An interrupted run (killed, out of space, a corrupt part) leaves the partial and the journal and never a file
 under the final name; the same command resumes: parts the journal lists are re-read from the partial and hashed
