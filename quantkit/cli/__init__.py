@@ -8,10 +8,12 @@ Exit codes, the same for every command (errors map through :data:`ERROR_TABLE`, 
 ====  ==========================================================================================================
 0     success
 1     a check ran and failed: ``validate`` found a difference, ``swapset status --record`` a missing sidecar,
-      ``compare`` a regression by a blocker rule of its release gate (:mod:`quantkit.scoring.compare`)
+      ``compare`` a regression by a blocker rule of its release gate (:mod:`quantkit.scoring.compare`),
+      ``transport assemble``/``fetch`` bytes that differ from their manifest (a corrupt, truncated or reordered part)
 2     the input cannot be used: a missing, unreadable, truncated or malformed file (GGUF, safetensors, config.json,
-      recipe, imatrix, fixture, sidecar, score table, compare policy or baseline), inputs that do not belong together (an imatrix of another model, a
-      resume of other inputs, a fixture of another checkpoint), an output that exists, a bad option value
+      recipe, imatrix, fixture, sidecar, score table, compare policy or baseline), inputs that do not belong
+      together (an imatrix of another model, a resume of other inputs, a fixture of another checkpoint), an output
+      that exists, a bad option value
 3     not available here: a capability quantkit does not implement, or an optional dependency that is not
       installed (the message gives the ``pip install`` line)
 130   interrupted (Ctrl-C); ``convert`` keeps the partial output and its journal for ``--resume``
@@ -31,7 +33,7 @@ import sys
 import click
 
 from .. import __version__
-from ..errors import (FixtureError, FormatError, MissingDependencyError, OutputExistsError, QuantkitError,
+from ..errors import (CorruptDataError, FixtureError, FormatError, MissingDependencyError, OutputExistsError, QuantkitError,
                       RecipeError, SourceError, UnsupportedError, ValidationError)
 
 EXIT_OK = 0
@@ -45,6 +47,7 @@ EXIT_BROKEN_PIPE = 141     # 128 + SIGPIPE
 ERROR_TABLE: list[tuple[type[BaseException], int, str]] = [
     (OutputExistsError, EXIT_BAD_INPUT, "pass --force to overwrite"),
     (MissingDependencyError, EXIT_UNAVAILABLE, ""),
+    (CorruptDataError, EXIT_CHECK_FAILED, ""),
     (UnsupportedError, EXIT_UNAVAILABLE, ""),
     (ValidationError, EXIT_BAD_INPUT, ""),
     (FormatError, EXIT_BAD_INPUT, ""),
@@ -142,7 +145,7 @@ def inspect(path, as_json, show_all):
 
 # Modules that define extra commands, each exporting ``COMMANDS`` (a list of click commands or groups).
 COMMAND_MODULES: tuple[str, ...] = ("recipes", "convert", "validate", "imatrix", "swapset", "score", "demo",
-                                    "redialect")
+                                    "redialect", "transport")
 
 
 def _attach_commands() -> None:

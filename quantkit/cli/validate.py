@@ -43,7 +43,9 @@ def validate(artifact, source, recipe, imatrix, payload, seed, structure_only, j
 
     A GGUF quantkit did not write (llama.cpp's converter and llama-quantize, ...) is validated against --source with
     the plan read off the file (each tensor's stored type); the verdict counts the tensors proven and those that
-    could not be, with the reason. Without --source only its structure is checked."""
+    could not be, with the reason. Without --source only its structure is checked. A transport manifest
+    (<file>.transport.json) is proven part by part and as a whole without assembling; a split shard
+    (<stem>-00001-of-00003.gguf) checks its set: every shard present, split keys and tensor index consistent."""
     from ..errors import QuantkitError
     from ..io.atomic import check_output, input_files
     from ..validate import validate as run

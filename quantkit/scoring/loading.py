@@ -39,10 +39,10 @@ class RuntimeSource:
         return self._identity
 
     @property
-<<<<<<< HEAD
     def arithmetic(self) -> str:
         return self.model.arithmetic
-=======
+
+    @property
     def device(self) -> str:
         """Where the model runs, for evidence records (``cuda:0 (NVIDIA H200)``, ``cpu``)."""
         device = self.model.device
@@ -55,7 +55,6 @@ class RuntimeSource:
     @property
     def dtype(self) -> str:
         return str(self.model.dtype).removeprefix("torch.")
->>>>>>> gate
 
     def logits(self, token_ids: Sequence[int]) -> np.ndarray:
         from ..runtime import logits
