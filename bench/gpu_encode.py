@@ -25,7 +25,7 @@ from quantkit.kernels import gpu_encode
 from quantkit.testing import corpus, ggml_ref
 
 CASES = [("Q8_0", False), ("MXFP4", False), ("NVFP4", False), ("Q4_K", False), ("Q4_K", True), ("Q2_K", False),
-         ("Q2_K", True)]
+         ("Q2_K", True), ("IQ2_XXS", True)]
 
 
 def _cuda_median(fn, repeats: int) -> float:
@@ -50,13 +50,15 @@ def bench(name: str, with_imatrix: bool, x: np.ndarray, cpu_rows: int, repeats: 
     identical_cpu = bool(np.array_equal(gpu_bytes, encode(x, name, im)))
     xd = torch.from_numpy(x).cuda()
     imd = None if im is None else torch.from_numpy(im).cuda()
-    step = max(1, gpu_encode.DEFAULT_CHUNK_WEIGHTS // n)
+    step = max(1, gpu_encode.chunk_weights_for(name) // n)
 
     def on_device():
         for r in range(0, x.shape[0], step):
             gpu_encode.encode_tensor(xd[r:r + step], name, imd)
 
+    torch.cuda.reset_peak_memory_stats()
     t_dev = _cuda_median(on_device, repeats)
+    peak = torch.cuda.max_memory_allocated() - xd.nbytes
     t_host = _cuda_median(lambda: gpu_encode.encode(x, name, im, device="cuda"), repeats)
     numba.set_num_threads(1)
     t_cpu = interleaved_medians({"ggml": lambda: ggml_ref.quantize(xs, name, im),
@@ -76,7 +78,7 @@ def bench(name: str, with_imatrix: bool, x: np.ndarray, cpu_rows: int, repeats: 
            "gpu_vs_ggml_1t": t_cpu["ggml"] / small * big / t_dev,
            "gpu_vs_quantkit_2t": t_cpu["quantkit_2t"] / small * big / t_dev,
            "byte_identical_ggml": identical, "byte_identical_cpu": identical_cpu,
-           "weights_gpu": big, "weights_cpu": small, "device": torch.cuda.get_device_name()}
+           "gpu_peak_bytes_per_weight": peak / min(big, step * n), "weights_gpu": big, "weights_cpu": small, "device": torch.cuda.get_device_name()}
     emit(rec)
     return rec
 
@@ -84,7 +86,7 @@ def bench(name: str, with_imatrix: bool, x: np.ndarray, cpu_rows: int, repeats: 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--types", default=None, help="comma list of TYPE or TYPE+imatrix (default: all cases)")
-    ap.add_argument("--rows", type=int, default=8192)
+    ap.add_argument("--rows", type=int, default=16384)
     ap.add_argument("--cols", type=int, default=4096)
     ap.add_argument("--cpu-rows", type=int, default=256)
     ap.add_argument("--repeats", type=int, default=5)
@@ -94,11 +96,12 @@ def main() -> None:
     x = (rng.standard_normal((args.rows, args.cols)) * 0.02).astype(np.float32)
     rows = [bench(name, im, x, args.cpu_rows, args.repeats) for name, im in cases]
     print(f"\n{'type':<18}{'GPU dev Gw/s':>13}{'GPU host Gw/s':>14}{'ggml 1t Mw/s':>13}{'qk 1t':>8}{'qk 2t':>8}"
-          f"{'qk all':>8}{'x ggml1t':>9}{'x qk2t':>8}  identical")
+          f"{'qk all':>8}{'x ggml1t':>9}{'x qk2t':>8}{'B/w':>6}  identical")
     for r in rows:
         print(f"{r['name'][11:]:<18}{r['gpu_device_gw_s']:>13.3f}{r['gpu_host_gw_s']:>14.3f}"
               f"{r['ggml_1t_mw_s']:>13.1f}{r['quantkit_1t_mw_s']:>8.1f}{r['quantkit_2t_mw_s']:>8.1f}"
               f"{r['quantkit_all_mw_s']:>8.1f}{r['gpu_vs_ggml_1t']:>9.0f}{r['gpu_vs_quantkit_2t']:>8.0f}"
+              f"{r['gpu_peak_bytes_per_weight']:>6.0f}"
               f"  {r['byte_identical_ggml'] and r['byte_identical_cpu']}")
 
 

@@ -18,15 +18,18 @@ from quantkit.formats import GGMLType, get_format  # noqa: E402
 from quantkit.kernels import gpu_encode  # noqa: E402
 from quantkit.testing import corpus  # noqa: E402
 
-TYPES = [GGMLType.Q8_0, GGMLType.MXFP4, GGMLType.NVFP4, GGMLType.Q4_K, GGMLType.Q2_K]
-WITH_IMATRIX = {GGMLType.Q4_K, GGMLType.Q2_K}
+TYPES = [GGMLType.Q8_0, GGMLType.MXFP4, GGMLType.NVFP4, GGMLType.Q4_K, GGMLType.Q2_K, GGMLType.IQ2_XXS]
+WITH_IMATRIX = {GGMLType.Q4_K, GGMLType.Q2_K, GGMLType.IQ2_XXS}
+NEEDS_IMATRIX = {GGMLType.IQ2_XXS}
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(),
                                                                    reason="no CUDA device"))]
 by_name = dict(ids=lambda t: t.name)
 
 
-def _lengths(qtype) -> list[int]:
+def _lengths(qtype, device: str) -> list[int]:
     block = get_format(qtype).block_size
+    if qtype in NEEDS_IMATRIX and device == "cpu":
+        return [256]                    # IQ2_XXS's eager search is slow on the CPU; CUDA runs every length
     return [256, 1536] if block == 256 else corpus.row_lengths(block)
 
 
@@ -36,22 +39,36 @@ def _imatrix_cases(qtype, n: int, seed: int = 0):
     rng = np.random.default_rng([n, seed])
     extreme = (10.0 ** rng.uniform(-38, 38, n)).astype(np.float32)
     extreme[rng.random(n) < 0.1] = 0.0
-    return {**{v: corpus.imatrix(v, n, seed) for v in corpus.IMATRIX_VARIANTS},
-            "all_zeros": np.zeros(n, np.float32),
-            "spiky": rng.lognormal(0.0, 4.0, n).astype(np.float32),
-            "extreme": extreme}
+    cases = {**{v: corpus.imatrix(v, n, seed) for v in corpus.IMATRIX_VARIANTS},
+             "all_zeros": np.zeros(n, np.float32),
+             "spiky": rng.lognormal(0.0, 4.0, n).astype(np.float32),
+             "extreme": extreme}
+    if qtype in NEEDS_IMATRIX:
+        del cases["none"]
+    return cases
+
+
+def _check(ggml, qtype, x, im, device, label) -> str | None:
+    """None when the GPU bytes equal ggml's; where ggml would abort the process (IQ2_XXS on rows whose weighted
+    distances overflow), quantkit's CPU encoder raises instead, and the GPU encoder must raise the same error."""
+    fmt = get_format(qtype)
+    try:
+        quantkit.encode(x, qtype, im)
+    except EncodeError as cpu_error:
+        with pytest.raises(EncodeError) as gpu_error:
+            gpu_encode.encode(x, qtype, im, device=device)
+        return None if str(gpu_error.value) == str(cpu_error) else f"{label}: {gpu_error.value} != {cpu_error}"
+    ours = gpu_encode.encode(x, qtype, im, device=device)
+    return corpus.block_mismatch(ours, ggml.quantize(x, qtype, im), x, fmt.type_size, fmt.block_size, label)
 
 
 def _sweep(ggml, qtype, device, families=corpus.FAMILIES, seed=0) -> list[str]:
-    fmt = get_format(qtype)
     reports = []
     for fam in families:
-        for n in _lengths(qtype):
+        for n in _lengths(qtype, device):
             x = corpus.family(fam, 3, n, seed)
             for variant, im in _imatrix_cases(qtype, n, seed).items():
-                ours = gpu_encode.encode(x, qtype, im, device=device)
-                report = corpus.block_mismatch(ours, ggml.quantize(x, qtype, im), x, fmt.type_size,
-                                               fmt.block_size, f"{fmt.name} {device} {fam} imatrix={variant} n={n}")
+                report = _check(ggml, qtype, x, im, device, f"{qtype.name} {device} {fam} imatrix={variant} n={n}")
                 if report:
                     reports.append(report)
     return reports
@@ -68,7 +85,6 @@ def test_matches_ggml_on_parity_corpus(ggml, qtype, device):
 @pytest.mark.parametrize("qtype", TYPES, **by_name)
 def test_matches_ggml_on_scaled_families(ggml, qtype, device):
     """Every family scaled across float32's range (1e-38 … 1e37): K-quant searches near under/overflow."""
-    fmt = get_format(qtype)
     n = 512
     rng = np.random.default_rng(5)
     for fam in ("gaussian", "heavy_tailed", "outliers", "mixed_blocks"):
@@ -77,21 +93,18 @@ def test_matches_ggml_on_scaled_families(ggml, qtype, device):
                 x = (corpus.family(fam, 2, n, int(scale_exp) & 7) * np.float32(10.0 ** scale_exp)).astype(np.float32)
             x[~np.isfinite(x)] = 0.0
             for variant, im in _imatrix_cases(qtype, n).items():
-                ours = gpu_encode.encode(x, qtype, im, device=device)
-                report = corpus.block_mismatch(ours, ggml.quantize(x, qtype, im), x, fmt.type_size,
-                                               fmt.block_size, f"{fmt.name} {fam}·1e{scale_exp} {variant}")
+                report = _check(ggml, qtype, x, im, device, f"{qtype.name} {fam}·1e{scale_exp} {variant}")
                 assert report is None, report
 
 
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(qtype=st.sampled_from(TYPES), data=st.data())
 def test_arbitrary_floats_match_ggml_on_cpu(ggml, qtype, data):
-    fmt = get_format(qtype)
-    x, im = corpus.draw_case(data, fmt.block_size, max_blocks=2)
-    ours = gpu_encode.encode(x, qtype, im, device="cpu")
-    expected = ggml.quantize(x, qtype, im if qtype in WITH_IMATRIX else None)
-    assert np.array_equal(ours, expected), corpus.block_mismatch(ours, expected, x, fmt.type_size,
-                                                                  fmt.block_size, fmt.name)
+    x, im = corpus.draw_case(data, get_format(qtype).block_size, max_blocks=2)
+    if im is None and qtype in NEEDS_IMATRIX:
+        im = np.ones(x.shape[1], np.float32)
+    report = _check(ggml, qtype, x, im, "cpu", qtype.name)
+    assert report is None, report
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -100,9 +113,10 @@ def test_chunked_stream_equals_cpu_encoder(qtype, device):
     """A tensor streamed through the device in many small chunks (an odd last one) equals quantkit's CPU
     encoder, with and without importance."""
     rng = np.random.default_rng(7)
-    rows, n = 37, 1024
+    rows, n = (13 if device == "cpu" and qtype in NEEDS_IMATRIX else 37), 1024
     x = (rng.standard_normal((rows, n)) * np.exp(rng.normal(0, 2, (rows, 1)))).astype(np.float32)
-    ims = [None] + ([corpus.imatrix("with_zeros", n, 1)] if qtype in WITH_IMATRIX else [])
+    ims = [] if qtype in NEEDS_IMATRIX else [None]
+    ims += [corpus.imatrix("with_zeros", n, 1)] if qtype in WITH_IMATRIX else []
     for im in ims:
         ours = gpu_encode.encode(x, qtype, im, device=device, chunk_weights=5 * n)
         assert np.array_equal(ours, quantkit.encode(x, qtype, im))
@@ -124,7 +138,7 @@ def test_cuda_large_tensor_equals_cpu_encoder(qtype):
 def test_refuses_types_without_gpu_encoder():
     with pytest.raises(UnsupportedError, match="no GPU encoder for Q6_K"):
         gpu_encode.encode(np.zeros((1, 256), np.float32), "Q6_K", device="cpu")
-    assert gpu_encode.supports("Q4_K") and not gpu_encode.supports("IQ2_XXS")
+    assert gpu_encode.supports("IQ2_XXS") and not gpu_encode.supports("IQ3_XXS")
 
 
 def test_checks_input_like_the_cpu_encoder():
@@ -136,4 +150,19 @@ def test_checks_input_like_the_cpu_encoder():
         gpu_encode.encode(np.zeros((1, 48), np.float32), "Q8_0", device="cpu")
     with pytest.raises(EncodeError, match="negative"):
         gpu_encode.encode(np.ones((1, 256), np.float32), "Q4_K", -np.ones(256, np.float32), device="cpu")
+    with pytest.raises(EncodeError, match="requires an importance matrix"):
+        gpu_encode.encode(np.ones((1, 256), np.float32), "IQ2_XXS", device="cpu")
     assert gpu_encode.encode(np.zeros((0, 256), np.float32), "Q2_K", device="cpu").shape == (0, 84)
+
+
+def test_iq2_xxs_abort_names_the_row_in_the_whole_tensor():
+    """Rows ggml would abort on raise the CPU encoder's error, numbered in the whole tensor across chunks."""
+    rng = np.random.default_rng(2)
+    x = (rng.standard_normal((6, 256)) * 0.02).astype(np.float32)
+    x[4] = corpus.family("mixed_blocks", 1, 256)[0]        # 1e30-scaled blocks: weighted distances overflow
+    im = corpus.imatrix("random", 256)
+    with pytest.raises(EncodeError) as cpu_error:
+        quantkit.encode(x, "IQ2_XXS", im)
+    with pytest.raises(EncodeError) as gpu_error:
+        gpu_encode.encode(x, "IQ2_XXS", im, device="cpu", chunk_weights=512)
+    assert "row 4" in str(gpu_error.value) and str(gpu_error.value) == str(cpu_error.value)

@@ -1,4 +1,4 @@
-"""torch encoders (CUDA, or the CPU for tests) byte-identical to ggml: Q8_0, MXFP4, NVFP4, Q4_K, Q2_K.
+"""torch encoders (CUDA, or the CPU for tests) byte-identical to ggml: Q8_0, MXFP4, NVFP4, Q4_K, Q2_K, IQ2_XXS.
 
 The readable definition of each format stays in :mod:`quantkit.formats` (``legacy``, ``fp4``, ``kquants``); this
 module is a third implementation beside the numba kernels, vectorized over blocks for a GPU.  Every step is the
@@ -16,6 +16,11 @@ reference's float32 operation sequence, written so that torch cannot reorder or 
 * ``log2f`` (MXFP4's exponent) is replaced by the float's exponent plus a per-binade threshold table built
   from numpy's float32 ``log2``, which the fp4 module documents as equal to glibc's on every positive float32;
 * ``sqrtf`` goes through float64 (torch's float32 sqrt on the CPU is not correctly rounded).
+
+IQ2_XXS follows :mod:`quantkit.formats.iquants` steps 1-7 on lanes of 32-weight sub-blocks; the neighbour search
+runs only on the groups that are off the grid, over the same neighbour lists (:mod:`quantkit.formats.iq_tables`,
+padded), taking the first strict minimum as ggml does.  Where ggml would abort, the CPU encoders' EncodeError is
+raised, naming the same row.
 
 The K-quant scale searches run on "lanes" (sub-block k = column k of ``xt[n, K]``), as the numba kernels do:
 each sub-block sees ggml's exact sequence, the lanes run side by side.  A refinement pass that changes nothing
@@ -454,6 +459,160 @@ def _q4_k(x: torch.Tensor, imatrix) -> torch.Tensor:
     return out.reshape(rows, -1)
 
 
+# ------------------------------------------------------------------------------------------------ IQ2_XXS
+
+_FLT_MAX = float(np.finfo(np.float32).max)
+
+
+class RowAbort(Exception):
+    """ggml would abort the process on row ``row`` of the tensor (``reason`` is one of iquants' status codes)."""
+
+    def __init__(self, row: int, reason: int):
+        super().__init__(row, reason)
+        self.row, self.reason = row, reason
+
+
+@functools.lru_cache(maxsize=None)
+def _iq2_xxs_tables(device: str):
+    """(kmap[65536], neighbour lists padded with -1 [n_lists, max_len], lattice values 2l+1 [256, 8]) on device."""
+    from ..formats.iq_tables import tables
+
+    t = tables(GGMLType.IQ2_XXS)
+    width = int(t.nb_count.max())
+    lists = np.full((t.nb_count.size, width), -1, np.int64)
+    for i, (start, count) in enumerate(zip(t.nb_start, t.nb_count)):
+        lists[i, :count] = t.nb_index[start:start + count]
+    lattice = 2 * t.levels.astype(np.float32) + 1
+    return tuple(torch.from_numpy(np.ascontiguousarray(a)).to(device)
+                 for a in (t.kmap.astype(np.int64), lists, lattice))
+
+
+def _group_codes(L: torch.Tensor) -> torch.Tensor:
+    """Lattice codes Σ l_i << 2i of each group of 8 of lanes L[32, K]: [4, K] (int64)."""
+    g = L.reshape(4, 8, -1).to(torch.int64)
+    code = torch.zeros_like(g[:, 0])
+    for i in range(8):
+        code = code | (g[:, i] << (2 * i))
+    return code
+
+
+def _iq2_snap(inv_scale, scale, xval, waux, active):
+    """Round every group to levels at ``inv_scale`` and move the off-grid ones to their best listed neighbour
+    at ``scale`` (iq2_find_best_neighbour): (L[32, K], lanes where every neighbour distance was inf/NaN)."""
+    kmap, lists, lattice = _iq2_xxs_tables(str(xval.device))
+    L = torch.clamp(nearest_int(0.5 * (inv_scale * xval - 1.0)), 0, 2)
+    grid = kmap[_group_codes(L)]                                  # [4, K]
+    K = xval.shape[1]
+    off = (grid < 0) & active[None, :]
+    failed = torch.zeros(K, dtype=torch.bool, device=xval.device)
+    idx = off.reshape(-1).nonzero().squeeze(1)
+    if idx.numel() == 0:
+        return L, failed
+    grp, lane = idx // K, idx % K
+    cand = lists[-grid.reshape(-1)[idx] - 1]                      # [m, width], -1 padded
+    safe = cand.clamp(min=0)
+    s = scale[lane][:, None]
+    d2 = torch.zeros(cand.shape, dtype=torch.float32, device=xval.device)
+    for i in range(8):
+        xi = xval[8 * grp + i, lane][:, None]
+        diff = s * lattice[safe, i] - xi
+        d2 = d2 + waux[8 * grp + i, lane][:, None] * diff * diff
+    valid = (cand >= 0) & (d2 < _FLT_MAX)
+    pick = torch.where(valid, d2, torch.full_like(d2, float("inf"))).argmin(dim=1)
+    failed[lane[~valid.any(dim=1)]] = True
+    chosen = safe.gather(1, pick[:, None]).squeeze(1)
+    levels = ((lattice[chosen] - 1) / 2).to(L.dtype)              # [m, 8], exact small integers
+    L = L.reshape(4, 8, K)
+    L[grp, :, lane] = levels
+    return L.reshape(32, K), failed
+
+
+def _iq2_xxs(x: torch.Tensor, imatrix) -> torch.Tensor:
+    rows, n = x.shape
+    b = x.reshape(-1, _QK_K)
+    nb = b.shape[0]
+    qwb = imatrix.reshape(1, -1).expand(rows, n).reshape(-1, _QK_K)
+    sigma2 = _div(_sum_sq_blocks(b), float(_QK_K))
+    xt = _lanes(b, 32)
+    K = xt.shape[1]
+    weight = _imatrix_weights(xt, _lanes(qwb, 32), sigma2.repeat_interleave(8)[None, :].expand_as(xt))
+    waux = sqrtf(weight)
+    xval = torch.where(xt >= 0, xt, -xt)
+    neg = (xt < 0).to(torch.int64).reshape(4, 8, K)
+    signs = torch.zeros_like(neg[:, 0])
+    for i in range(8):
+        signs = signs | (neg[:, i] << i)
+    odd = (neg.sum(dim=1) % 2) == 1                               # [4, K]: one sign cannot be stored
+    cost = (weight * xt * xt).reshape(4, 8, K)
+    imin = torch.zeros_like(signs)
+    for i in range(1, 8):
+        imin = torch.where(cost[:, i] < cost.gather(1, imin[:, None]).squeeze(1), torch.full_like(imin, i), imin)
+    flip = torch.zeros((4, 8, K), dtype=torch.bool, device=x.device)
+    flip.scatter_(1, imin[:, None], odd[:, None])
+    xval = torch.where(flip.reshape(32, K), -xval, xval)
+    signs = (signs ^ (odd.to(torch.int64) << imin)) & 127
+    max_x = xval[0]
+    for i in range(1, 32):
+        max_x = torch.where(max_x > xval[i], max_x, xval[i])
+    _, scale = make_qp_quants(xval, 4, weight)
+    denom = scale * 3.0
+    active = ~((max_x < _GROUP_MAX_EPS) | (denom <= 0))
+    best = torch.zeros_like(scale)
+    L = torch.zeros_like(xt, dtype=torch.int32)
+    failed = torch.zeros(K, dtype=torch.bool, device=x.device)
+    for step in range(-6, 7):
+        inv_scale = _div(float(F32(5) + F32(step) * F32(0.1)), denom)
+        this_scale = _div(1.0, inv_scale)
+        Laux, bad = _iq2_snap(inv_scale, this_scale, xval, waux, active)
+        failed |= bad
+        q = (2 * Laux + 1).to(torch.float32)
+        sumqx = seq_sum(weight * xval * q)
+        sumq2 = seq_sum(weight * q * q)
+        take = (sumq2 > 0) & (sumqx * sumqx > best * sumq2)
+        scale = torch.where(take, _div(sumqx, sumq2), scale)
+        best = torch.where(take, scale * sumqx, best)
+        L = torch.where(take[None, :], Laux, L)
+    refine = active & (scale > 0)
+    Lr, bad = _iq2_snap(_div(1.0, scale), scale, xval, waux, refine)
+    failed |= bad
+    L = torch.where(refine[None, :], Lr, L)
+    q = (2 * L + 1).to(torch.float32)
+    sumqx = seq_sum(weight * xval * q)
+    sumq2 = seq_sum(weight * q * q)
+    scale = torch.where(refine & (sumq2 > 0), _div(sumqx, sumq2), scale)
+    kmap, _, _ = _iq2_xxs_tables(str(x.device))
+    grid = kmap[_group_codes(L)]
+    status = torch.zeros(K, dtype=torch.int64, device=x.device)
+    status = torch.where(active & ((grid < 0).any(dim=0)), torch.full_like(status, 3), status)     # OFF_GRID
+    status = torch.where(active & torch.isnan(scale), torch.full_like(status, 2), status)          # NAN_SCALE
+    status = torch.where(active & failed, torch.full_like(status, 1), status)                     # NO_NEIGHBOUR
+    aborted = status.reshape(rows, -1).amax(dim=1)
+    if bool((aborted > 0).any()):
+        row = int((aborted > 0).nonzero()[0, 0])
+        raise RowAbort(row, int(aborted[row]))
+    negative = scale < 0
+    scale = torch.where(negative, -scale, scale)
+    signs = torch.where(negative[None, :], ~signs & 127, signs)
+    scale = torch.where(active, scale, torch.zeros_like(scale))
+    grid = torch.where(active[None, :], grid, torch.zeros_like(grid))
+    signs = torch.where(active[None, :], signs, torch.zeros_like(signs))
+    scales = scale.reshape(nb, 8)
+    max_scale = torch.zeros_like(scales[:, 0])
+    for j in range(8):
+        max_scale = torch.where(max_scale > scales[:, j], max_scale, scales[:, j])
+    d = _div(max_scale, 31.0)
+    inv_d = _div(1.0, d)
+    ls = torch.clamp(nearest_int(0.5 * (inv_d[:, None] * scales - 1.0)), 0, 15).to(torch.int64)
+    g = grid.t().reshape(nb, 8, 4)
+    sg = signs.t().reshape(nb, 8, 4)
+    sign_word = sg[..., 0] | (sg[..., 1] << 7) | (sg[..., 2] << 14) | (sg[..., 3] << 21) | (ls << 28)
+    sign_bytes = torch.stack([(sign_word >> (8 * k)) & 0xFF for k in range(4)], dim=-1)
+    words = torch.cat([g, sign_bytes], dim=-1).reshape(nb, 64)
+    out = torch.cat([f16_bytes(d), words.to(torch.uint8)], dim=1)
+    out = torch.where((max_scale == 0)[:, None], torch.zeros_like(out), out)
+    return out.reshape(rows, -1)
+
+
 # ------------------------------------------------------------------------------------------------ entry points
 
 ENCODERS = {
@@ -462,34 +621,53 @@ ENCODERS = {
     GGMLType.NVFP4: _nvfp4,
     GGMLType.Q4_K: _q4_k,
     GGMLType.Q2_K: _q2_k,
+    GGMLType.IQ2_XXS: _iq2_xxs,
 }
 """The types with a torch encoder proven byte-identical to ggml (tests/test_gpu_encoders.py)."""
 
-#: Weights encoded per device pass: bounds device memory (the K-quant searches hold ~20 float32 temporaries
-#: of the chunk's size; FP4's code search 16).
-DEFAULT_CHUNK_WEIGHTS = 1 << 25
+#: Weights encoded per device pass.  The eager encoders launch thousands of small kernels per pass, so a pass
+#: must be large to keep the GPU busy; it also bounds device memory: peak ≈ 60 bytes/weight for the K-quants
+#: (~20 float32 temporaries), 200 for FP4's 16-way code search, more for IQ2_XXS's neighbour lists
+#: (bench/gpu_encode.py reports the peaks).
+DEFAULT_CHUNK_WEIGHTS = 1 << 26
+CHUNK_WEIGHTS = {GGMLType.IQ2_XXS: 1 << 24, GGMLType.MXFP4: 1 << 25, GGMLType.NVFP4: 1 << 25}
+
+
+_CPU_CHUNK_WEIGHTS = 1 << 20          # the CPU path is for tests and machines without a GPU: small passes
+
+
+def chunk_weights_for(qtype) -> int:
+    return CHUNK_WEIGHTS.get(get_format(qtype).qtype, DEFAULT_CHUNK_WEIGHTS)
 
 
 def supports(qtype) -> bool:
     return get_format(qtype).qtype in ENCODERS
 
 
-def encode_tensor(x: torch.Tensor, qtype, imatrix: torch.Tensor | None = None) -> torch.Tensor:
+def encode_tensor(x: torch.Tensor, qtype, imatrix: torch.Tensor | None = None, *, first_row: int = 0,
+                  name: str | None = None) -> torch.Tensor:
     """Encode float32 ``x[rows, n]`` (clean input, as :func:`quantkit.formats.encode` checks it) on its own
-    device: uint8[rows, row_bytes] on that device."""
+    device: uint8[rows, row_bytes] on that device.  ``first_row`` numbers the rows in error messages."""
+    from ..formats.iquants import _ABORT_REASONS, _abort_error
+
     fmt = get_format(qtype)
     fn = ENCODERS.get(fmt.qtype)
     if fn is None:
         raise UnsupportedError(f"no GPU encoder for {fmt.name}; GPU encoders: "
-                               f"{', '.join(t.name for t in ENCODERS)}")
-    with torch.no_grad():
-        return fn(x, imatrix)
+                               f"{', '.join(t.name for t in ENCODERS)}", tensor=name)
+    try:
+        with torch.no_grad():
+            return fn(x, imatrix)
+    except RowAbort as exc:
+        err = _abort_error(fmt.qtype, first_row + exc.row, _ABORT_REASONS[exc.reason])
+        raise type(err)(err.detail, tensor=name) from None
 
 
 def encode(x, qtype, imatrix=None, *, device: str = "cuda", name: str | None = None,
-           chunk_weights: int = DEFAULT_CHUNK_WEIGHTS) -> np.ndarray:
+           chunk_weights: int | None = None) -> np.ndarray:
     """Encode float32 ``x[rows, n]`` on ``device`` like :func:`quantkit.formats.encode` (same checks, same
-    bytes): rows go through the device in chunks of about ``chunk_weights`` weights; on CUDA the next chunk's
+    bytes): rows go through the device in chunks of about ``chunk_weights`` weights (default
+    :func:`chunk_weights_for`); on CUDA the next chunk's
     upload and the previous chunk's download overlap the current chunk's encode."""
     from ..formats.api import _check_imatrix, _check_rows
 
@@ -504,16 +682,19 @@ def encode(x, qtype, imatrix=None, *, device: str = "cuda", name: str | None = N
         return out
     dev = torch.device(device)
     im_t = None if im is None else torch.from_numpy(im).to(dev)
+    if chunk_weights is None:
+        chunk_weights = chunk_weights_for(fmt.qtype) if dev.type == "cuda" else _CPU_CHUNK_WEIGHTS
     step = max(1, chunk_weights // max(n, 1))
     spans = [(r, min(rows, r + step)) for r in range(0, rows, step)]
     if dev.type != "cuda":
         for r0, r1 in spans:
-            out[r0:r1] = encode_tensor(torch.from_numpy(x[r0:r1]).to(dev), fmt.qtype, im_t).cpu().numpy()
+            out[r0:r1] = encode_tensor(torch.from_numpy(x[r0:r1]).to(dev), fmt.qtype, im_t, first_row=r0,
+                                       name=name).cpu().numpy()
         return out
-    return _encode_cuda(x, fmt.qtype, im_t, dev, spans, out)
+    return _encode_cuda(x, fmt.qtype, im_t, dev, spans, out, name)
 
 
-def _encode_cuda(x, qtype, im_t, dev, spans, out):
+def _encode_cuda(x, qtype, im_t, dev, spans, out, name):
     """Pinned staging, uploads on a copy stream one chunk ahead, downloads overlapping the next encode."""
     compute = torch.cuda.current_stream(dev)
     copier = torch.cuda.Stream(dev)
@@ -538,7 +719,7 @@ def _encode_cuda(x, qtype, im_t, dev, spans, out):
         dev_x, ready = nxt
         compute.wait_event(ready)
         dev_x.record_stream(compute)
-        encoded = encode_tensor(dev_x, qtype, im_t)
+        encoded = encode_tensor(dev_x, qtype, im_t, first_row=spans[i][0], name=name)
         done = torch.cuda.Event()
         done.record(compute)
         if i + 1 < len(spans):
