@@ -166,3 +166,36 @@ def test_iq2_xxs_abort_names_the_row_in_the_whole_tensor():
     with pytest.raises(EncodeError) as gpu_error:
         gpu_encode.encode(x, "IQ2_XXS", im, device="cpu", chunk_weights=512)
     assert "row 4" in str(gpu_error.value) and str(gpu_error.value) == str(cpu_error.value)
+
+
+# ------------------------------------------------------------------------------------------------ convert --device
+
+def _convert_example(tmp_path, name: str, *more: str):
+    from click.testing import CliRunner
+
+    from quantkit import examples
+    from quantkit.cli import main
+
+    out = tmp_path / f"{name}.gguf"
+    result = CliRunner().invoke(main, ["convert", str(examples.example_model_dir()), "-o", str(out), "--recipe",
+                                       str(examples.example_recipe("tiny-moe-iq2xxs-w2q2k")), "--imatrix",
+                                       str(examples.example_imatrix()), "--pre-tokenizer", examples.PRE_TOKENIZER,
+                                       "--no-progress", "-j", "1", *more])
+    return result, out
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+def test_convert_on_cuda_writes_the_cpu_file(tmp_path):
+    """The bundled model's IQ2_XXS / Q2_K / Q8_0 layout converted with --device cuda: the same file, byte for byte."""
+    on_cpu, cpu_out = _convert_example(tmp_path, "cpu")
+    on_gpu, gpu_out = _convert_example(tmp_path, "cuda", "--device", "cuda")
+    assert on_cpu.exit_code == 0 and on_gpu.exit_code == 0, on_cpu.output + on_gpu.output
+    assert cpu_out.read_bytes() == gpu_out.read_bytes()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error without a CUDA device")
+def test_convert_on_cuda_without_a_gpu_is_a_one_line_error(tmp_path):
+    result, out = _convert_example(tmp_path, "cuda", "--device", "cuda")
+    assert result.exit_code != 0
+    assert "sees no CUDA device" in result.output and "Traceback" not in result.output
+    assert not out.exists()

@@ -51,7 +51,8 @@ from pathlib import Path
 from typing import Iterable
 
 from ..arch import get_arch
-from ..errors import MissingSourceError, OutOfSpaceError, OutputExistsError, QuantkitError, ValidationError
+from ..errors import (MissingSourceError, OutOfSpaceError, OutputExistsError, QuantkitError, UnsupportedError,
+                      ValidationError)
 from ..imatrix import Imatrix
 from ..io.atomic import LOCK_SUFFIX, check_output, input_files, is_out_of_space, output_lock
 from ..io.checkpoint import open_checkpoint
@@ -98,6 +99,8 @@ class ConvertRequest:
     reserve_bytes: int | None = None
     """Free space to keep beyond the file; None: :func:`free_space_reserve` of the file's size."""
     progress: bool = True
+    device: str = "cpu"
+    """Where tensors are encoded: "cpu", or "cuda" for the types with a GPU encoder (same bytes)."""
 
 
 @dataclass
@@ -319,6 +322,13 @@ def execute(prepared: Prepared, request: ConvertRequest) -> ConvertResult:
     """Steps 3-8 (see the module docstring), holding the output's lock throughout."""
     out = Path(request.out)
     check_outputs(prepared, request)
+    if request.device != "cpu":
+        try:
+            from ..kernels.gpu_encode import check_device
+        except ImportError as exc:
+            raise UnsupportedError(f"--device {request.device} needs torch (pip install 'quantkit[runtime]'): "
+                                   f"{exc}") from None
+        check_device(request.device)
     with output_lock(out):
         try:
             return _execute(prepared, request, out)
@@ -374,7 +384,7 @@ def _execute(prepared: Prepared, request: ConvertRequest, out: Path) -> ConvertR
 
         setup = WorkerSetup(str(source.path), plan.model_type, request.imatrix, str(partial), jobs,
                             {n: layout.data_offset + t.offset for n, t in layout.tensors.items()},
-                            prepared.imatrix_shapes, request.allow_synthetic_imatrix, identity)
+                            prepared.imatrix_shapes, request.allow_synthetic_imatrix, identity, request.device)
         todo = _order(jobs, [n for n in jobs if n not in done])
         produced: list[TensorDone] = []
         try:

@@ -90,6 +90,8 @@ class WorkerSetup:
     allow_synthetic_imatrix: bool = False
     partial_identity: tuple[int, int] | None = None
     """(device, inode) of the partial the caller created: a worker writes into that file or into none."""
+    device: str = "cpu"
+    """Where workers encode (``SourceContext.device``)."""
 
 
 @dataclass(frozen=True)
@@ -109,7 +111,7 @@ class TensorWriter:
     def __init__(self, setup: WorkerSetup):
         self.setup = setup
         self.context = SourceContext(setup.source_path, setup.model_type, setup.imatrix_path,
-                                     setup.imatrix_shapes, setup.allow_synthetic_imatrix)
+                                     setup.imatrix_shapes, setup.allow_synthetic_imatrix, setup.device)
         try:
             self._fd = os.open(setup.partial_path, os.O_RDWR)
         except FileNotFoundError:

@@ -108,8 +108,12 @@ class SourceContext:
     """A worker's view of the source, opened lazily once per process: checkpoint, architecture map, imatrix."""
 
     def __init__(self, source_path: str, model_type: str, imatrix_path: str | None = None,
-                 imatrix_shapes: Mapping[str, tuple[int, int]] | None = None, allow_synthetic_imatrix: bool = False):
+                 imatrix_shapes: Mapping[str, tuple[int, int]] | None = None, allow_synthetic_imatrix: bool = False,
+                 device: str = "cpu"):
         self.source_path = source_path
+        self.device = device
+        """Where ``encode`` units run: "cpu" (numba), or a torch device ("cuda") for the types with a GPU
+        encoder (:mod:`quantkit.kernels.gpu_encode`, same bytes); the others stay on the CPU."""
         self.model_type = model_type
         self.imatrix_path = imatrix_path
         self.imatrix_shapes = dict(imatrix_shapes or {})
@@ -213,6 +217,15 @@ def _unit_name(job: TensorJob, matrix: int | None) -> str:
     return job.name if matrix is None else f"{job.name}[{matrix}]"
 
 
+def _encode(ctx: SourceContext, x: np.ndarray, qtype, importance: np.ndarray | None, name: str) -> np.ndarray:
+    if ctx.device != "cpu":
+        from ..kernels import gpu_encode
+
+        if gpu_encode.supports(qtype):
+            return gpu_encode.encode(x, qtype, importance, device=ctx.device, name=name)
+    return encode(x, qtype, importance, name=name)
+
+
 def _encoder(ctx: SourceContext, job: TensorJob, matrix: int | None, load: Callable[[], np.ndarray],
              load_rows: Callable[[np.ndarray], np.ndarray] | None = None) -> Produce:
     """``produce`` of an ``encode``/``copy`` unit: ``load()`` gives all of it, ``load_rows(rows)`` some rows."""
@@ -223,13 +236,13 @@ def _encoder(ctx: SourceContext, job: TensorJob, matrix: int | None, load: Calla
         if job.output.dtype == "int32":
             return None, _select(np.ascontiguousarray(_rows(x), dtype="<i4"), after).view(np.uint8)
         if matrix is None and x.ndim == 3:   # a 3-D shard read whole: ggml takes importance per matrix
-            data = np.concatenate([encode(_rows(w), job.qtype, _importance(ctx, job, m, _rows(w)),
-                                          name=_unit_name(job, m)) for m, w in enumerate(x)])
+            data = np.concatenate([_encode(ctx, _rows(w), job.qtype, _importance(ctx, job, m, _rows(w)),
+                                           _unit_name(job, m)) for m, w in enumerate(x)])
             return _select(_rows(x), after), _select(data, after)
         x = _rows(x)
         importance = _importance(ctx, job, matrix, x)
         x = _select(x, after)
-        return x, encode(x, job.qtype, importance, name=_unit_name(job, matrix))
+        return x, _encode(ctx, x, job.qtype, importance, _unit_name(job, matrix))
     return produce
 
 

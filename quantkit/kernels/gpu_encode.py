@@ -640,6 +640,21 @@ def chunk_weights_for(qtype) -> int:
     return CHUNK_WEIGHTS.get(get_format(qtype).qtype, DEFAULT_CHUNK_WEIGHTS)
 
 
+def check_device(device: str) -> None:
+    """Raise :class:`UnsupportedError` unless torch can encode on ``device`` ("cuda", "cuda:N" or "cpu")."""
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise UnsupportedError(f"unknown device {device!r}: use cuda, cuda:N or cpu") from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise UnsupportedError(f"device {device!r}: torch {torch.__version__} sees no CUDA device")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise UnsupportedError(f"device {device!r}: torch sees {torch.cuda.device_count()} CUDA device(s)")
+    elif dev.type != "cpu":
+        raise UnsupportedError(f"device {device!r}: GPU encoders run on cuda (or cpu), not {dev.type}")
+
+
 def supports(qtype) -> bool:
     return get_format(qtype).qtype in ENCODERS
 
