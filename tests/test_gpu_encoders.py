@@ -199,3 +199,18 @@ def test_convert_on_cuda_without_a_gpu_is_a_one_line_error(tmp_path):
     assert result.exit_code != 0
     assert "sees no CUDA device" in result.output and "Traceback" not in result.output
     assert not out.exists()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+@pytest.mark.parametrize("n, nmax, use_mad", [(16, 3, True), (16, 3, False), (32, 15, False)])
+def test_fused_cuda_search_equals_eager_search(n, nmax, use_mad):
+    """kq_search.cu (what the CUDA encoders use) against the eager torch search on the same CUDA lanes."""
+    rng = np.random.default_rng(n + nmax)
+    x = corpus.family("mixed_blocks", 64, 4096, 3).reshape(-1, n).T.copy()
+    x[:, :1000] = (rng.standard_normal((n, 1000)) * 0.02).astype(np.float32)
+    xt = torch.from_numpy(x).cuda()
+    wt = xt.abs() if use_mad else torch.from_numpy(rng.gamma(0.7, 1.0, x.shape).astype(np.float32)).cuda()
+    fused = gpu_encode.qkx_search(xt, wt, nmax, -0.9, 0.05, 36, use_mad)
+    eager = gpu_encode.make_qkx_quants(xt, wt, nmax, -0.9, 0.05, 36, use_mad)
+    for a, b in zip(fused, eager):
+        assert torch.equal(a.to(b.dtype).view(torch.int32), b.view(torch.int32))

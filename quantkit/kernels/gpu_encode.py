@@ -32,6 +32,7 @@ the host copies overlapped); :func:`encode_tensor` encodes a tensor already on i
 from __future__ import annotations
 
 import functools
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -287,6 +288,37 @@ def make_qkx_quants(xt: torch.Tensor, wt: torch.Tensor, nmax: int, rmin: float, 
     return L, scale, -mn
 
 
+#: Device types on which the K-quant sub-block search runs as the fused kernel of ``kq_search.cu`` (one thread per
+#: sub-block, compiled at first use with -fmad=false and round-to-nearest intrinsics) instead of the eager torch
+#: :func:`make_qkx_quants`; both give the same bytes (tests/test_gpu_encoders.py runs each where it is used).
+FUSED_SEARCH_ON = {"cuda"}
+_SEARCH_DECL = ("std::vector<torch::Tensor> qkx_search_lanes(torch::Tensor xt, torch::Tensor wt, int64_t nmax, "
+                "double rmin, double rdelta, int64_t nstep, bool use_mad);")
+
+
+@functools.lru_cache(maxsize=None)
+def search_extension(device_type: str):
+    """The compiled ``kq_search.cu`` for ``device_type`` ("cuda": nvcc; "cpu": the C++ compiler, for checks)."""
+    from torch.utils.cpp_extension import load_inline
+
+    source = Path(__file__).with_name("kq_search.cu").read_text()
+    if device_type == "cuda":
+        return load_inline("quantkit_kq_search_cuda", cpp_sources=[_SEARCH_DECL], cuda_sources=[source],
+                           functions=["qkx_search_lanes"], extra_cuda_cflags=["-O3", "-fmad=false"])
+    return load_inline("quantkit_kq_search_cpu", cpp_sources=[source], functions=["qkx_search_lanes"],
+                       extra_cflags=["-O2", "-ffp-contract=off", "-fno-fast-math"])
+
+
+def qkx_search(xt: torch.Tensor, wt: torch.Tensor, nmax: int, rmin: float, rdelta: float, nstep: int,
+               use_mad: bool):
+    """make_qkx_quants on lanes, fused where :data:`FUSED_SEARCH_ON` says so."""
+    if xt.device.type in FUSED_SEARCH_ON:
+        L, scale, the_min = search_extension(xt.device.type).qkx_search_lanes(
+            xt.contiguous(), wt.contiguous(), nmax, float(F32(rmin)), float(F32(rdelta)), nstep, use_mad)
+        return L, scale, the_min
+    return make_qkx_quants(xt, wt, nmax, rmin, rdelta, nstep, use_mad)
+
+
 def make_qp_quants(x: torch.Tensor, nmax: int, qw: torch.Tensor):
     """ggml make_qp_quants on lanes ``x[n, K]`` (the sub-block scales or mins) weighted by ``qw``:
     (L[n, K] in 0..255, scale[K])."""
@@ -387,7 +419,7 @@ def _search(b, qwb, sub, nmax, ref_params, imatrix_sigma_factor, ref_weights):
         sw = seq_sum(wt).reshape(nb, -1)
         rmin, rdelta, nstep = -0.9, 0.05, 36
         use_mad = False
-    L, scales, mins = make_qkx_quants(xt, wt, nmax, rmin, rdelta, nstep, use_mad)
+    L, scales, mins = qkx_search(xt, wt, nmax, rmin, rdelta, nstep, use_mad)
     return _unlanes(L, nb), scales.reshape(nb, -1), mins.reshape(nb, -1), sw
 
 
