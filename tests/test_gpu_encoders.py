@@ -212,5 +212,11 @@ def test_fused_cuda_search_equals_eager_search(n, nmax, use_mad):
     wt = xt.abs() if use_mad else torch.from_numpy(rng.gamma(0.7, 1.0, x.shape).astype(np.float32)).cuda()
     fused = gpu_encode.qkx_search(xt, wt, nmax, -0.9, 0.05, 36, use_mad)
     eager = gpu_encode.make_qkx_quants(xt, wt, nmax, -0.9, 0.05, 36, use_mad)
-    for a, b in zip(fused, eager):
-        assert torch.equal(a.to(b.dtype).view(torch.int32), b.view(torch.int32))
+    for what, a, b in zip(("quants", "scale", "min"), fused, eager):
+        a = a.to(b.dtype)
+        if b.is_floating_point():     # a NaN's payload differs between CUDA paths and never reaches the bytes
+            a, b = (torch.where(torch.isnan(t), torch.full_like(t, float("nan")), t).view(torch.int32)
+                    for t in (a, b))
+        bad = (a != b).nonzero()
+        assert bad.numel() == 0, (f"{what}: {bad.shape[0]} lanes differ, first {bad[0].tolist()}: fused "
+                                  f"{a[tuple(bad[0])].item()} eager {b[tuple(bad[0])].item()}")

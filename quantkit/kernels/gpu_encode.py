@@ -241,8 +241,10 @@ def make_qkx_quants(xt: torch.Tensor, wt: torch.Tensor, nmax: int, rmin: float, 
                     use_mad: bool):
     """make_qkx2_quants / make_qkx3_quants on lanes ``xt[n, K]`` with weights ``wt``: (L[n, K] int32,
     scale[K], the_min[K]) — the numba ``make_qkx_quants_lanes`` step for step."""
-    mn = torch.amin(xt, dim=0)
-    mx = torch.amax(xt, dim=0)
+    mn, mx = xt[0], xt[0]
+    for i in range(1, xt.shape[0]):       # a scan, not amin/amax: the first of ±0 is kept, as in ggml
+        mn = torch.where(xt[i] < mn, xt[i], mn)
+        mx = torch.where(xt[i] > mx, xt[i], mx)
     sum_w = seq_sum_from_first(wt)
     sum_x = seq_sum_from_first(wt * xt)
     mn = torch.where(mn > 0, torch.zeros_like(mn), mn)
