@@ -78,7 +78,9 @@ def bench(name: str, with_imatrix: bool, x: np.ndarray, cpu_rows: int, repeats: 
            "gpu_vs_ggml_1t": t_cpu["ggml"] / small * big / t_dev,
            "gpu_vs_quantkit_2t": t_cpu["quantkit_2t"] / small * big / t_dev,
            "byte_identical_ggml": identical, "byte_identical_cpu": identical_cpu,
-           "gpu_peak_bytes_per_weight": peak / min(big, step * n), "weights_gpu": big, "weights_cpu": small, "device": torch.cuda.get_device_name()}
+           "fused_kquant_search": gpu_encode.search_extension("cuda") is not None,
+           "gpu_peak_bytes_per_weight": peak / min(big, step * n), "weights_gpu": big, "weights_cpu": small,
+           "device": torch.cuda.get_device_name()}
     emit(rec)
     return rec
 

@@ -205,6 +205,7 @@ def test_convert_on_cuda_without_a_gpu_is_a_one_line_error(tmp_path):
 @pytest.mark.parametrize("n, nmax, use_mad", [(16, 3, True), (16, 3, False), (32, 15, False)])
 def test_fused_cuda_search_equals_eager_search(n, nmax, use_mad):
     """kq_search.cu (what the CUDA encoders use) against the eager torch search on the same CUDA lanes."""
+    assert gpu_encode.search_extension("cuda") is not None, "kq_search.cu did not build with this CUDA toolkit"
     rng = np.random.default_rng(n + nmax)
     x = corpus.family("mixed_blocks", 64, 4096, 3).reshape(-1, n).T.copy()
     x[:, :1000] = (rng.standard_normal((n, 1000)) * 0.02).astype(np.float32)

@@ -4,13 +4,16 @@ The readable definition of each format stays in :mod:`quantkit.formats` (``legac
 module is a third implementation beside the numba kernels, vectorized over blocks for a GPU.  Every step is the
 reference's float32 operation sequence, written so that torch cannot reorder or fuse it:
 
-* eager torch only (no ``torch.compile``/Triton: Triton contracts ``a*b + c`` into FMA by default, ggml's
-  x86-64 baseline build has no FMA), one torch op per C operation, evaluated in C's order;
+* eager torch (no ``torch.compile``/Triton: Triton contracts ``a*b + c`` into FMA by default and divides
+  approximately; ggml's x86-64 baseline build has no FMA), one torch op per C operation, in C's order; the one
+  hand-written kernel, ``kq_search.cu`` (the K-quant sub-block search on CUDA), uses round-to-nearest
+  intrinsics for every operation and is built with ``-fmad=false``;
 * divisions are tensor / tensor: torch rewrites ``t / scalar`` as ``t * (1/scalar)`` on CUDA (two roundings)
   and ``scalar / t`` as ``reciprocal(t) * scalar``;
 * sequential C sums (``s += term``) are explicit loops over the summed axis, never ``sum``/``cumsum`` (pairwise
-  or parallel-scan order rounds differently); max/min/argmax are order-free and use torch's reductions, whose
-  ties go to the first index like ggml's strict scans;
+  or parallel-scan order rounds differently); max/argmax/argmin reductions are used only where the order
+  cannot show (abs maxima; ties to the first index like ggml's strict scans), scans elsewhere (the first of
+  ±0 is kept);
 * NaN is canonicalized where its bits reach an integer (a CUDA NaN is 0x7FFFFFFF, an x86 one 0xFFC00000):
   ``nearest_int(NaN)`` = 0 and f16(NaN) = 0xFE00, what the x86 build gives;
 * ``log2f`` (MXFP4's exponent) is replaced by the float's exponent plus a per-binade threshold table built
@@ -23,7 +26,8 @@ padded), taking the first strict minimum as ggml does.  Where ggml would abort, 
 raised, naming the same row.
 
 The K-quant scale searches run on "lanes" (sub-block k = column k of ``xt[n, K]``), as the numba kernels do:
-each sub-block sees ggml's exact sequence, the lanes run side by side.  A refinement pass that changes nothing
+each sub-block sees ggml's exact sequence, the lanes run side by side (on CUDA one thread per lane in
+``kq_search.cu``; eagerly where it cannot be built, with the same bytes).  A refinement pass that changes nothing
 leaves the state unchanged, so running all of ggml's passes (instead of breaking early) gives the same result.
 
 :func:`encode` is the entry point (numpy in, numpy out, rows streamed through the device in bounded chunks with
@@ -298,25 +302,36 @@ _SEARCH_DECL = ("std::vector<torch::Tensor> qkx_search_lanes(torch::Tensor xt, t
                 "double rmin, double rdelta, int64_t nstep, bool use_mad);")
 
 
-@functools.lru_cache(maxsize=None)
-def search_extension(device_type: str):
-    """The compiled ``kq_search.cu`` for ``device_type`` ("cuda": nvcc; "cpu": the C++ compiler, for checks)."""
-    from torch.utils.cpp_extension import load_inline
+_EXTENSIONS: dict[str, object] = {}
 
-    source = Path(__file__).with_name("kq_search.cu").read_text()
-    if device_type == "cuda":
-        return load_inline("quantkit_kq_search_cuda", cpp_sources=[_SEARCH_DECL], cuda_sources=[source],
-                           functions=["qkx_search_lanes"], extra_cuda_cflags=["-O3", "-fmad=false"])
-    return load_inline("quantkit_kq_search_cpu", cpp_sources=[source], functions=["qkx_search_lanes"],
-                       extra_cflags=["-O2", "-ffp-contract=off", "-fno-fast-math"])
+
+def search_extension(device_type: str):
+    """The compiled ``kq_search.cu`` for ``device_type`` ("cuda": nvcc; "cpu": the C++ compiler, for checks), or
+    None when it cannot be built here (no CUDA toolkit or compiler): the eager search gives the same bytes."""
+    if device_type not in _EXTENSIONS:
+        from torch.utils.cpp_extension import load_inline
+
+        source = Path(__file__).with_name("kq_search.cu").read_text()
+        try:
+            if device_type == "cuda":
+                ext = load_inline("quantkit_kq_search_cuda", cpp_sources=[_SEARCH_DECL], cuda_sources=[source],
+                                  functions=["qkx_search_lanes"], extra_cuda_cflags=["-O3", "-fmad=false"])
+            else:
+                ext = load_inline("quantkit_kq_search_cpu", cpp_sources=[source], functions=["qkx_search_lanes"],
+                                  extra_cflags=["-O2", "-ffp-contract=off", "-fno-fast-math"])
+        except Exception:  # noqa: BLE001  (a missing toolkit shows up as OSError, RuntimeError, CalledProcessError…)
+            ext = None
+        _EXTENSIONS[device_type] = ext
+    return _EXTENSIONS[device_type]
 
 
 def qkx_search(xt: torch.Tensor, wt: torch.Tensor, nmax: int, rmin: float, rdelta: float, nstep: int,
                use_mad: bool):
-    """make_qkx_quants on lanes, fused where :data:`FUSED_SEARCH_ON` says so."""
-    if xt.device.type in FUSED_SEARCH_ON:
-        L, scale, the_min = search_extension(xt.device.type).qkx_search_lanes(
-            xt.contiguous(), wt.contiguous(), nmax, float(F32(rmin)), float(F32(rdelta)), nstep, use_mad)
+    """make_qkx_quants on lanes, fused where :data:`FUSED_SEARCH_ON` says so and the kernel builds."""
+    ext = search_extension(xt.device.type) if xt.device.type in FUSED_SEARCH_ON else None
+    if ext is not None:
+        L, scale, the_min = ext.qkx_search_lanes(xt.contiguous(), wt.contiguous(), nmax, float(F32(rmin)),
+                                                 float(F32(rdelta)), nstep, use_mad)
         return L, scale, the_min
     return make_qkx_quants(xt, wt, nmax, rmin, rdelta, nstep, use_mad)
 
