@@ -76,6 +76,8 @@ TENSOR_CLASSES: Mapping[str, str] = {
     "hc": "hyper-connection (mHC) mixing weights, biases, scales and norms",
     "ple": "per-layer n-gram embedding key/value projections",
     "ngram_table": "per-layer n-gram (PLE) embedding table",
+    "engram": "Engram hashed n-gram table (DeepSeek V4.1): FP8 E4M3 rows with E8M0 scales, a native row store",
+    "engram_proj": "Engram value/key projection (wkv)",
     "mtp": "multi-token-prediction (NextN) block tensors",
     "vision": "vision tower and projector (not part of the text GGUF)",
     "metadata": "tensors whose values are written as GGUF metadata",
@@ -289,6 +291,8 @@ class MetadataInputs:
     """Reads a source tensor by HF name (values some architectures store as metadata)."""
     tensor_shapes: Mapping[str, Shape] | None = None
     """Source tensor shapes by HF name (decoded, numpy order)."""
+    tokenizer_dir: Path | None = None
+    """The checkpoint directory holding the tokenizer files (metadata derived from the tokenizer: Engram)."""
 
 
 class MetadataBuilder:
@@ -535,7 +539,8 @@ class ArchMap:
 
         meta = MetadataBuilder(self.arch.gguf_arch)
         meta.string("general.architecture", self.arch.gguf_arch)
-        self.arch.metadata(meta, self.hp, MetadataInputs(tensor_values, tensor_shapes))
+        self.arch.metadata(meta, self.hp, MetadataInputs(tensor_values, tensor_shapes,
+                                                         Path(tokenizer_dir) if tokenizer_dir is not None else None))
         if tokenizer_dir is not None:
             if chat_template is None and self.arch.default_chat_template is not None:
                 chat_template = self.arch.default_chat_template(Path(tokenizer_dir).absolute().name)

@@ -173,7 +173,7 @@ def prepare(request: ConvertRequest) -> Prepared:
 
 
 _KINDS = {None: "encode", "copy": "copy", "mxfp4-repack": "mxfp4-repack", "nvfp4-repack": "nvfp4-repack",
-          "nvfp4-scale": "nvfp4-scale"}
+          "nvfp4-scale": "nvfp4-scale", "fp8-rows": "engram-rows"}
 
 
 def make_job(t: PlannedTensor, imatrix) -> TensorJob:

@@ -23,6 +23,8 @@ values other than the row length (or the row length times the leading dimension 
 expert, or per head of MLA's ``attn_k_b``/``attn_v_b``), is an error too: it was made for another model.
 
 Lossless carry-over (``lossless``): ``copy`` (float source written as the same float type, values unchanged),
+``fp8-rows`` (an FP8 E4M3 table with E8M0 scales per 32 values of a row -- V4.1 Engram -- written as an I8 row
+store ``[rows, n + n/32]``: each row's codes then its scales, :mod:`quantkit.engram.rows`),
 ``mxfp4-repack`` (packed FP4 + E8M0 per 32 -> MXFP4), ``nvfp4-repack`` (NVFP4 -> GGUF NVFP4) and
 ``nvfp4-scale``: the F32 ``<name>.scale`` tensor planned right after an NVFP4 tensor, holding its global scale
 as a multiplier (shape ``[1]``, or ``[experts]`` for stacked experts).
@@ -64,6 +66,9 @@ JSON_ARRAY_LIMIT = 64
 #: Tensors listed by name in one error message.
 MAX_NAMED_TENSORS = 8
 NVFP4_SCALE_SUFFIX = ".scale"
+#: Source encoding of an FP8 E4M3 matrix with one E8M0 scale per 32 values of each row (:func:`row_scaled_fp8`).
+ROW_SCALED_FP8 = "fp8-e8m0-rows"
+ROW_SCALE_BLOCK = 32
 
 
 @dataclass(frozen=True)
@@ -251,7 +256,22 @@ def source_encoding(ckpt: Checkpoint, name: str) -> str:
     companions = ckpt.companions(name)
     if info.dtype in _INTEGER_DTYPES and not companions:
         return "int"
-    return ckpt.scheme(info.name)[0]
+    scheme = ckpt.scheme(info.name)[0]
+    if scheme == "fp8-block-e8m0" and row_scaled_fp8(ckpt, name) is not None:
+        return ROW_SCALED_FP8
+    return scheme
+
+
+def row_scaled_fp8(ckpt: Checkpoint, name: str) -> str | None:
+    """The E8M0 scale tensor of an FP8 E4M3 matrix scaled per 32 values of each row (``[rows, n]`` with scales
+    ``[rows, n/32]``: DeepSeek V4.1's Engram tables), or None for any other tensor."""
+    info = ckpt.tensor_info(name)
+    scale = ckpt.companions(name).get("scale")
+    if info.dtype != "F8_E4M3" or scale is None or len(info.shape) != 2 or info.shape[1] % ROW_SCALE_BLOCK:
+        return None
+    scale_info = ckpt.tensor_info(scale)
+    rows, n = (int(d) for d in info.shape)
+    return scale if tuple(scale_info.shape) == (rows, n // ROW_SCALE_BLOCK) and rows > 1 else None
 
 
 def inspect_sources(ckpt: Checkpoint) -> tuple[dict[str, tuple[int, ...]], dict[str, str]]:
@@ -365,6 +385,8 @@ def build_plan(source: str | os.PathLike, recipe: Recipe | str | os.PathLike, *,
         if importance is None:
             lacking.append(f"{o.gguf_name} ({choice.qtype.name}, {choice.rule})")
             continue
+        if choice.lossless == "fp8-rows":   # native rows: codes then scales, [rows, n + n/32] bytes
+            o = replace(o, shape=(*o.shape[:-1], o.shape[-1] + o.shape[-1] // ROW_SCALE_BLOCK))
         planned = PlannedTensor(o, choice.qtype, choice.rule, choice.fallback_from, importance, choice.lossless,
                                 tensor_nbytes(choice.qtype, o.shape))
         tensors.append(planned)
