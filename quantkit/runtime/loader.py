@@ -189,8 +189,19 @@ def load_model(path: str | os.PathLike, device: str | torch.device = "cpu", *,
         raise
 
 
+#: Architectures quantkit converts and validates but cannot run: model_type -> what running it needs.
+UNRUNNABLE = {
+    "deepseek_v41": "a DeepSeek V4.1 forward pass (Engram n-gram hashing, table lookup and gating; shared "
+                    "compressed attention streams): transformers has no V4.1 model and quantkit implements none; "
+                    "score V4.1 files with a V4.1 engine",
+}
+
+
 def _load(weights, device: torch.device, dtype: torch.dtype, stream: bool, keep_bytes: int) -> RuntimeModel:
     model_type = weights.config.get("model_type")
+    if model_type in UNRUNNABLE:
+        raise UnsupportedError(f"scoring {model_type} needs {UNRUNNABLE[model_type]}", path=weights.path,
+                               field="model_type")
     amap = get_arch(model_type).bind(weights.config)
     gguf_arch = weights.metadata.get("general.architecture") if weights.metadata is not None else None
     if gguf_arch is not None and gguf_arch.value != amap.arch.gguf_arch:

@@ -5,6 +5,8 @@ check.  For a GGUF file, in order:
 
 1. **structure** (:mod:`.structure`, :mod:`.rowdata`): what the reader verifies on open, then layout, file size,
    padding, finite block scales, metadata and provenance keys;
+   an Engram file's hash spec against its tables (:mod:`.engram`: ``engram.spec``; invalid Engram rows are
+   reported by ``structure.scales``);
 2. **inventory** (:mod:`.replan`): the file re-planned from its source and recipe (recorded in the artifact unless
    given) and compared tensor by tensor, key by key, size and header bytes; the source's recorded file hashes
    (``provenance.source``);
@@ -34,6 +36,7 @@ from ..io.gguf_reader import GGUFFile
 from .foreign import foreign_plan, is_foreign, proof_check, source_hash_check, unverified_checks
 from .foreign import metadata_check as foreign_metadata_check
 from .foreign import tensors_check as foreign_tensors_check
+from .engram import row_stores, spec_check
 from .payload import PAYLOAD_MODES, audit
 from .replan import describe_inputs, inventory_checks, replan, source_check
 from .report import FAILED, PASSED, Check, Report, skipped
@@ -67,7 +70,7 @@ def _gguf(f: GGUFFile, reader: ArtifactReader, *, source, recipe, imatrix, paylo
         return _foreign(f, reader, source=None if structure_only else source, imatrix=imatrix, mode=mode, seed=seed)
     report = Report(str(f.path), "gguf", mode, seed)
     plan = None if structure_only else replan(f, source=source, recipe=recipe, imatrix=imatrix)
-    scan = ScaleScan()
+    scan = ScaleScan(row_stores(f))
     if plan is None:
         payload_checks = [skipped(name, "--structure-only") for name in ("payload.bytes", "payload.error")]
     else:
@@ -76,6 +79,7 @@ def _gguf(f: GGUFFile, reader: ArtifactReader, *, source, recipe, imatrix, paylo
     scope = "sampled regions only" if mode == "sample" else "every block"
     report.checks = [header_check(f), *layout_checks(f), padding_check(reader, f, payloads=mode != "sample"),
                      scan.check(f.tensors, scope), metadata_check(f), provenance_check(f)]
+    report.checks += [c for c in (spec_check(f),) if c is not None]
     if plan is None:
         report.checks += [skipped(name, "--structure-only") for name in INVENTORY_CHECKS]
     else:
@@ -105,7 +109,7 @@ def _scan_rest(f: GGUFFile, reader: ArtifactReader, scan: ScaleScan, tensors: li
 def _foreign(f: GGUFFile, reader: ArtifactReader, *, source, imatrix, mode: str, seed: int) -> Report:
     """A file quantkit did not write: the plan is inferred from the file (:mod:`.foreign`)."""
     report = Report(str(f.path), "gguf", mode, seed)
-    scan = ScaleScan()
+    scan = ScaleScan(row_stores(f))
     plan = None
     if source is None:
         why = "made outside quantkit and no --source given: structure checks only"
@@ -123,6 +127,7 @@ def _foreign(f: GGUFFile, reader: ArtifactReader, *, source, imatrix, mode: str,
     report.checks = [header_check(f), *layout_checks(f), padding_check(reader, f, payloads=mode != "sample"),
                      scan.check(f.tensors, scope), metadata_check(f),
                      skipped("structure.provenance", "not written by quantkit: no quantkit.* provenance keys")]
+    report.checks += [c for c in (spec_check(f),) if c is not None]
     if plan is not None:
         report.source = {"path": str(plan.source.path), "repo": plan.source.repo_id, "revision": plan.source.revision}
         report.recipe = {"name": "inferred from the file's tensor types", "sha256": None, "from": "artifact"}
