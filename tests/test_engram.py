@@ -322,3 +322,61 @@ def test_scoring_v41_is_refused_with_what_it_needs(release):
 
     with pytest.raises(UnsupportedError, match="scoring deepseek_v41 needs a DeepSeek V4.1 forward pass"):
         load_model(release[1])
+
+
+# -- fuzz: the Engram reader ------------------------------------------------------------------------------------
+
+def engram_regions(gguf: Path) -> tuple[tuple[int, int], tuple[int, int]]:
+    """(spec metadata byte range, table payload byte range) of the converted file."""
+    raw = gguf.read_bytes()
+    spec_start = raw.index(b"deepseek41.engram.")
+    token_map = raw.index(b"deepseek41.engram.token_map") + len("deepseek41.engram.token_map") + 4 + 4
+    (count,) = struct.unpack("<Q", raw[token_map:token_map + 8])
+    offset, rows = table_offset(gguf)
+    return (spec_start, token_map + 8 + 4 * count), (offset, offset + rows * ROW)
+
+
+def engram_mutations(regions, rows: int):
+    """(kind, edits, cut): byte edits inside the spec keys (ids, counts, primes, token map) or the table, two rows
+    swapped (reordered), or the file cut inside the table (truncated)."""
+    from hypothesis import strategies as st
+
+    (s0, s1), (t0, t1) = regions
+    edits = lambda lo, hi: st.lists(st.tuples(st.integers(lo, hi - 1), st.integers(0, 255)), min_size=1, max_size=4)
+    return st.one_of(
+        st.tuples(st.just("spec"), edits(s0, s1), st.just(None)),
+        st.tuples(st.just("table"), edits(t0, t1), st.just(None)),
+        st.tuples(st.just("reorder"), st.tuples(st.integers(0, rows - 1), st.integers(0, rows - 1)), st.just(None)),
+        st.tuples(st.just("truncate"), st.just([]), st.integers(t0, t1 - 1)),
+    )
+
+
+def test_fuzzed_engram_files_are_refused_cleanly_with_bounded_memory(release, tmp_path):
+    from hypothesis import given, settings
+    from test_validate_fuzz import FUZZ, assert_clean, invoke
+
+    src, gguf = release
+    original = gguf.read_bytes()
+    regions = engram_regions(gguf)
+    offset, rows = table_offset(gguf)
+
+    @settings(max_examples=10, **FUZZ)
+    @given(case=engram_mutations(regions, rows))
+    def run(case):
+        kind, change, cut = case
+        data = bytearray(original)
+        if kind == "reorder":
+            a, b = (offset + r * ROW for r in change)
+            data[a:a + ROW], data[b:b + ROW] = original[b:b + ROW], original[a:a + ROW]
+        else:
+            for at, byte in change:
+                data[at] = byte
+        data = bytes(data[:cut])
+        path = tmp_path / "fuzzed.gguf"
+        path.write_bytes(data)
+        for mode in ("full", "sample"):
+            result, peak = invoke("validate", str(path), "--source", str(src), "--payload", mode)
+            assert_clean(result, peak, (0, 1, 2))
+            if mode == "full":   # every byte compared: any change is found, an unchanged file passes
+                assert (result.exit_code == 0) == (data == original), (kind, result.output)
+    run()

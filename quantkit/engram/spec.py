@@ -36,6 +36,9 @@ from ..errors import SourceError, ValidationError
 MULTIPLIER_SEED_STRIDE = 10007
 #: Largest bucket: row indices within a bucket are computed modulo a prime below 2^32.
 MAX_PRIME = 1 << 32
+#: Bucket primes a file's spec may hold for validation to re-derive them (V4.1: 2 layers x 3 orders x 8 heads);
+#: a larger count is reported, never searched for (the count comes from the file).
+MAX_SPEC_PRIMES = 4096
 #: The E4M3 values of one scale (E8M0 per 32 values, as the release's other FP8 weights).
 SCALE_BLOCK = 32
 KEY = "{arch}.engram."
@@ -212,10 +215,20 @@ class EngramSpec:
     @classmethod
     def from_gguf(cls, fields: Mapping[str, Any], arch: str) -> "EngramSpec | None":
         """The spec stored in a GGUF file's metadata (key -> value); None when it has none.  ValidationError
-        naming the key when a key is missing or its length disagrees with the others."""
+        naming the key when a key is missing, not numeric, or its length disagrees with the others."""
         prefix = KEY.format(arch=arch)
         if not any(k.startswith(prefix) for k in fields):
             return None
+        try:
+            return cls._from_gguf(fields, prefix)
+        except (TypeError, ValueError, OverflowError) as exc:
+            if isinstance(exc, ValidationError):
+                raise
+            raise ValidationError(f"an Engram hash-spec key holds a value of the wrong kind ({exc})",
+                                  field=prefix) from None
+
+    @classmethod
+    def _from_gguf(cls, fields: Mapping[str, Any], prefix: str) -> "EngramSpec":
 
         def get(name: str):
             if prefix + name not in fields:
@@ -244,13 +257,22 @@ class EngramSpec:
         found = []
         if len(self.rows) != len(self.layer_ids):
             return [f"{len(self.rows)} row counts for {len(self.layer_ids)} layers"]
+        if self.primes.size > MAX_SPEC_PRIMES or self.compressed_vocab_size < 1 or self.head_dim % SCALE_BLOCK:
+            return [f"{self.primes.size} bucket primes (at most {MAX_SPEC_PRIMES} are re-derived), compressed "
+                    f"vocabulary {self.compressed_vocab_size}, key length {self.head_dim}: not a V4.1 geometry"]
         try:
             self.check()
         except SourceError as exc:
             found.append(exc.detail)
-        if not np.array_equal(self.primes, bucket_primes(len(self.layer_ids), self.max_ngram_size, self.n_heads,
-                                                          self.vocab_size)):
+        try:
+            primes = bucket_primes(len(self.layer_ids), self.max_ngram_size, self.n_heads, self.vocab_size)
+        except SourceError as exc:
+            primes = None
+            found.append(exc.detail)
+        if primes is not None and not np.array_equal(self.primes, primes):
             found.append("the bucket primes are not the ones the vocab size and geometry give")
+        if any(layer < 0 for layer in self.layer_ids) or not self.layer_ids:
+            return found + [f"Engram layer ids must be block indices, found {list(self.layer_ids)}"]
         if not np.array_equal(self.multipliers, hash_multipliers(self.layer_ids, self.max_ngram_size,
                                                                  self.compressed_vocab_size)):
             found.append("the hash multipliers are not the ones the layer ids give")
