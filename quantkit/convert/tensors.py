@@ -330,8 +330,12 @@ def _row_scaled_pieces(ctx: SourceContext, job: TensorJob) -> Iterator[Piece]:
     def produce(r0: int, count: int, selected: np.ndarray | None) -> tuple[np.ndarray | None, np.ndarray]:
         rows = np.arange(r0, r0 + count) if selected is None else r0 + np.asarray(selected, dtype=np.int64)
         with table:
-            packed = table.rows_at(rows)
-        problem = engram_rows.describe_invalid(packed, table.head_dim, rows)
+            if selected is None:
+                packed, invalid = table.packed(r0, count)
+            else:
+                packed = table.rows_at(rows)
+                invalid = 0 if any(a.size for a in engram_rows.invalid_rows(packed, table.head_dim)) else -1
+        problem = None if invalid < 0 else engram_rows.describe_invalid(packed, table.head_dim, rows)
         if problem is not None:
             raise SourceError(f"invalid source {problem}", tensor=table.name)
         if job.kind == "engram-rows":

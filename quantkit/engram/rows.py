@@ -15,14 +15,16 @@ from __future__ import annotations
 import os
 from typing import Iterator
 
+import numba
 import numpy as np
 
 from ..formats.minifloat import E4M3_VALUES, e8m0_decode
 from ..errors import SourceError
 from .spec import SCALE_BLOCK
 
-#: Largest chunk of packed rows produced at once (output bytes; the source bytes read are the same amount).
-CHUNK_BYTES = 64 << 20
+#: Largest chunk of packed rows produced at once (output bytes; the source bytes read are the same amount).  The
+#: scratch of a table is about twice this (read buffers and the chunk), whatever the table's size.
+CHUNK_BYTES = 16 << 20
 E4M3_NAN_MASK = 0x7F
 E8M0_NAN = 0xFF
 
@@ -37,6 +39,29 @@ def invalid_rows(packed: np.ndarray, head_dim: int) -> tuple[np.ndarray, np.ndar
     bad_code = ((codes & E4M3_NAN_MASK) == E4M3_NAN_MASK).any(axis=1)
     bad_scale = (scales == E8M0_NAN).any(axis=1)
     return np.flatnonzero(bad_code), np.flatnonzero(bad_scale)
+
+
+@numba.njit(cache=True, nogil=True)
+def _interleave_checked(codes: np.ndarray, scales: np.ndarray, out: np.ndarray) -> int:
+    """``out[r] = codes[r] ++ scales[r]`` for every row, in one pass that also finds the first row holding an E4M3
+    NaN code or a 0xFF scale (its index; -1: none)."""
+    k = codes.shape[1]
+    first = -1
+    for r in range(out.shape[0]):
+        bad = False
+        for c in range(k):
+            b = codes[r, c]
+            out[r, c] = b
+            if (b & 0x7F) == 0x7F:
+                bad = True
+        for c in range(scales.shape[1]):
+            b = scales[r, c]
+            out[r, k + c] = b
+            if b == 0xFF:
+                bad = True
+        if bad and first < 0:
+            first = r
+    return first
 
 
 def describe_invalid(packed: np.ndarray, head_dim: int, row_ids: np.ndarray) -> str | None:
@@ -85,6 +110,7 @@ class RowSource:
         self._begins = (entries[0].begin, entries[1].begin)
         self._paths = (self.weight.file, self.scale.file)
         self._fds: list[int] = []
+        self._buffers: tuple[np.ndarray, np.ndarray] | None = None
         self.bytes_read = 0
 
     @property
@@ -117,19 +143,16 @@ class RowSource:
         self._pread(0, self.head_dim, r0, codes[:count])
         self._pread(1, self.scales_per_row, r0, scales[:count])
 
-    def chunks(self, chunk_rows: int | None = None) -> Iterator[tuple[int, np.ndarray]]:
-        """(first row, ``uint8[k, row_bytes]``) over the whole table; the yielded array is reused: consume it
-        before the next step."""
-        chunk_rows = chunk_rows or max(1, CHUNK_BYTES // self.row_bytes)
-        codes = np.empty((chunk_rows, self.head_dim), np.uint8)
-        scales = np.empty((chunk_rows, self.scales_per_row), np.uint8)
-        packed = np.empty((chunk_rows, self.row_bytes), np.uint8)
-        for r0 in range(0, self.rows, chunk_rows):
-            count = min(chunk_rows, self.rows - r0)
-            self.read(r0, count, codes, scales)
-            packed[:count, :self.head_dim] = codes[:count]
-            packed[:count, self.head_dim:] = scales[:count]
-            yield r0, packed[:count]
+    def packed(self, r0: int, count: int) -> tuple[np.ndarray, int]:
+        """(``uint8[count, row_bytes]`` rows ``r0 .. r0+count``, index of the first invalid one or -1); the read
+        buffers are kept between calls (no page faults on fresh memory per chunk), the result is new."""
+        if self._buffers is None or self._buffers[0].shape[0] < count:
+            self._buffers = (np.empty((count, self.head_dim), np.uint8),
+                             np.empty((count, self.scales_per_row), np.uint8))
+        codes, scales = (b[:count] for b in self._buffers)
+        self.read(r0, count, codes, scales)
+        out = np.empty((count, self.row_bytes), np.uint8)
+        return out, int(_interleave_checked(codes, scales, out))
 
     def rows_at(self, rows: np.ndarray) -> np.ndarray:
         """``uint8[len(rows), row_bytes]``: the given rows only (runs of consecutive rows read together)."""
