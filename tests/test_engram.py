@@ -380,3 +380,29 @@ def test_fuzzed_engram_files_are_refused_cleanly_with_bounded_memory(release, tm
             if mode == "full":   # every byte compared: any change is found, an unchanged file passes
                 assert (result.exit_code == 0) == (data == original), (kind, result.output)
     run()
+
+
+# -- inspect and the dry-run plan -----------------------------------------------------------------------------------
+
+def test_inspect_and_dry_run_show_the_tables_as_disk_only(release):
+    from gguf import GGUFReader
+
+    src, gguf = release
+    result = CliRunner().invoke(main, ["inspect", str(gguf), "--json"])
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.output)
+    tables = report["row_tables"]
+    sizes = {t.name: int(t.n_bytes) for t in GGUFReader(gguf).tensors}
+    assert [t["name"] for t in tables["tables"]] == ["blk.1.engram_embd.weight", "blk.2.engram_embd.weight"]
+    assert tables["bytes"] == sizes["blk.1.engram_embd.weight"] + sizes["blk.2.engram_embd.weight"]
+    assert tables["resident_bytes"] == sum(sizes.values()) - tables["bytes"]
+    config = json.loads((src / "config.json").read_text())["text_config"]
+    assert tables["hash_spec"]["rows"] == config["engram_num_embeddings"]
+    text = CliRunner().invoke(main, ["inspect", str(gguf)]).output
+    assert "disk-only row tables (2 tensors" in text and "hash spec: layers [1, 2]" in text
+
+    dry = CliRunner().invoke(main, ["convert", str(src), "-o", "unused.gguf", "--recipe", RECIPE, "--dry-run",
+                                    "--pre-tokenizer", PRE, "--bootstrap-importance"])
+    assert dry.exit_code == 0, dry.output
+    line = next(x for x in dry.output.splitlines() if x.startswith("disk-only"))
+    assert "2 row tables (engram)" in line and "resident weights" in line

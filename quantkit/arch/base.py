@@ -95,6 +95,10 @@ CLASS_GROUPS: Mapping[str, frozenset[str]] = {
     "ffn": frozenset({"dense_ffn", "shared_expert", "routed_gate", "routed_up", "routed_down"}),
 }
 
+#: Row tables: looked up by row (hashed n-grams -> rows), never multiplied whole; engines keep them on disk and read
+#: the rows a token needs, so plans and reports count them apart from the resident weights.
+ROW_TABLE_CLASSES = frozenset({"ngram_table", "engram"})
+
 #: Quantization companions: (suffix, suffix of the weight it belongs to, role).  Tried only for names no rule
 #: claims, longest suffix first.  The two NVFP4 global-scale conventions get different roles on purpose: ModelOpt's
 #: ``weight_scale_2`` multiplies, compressed-tensors' ``weight_global_scale`` divides.

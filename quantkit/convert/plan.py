@@ -41,7 +41,7 @@ from typing import Any, Iterable, Mapping
 
 import numpy as np
 
-from ..arch import OutputTensor, get_arch
+from ..arch import ROW_TABLE_CLASSES, OutputTensor, get_arch
 from ..arch import transforms
 from ..arch.dialects import (LAYOUT_A_LOG, LAYOUT_CONV, LLAMA_CPP, relaid_dialect, relaid_metadata,
                               relaid_tensors, translate)
@@ -139,6 +139,11 @@ class Plan:
     def tensor_bytes(self) -> int:
         return sum(t.nbytes for t in self.tensors)
 
+    @property
+    def row_tables(self) -> list[PlannedTensor]:
+        """The disk-only row tables (Engram, n-gram): read by row, apart from the resident weights."""
+        return [t for t in self.tensors if t.output.tensor_class in ROW_TABLE_CLASSES]
+
     def layout(self, extra_metadata: Iterable[tuple[str, Any]] = ()) -> Layout:
         """The GGUF layout of the planned file (plus ``extra_metadata``, e.g. provenance keys)."""
         return plan_layout([*self.metadata, *extra_metadata],
@@ -170,6 +175,9 @@ class Plan:
             "totals": {"tensors": len(self.tensors), "elements": elements, "tensor_bytes": self.tensor_bytes,
                        "bpw": _bpw(self.tensor_bytes, elements), "file_bytes": layout.file_size},
             "classes": self.class_totals(),
+            "row_tables": {"tensors": [t.name for t in self.row_tables],
+                           "bytes": sum(t.nbytes for t in self.row_tables),
+                           "resident_bytes": self.tensor_bytes - sum(t.nbytes for t in self.row_tables)},
             "tensors": [t.to_json() for t in self.tensors],
             "skipped": [o.gguf_name for o in self.skipped],
             "unused_rules": list(self.unused_rules),
@@ -197,6 +205,11 @@ class Plan:
                      + ", ".join(f"{name} {_human(n)}" for name, n in by_type.most_common()))
         lines.append(f"file        {layout.file_size:,} bytes ({_human(layout.file_size)}) before provenance keys; "
                      f"{len(self.metadata)} metadata keys")
+        if self.row_tables:
+            table_bytes = sum(t.nbytes for t in self.row_tables)
+            classes = ", ".join(sorted({t.output.tensor_class for t in self.row_tables}))
+            lines.append(f"disk-only   {len(self.row_tables)} row tables ({classes}), {_human(table_bytes)}, read by "
+                         f"row; resident weights {_human(self.tensor_bytes - table_bytes)}")
         importance = Counter(t.importance for t in self.tensors)
         source = (f"imatrix with {self.imatrix_entries} entries" if self.imatrix_entries is not None
                   else "no imatrix") + (", bootstrap importance" if self.bootstrap else "")

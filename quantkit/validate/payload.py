@@ -45,7 +45,7 @@ from dataclasses import dataclass, field
 import numba
 import numpy as np
 
-from ..arch import CLASS_GROUPS
+from ..arch import CLASS_GROUPS, ROW_TABLE_CLASSES   # row tables are sampled by rows
 from ..convert.tensors import SourceContext, TensorJob, tensor_rows
 from ..formats.api import decode
 from ..formats.registry import GGMLType, layout as type_layout
@@ -59,8 +59,6 @@ from .structure import ArtifactReader, ScaleScan, locate
 
 PAYLOAD_MODES = ("none", "sample", "full")
 EXPERT_CLASSES = CLASS_GROUPS["routed_experts"]
-#: Row tables sampled by rows: n-gram (PLE) tables, and DeepSeek V4.1 Engram tables once an architecture maps them.
-ROW_TABLE_CLASSES = frozenset({"ngram_table", "engram"})
 RANDOM_ROWS = 128
 #: Differences listed per tensor in the report.
 DIFFERENCES_LISTED = 8
