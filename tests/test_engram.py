@@ -196,16 +196,17 @@ def test_a_nan_row_in_the_source_is_refused_naming_it(release, tmp_path):
     assert not (tmp_path / "x.gguf").exists()
 
 
-def test_lossy_q8_0_rows_are_an_explicit_choice_with_error_statistics(release, tmp_path):
+@pytest.mark.parametrize("qtype, worst", [("Q8_0", 2 ** -5), ("MXFP4", 0.25)])
+def test_lossy_row_re_encodes_are_an_explicit_choice_with_error_statistics(release, tmp_path, qtype, worst):
     src, _ = release
-    recipe = tmp_path / "q8-engram.toml"
-    recipe.write_text('name = "q8-engram"\narchitectures = ["deepseek_v41"]\n[defaults]\ntype = "Q8_0"\n'
-                      '[[rule]]\nclass = "engram"\ntype = "Q8_0"\n')
-    gguf = convert(src, tmp_path / "q8.gguf", str(recipe))
+    recipe = tmp_path / "lossy-engram.toml"
+    recipe.write_text(f'name = "lossy-engram"\narchitectures = ["deepseek_v41"]\n[defaults]\ntype = "Q8_0"\n'
+                      f'[[rule]]\nclass = "engram"\ntype = "{qtype}"\n')
+    gguf = convert(src, tmp_path / "lossy.gguf", str(recipe))
     result, report = validate(gguf, src, "full", tmp_path / "r.json")
     assert result.exit_code == 0, result.output
     table = next(t for t in report["tensors"] if t["name"] == TABLE)
-    assert table["type"] == "Q8_0" and table["error_ok"] and 0 < table["rel_rmse"] < 2 ** -5
+    assert table["type"] == qtype and table["error_ok"] and 0 < table["rel_rmse"] < worst
 
 
 # -- the audit -------------------------------------------------------------------------------------------------------
