@@ -407,3 +407,13 @@ def test_inspect_and_dry_run_show_the_tables_as_disk_only(release):
     assert dry.exit_code == 0, dry.output
     line = next(x for x in dry.output.splitlines() if x.startswith("disk-only"))
     assert "2 row tables (engram)" in line and "resident weights" in line
+
+
+def test_an_engram_re_encode_needing_importance_is_refused_at_plan_time(release, tmp_path):
+    recipe = tmp_path / "q4k-engram.toml"
+    recipe.write_text('name = "q4k-engram"\narchitectures = ["deepseek_v41"]\n[defaults]\ntype = "Q8_0"\n'
+                      '[[rule]]\nclass = "engram"\ntype = "Q4_K"\n')
+    result = CliRunner().invoke(main, ["convert", str(release[0]), "-o", str(tmp_path / "x.gguf"), "--recipe",
+                                       str(recipe), "--pre-tokenizer", PRE, "--bootstrap-importance", "--dry-run"])
+    assert result.exit_code == 2, result.output
+    assert "blk.1.engram_embd.weight" in result.output and "ignores importance" in result.output

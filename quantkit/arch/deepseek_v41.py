@@ -18,8 +18,14 @@ input groups are :mod:`deepseek_v4`'s.  What V4.1 adds:
   vision tower dropped from the main file.
 
 What is *not* claimed: the exact key set of any V4.1 GGUF engine besides the Engram keys (the trunk keys are
-V4's under the ``deepseek41`` prefix), nor a V4.1 forward pass (scoring refuses V4.1: see
-:data:`quantkit.runtime` ``UNSCORABLE``).
+V4's under the ``deepseek41`` prefix), nor a V4.1 forward pass (scoring refuses V4.1, saying what it needs:
+:data:`quantkit.runtime.loader.UNRUNNABLE`).  The DSpark drafter (``dspark.*``) and MTP blocks (``mtp.*``) are
+dropped from the main file, as for V4.
+
+Sources: the config fields and the tensor names of the Engram module (``engram.embed.{weight,scale}``,
+``engram.wkv``, ``engram.q_weight``/``k_weight``) and the GGUF names ``blk.L.engram_embd`` / ``engram_q`` /
+``engram_k`` are read from public V4.1 engine ports and pull requests (llama.cpp #28696, ik_llama.cpp #2455,
+sglang #39666, V4.1 ports' config validation); ``engram_kv`` and the ``{arch}.engram.*`` key names are quantkit's.
 """
 from __future__ import annotations
 

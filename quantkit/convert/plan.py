@@ -398,6 +398,11 @@ def build_plan(source: str | os.PathLike, recipe: Recipe | str | os.PathLike, *,
         if importance is None:
             lacking.append(f"{o.gguf_name} ({choice.qtype.name}, {choice.rule})")
             continue
+        if o.tensor_class == "engram" and importance != "none" and choice.lossless is None:
+            raise RecipeError(f"{choice.rule} re-encodes the Engram table to {choice.qtype.name} with {importance} "
+                              f"importance; Engram tables are re-encoded by row chunk, without whole-table "
+                              f"statistics: choose a type that ignores importance (Q8_0, MXFP4) or type = "
+                              f"\"source\"", path=recipe.where(), tensor=o.gguf_name)
         if choice.lossless == "fp8-rows":   # native rows: codes then scales, [rows, n + n/32] bytes
             o = replace(o, shape=(*o.shape[:-1], o.shape[-1] + o.shape[-1] // ROW_SCALE_BLOCK))
         planned = PlannedTensor(o, choice.qtype, choice.rule, choice.fallback_from, importance, choice.lossless,

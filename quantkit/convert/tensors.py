@@ -285,12 +285,12 @@ def _encode_pieces(ctx: SourceContext, job: TensorJob) -> Iterator[Piece]:
             load = functools.partial(expert_slice, out.sources[0], e)
             yield Piece(e, e * per_matrix, per_matrix, _encoder(ctx, job, e, load, expert_rows(out.sources[0], e)))
         return
-    if len(out.sources) == 1 and (job.importance == "bootstrap" or None in job.bootstrap):
-        yield from whole()   # Σw² needs the whole tensor at once
-        return
     if len(out.sources) == 1 and not out.sources[0].transform and row_scaled_fp8(ctx.checkpoint,
                                                                                    out.sources[0].hf_name):
         yield from _row_scaled_pieces(ctx, job)
+        return
+    if len(out.sources) == 1 and (job.importance == "bootstrap" or None in job.bootstrap):
+        yield from whole()   # Σw² needs the whole tensor at once
         return
     row = 0
     for m in out.sources:   # one source, or one per shard (concatenated along rows)
@@ -325,6 +325,10 @@ def _row_scaled_pieces(ctx: SourceContext, job: TensorJob) -> Iterator[Piece]:
     """Row chunks of a row-scaled FP8 table: its native rows (``engram-rows``) or their decoded values encoded
     to the planned block type; refuses rows holding E4M3 NaN codes or 0xFF scales."""
     table = _row_source(ctx, job)
+    if job.importance != "none":   # rows are read by chunk or alone: no whole-table statistics
+        raise UnsupportedError(f"re-encoding a row table with {job.importance} importance is not supported; give it "
+                               f"a type that ignores importance (Q8_0, MXFP4) or keep its native rows "
+                               f"(type = \"source\")", tensor=job.name)
     step = max(1, engram_rows.CHUNK_BYTES // table.row_bytes)
 
     def produce(r0: int, count: int, selected: np.ndarray | None) -> tuple[np.ndarray | None, np.ndarray]:
