@@ -19,7 +19,7 @@ from click.testing import CliRunner
 
 from quantkit.cli import main
 from quantkit.engram import EngramSpec, bucket_primes, compressed_token_map, hash_multipliers, is_prime
-from quantkit.errors import SourceError, UnsupportedError
+from quantkit.errors import UnsupportedError
 from quantkit.testing.recipe_texts import PRE_TOKENIZER as PRE
 from quantkit.testing.tiny_v41 import write_v41_checkpoint
 from quantkit.validate.payload import sample_rng, sample_rows

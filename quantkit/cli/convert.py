@@ -44,8 +44,11 @@ def _default_jobs() -> int:
               help="GGUF dialect: llama.cpp's tensor names and keys, or ds4's  [default: the recipe's dialect, "
                    "else llama.cpp]")
 @click.option("--progress/--no-progress", default=True, show_default=True, help="show a progress bar")
+@click.option("--support", type=click.Choice(["mtp", "dspark"]),
+              help="write the support (drafter) file instead: the MTP blocks with the embedding and head, recording "
+                   "the checkpoint identity its target must share")
 def convert(source, out, recipe, imatrix, bootstrap, allow_synthetic_imatrix, jobs, resume, force, label, dry_run,
-            pre_tokenizer, report, reserve, dialect, progress):
+            pre_tokenizer, report, reserve, dialect, progress, support):
     """Convert checkpoint SOURCE (a directory or a Hugging Face repo id) to a GGUF laid out by a recipe."""
     from ..convert.execute import ConvertRequest, check_outputs, execute, prepare
     from ..io.atomic import atomic_output
@@ -53,7 +56,7 @@ def convert(source, out, recipe, imatrix, bootstrap, allow_synthetic_imatrix, jo
     request = ConvertRequest(source=source, out=out, recipe=recipe, imatrix=imatrix, bootstrap=bootstrap,
                              allow_synthetic_imatrix=allow_synthetic_imatrix, jobs=jobs, resume=resume, force=force,
                              label=label, pre_tokenizer=pre_tokenizer, reserve_bytes=reserve, dialect=dialect,
-                             progress=progress)
+                             progress=progress, support=support)
     prepared = prepare(request)
     click.echo(prepared.plan.summary())
     if prepared.workers_note:

@@ -38,7 +38,9 @@ def _write_json(path: Path, data: dict, overwrite: bool) -> None:
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path),
               help="write the full report (every check, every tensor) as JSON to this file")
 @click.option("--force", is_flag=True, help="replace an existing --json file")
-def validate(artifact, source, recipe, imatrix, payload, seed, structure_only, json_path, force):
+@click.option("--target", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="ARTIFACT is a support (drafter) file: refuse it unless TARGET comes from the same checkpoint")
+def validate(artifact, source, recipe, imatrix, payload, seed, structure_only, json_path, force, target):
     """Validate ARTIFACT: structure, inventory against a re-plan, and payload bytes against the source.
 
     A GGUF quantkit did not write (llama.cpp's converter and llama-quantize, ...) is validated against --source with
@@ -53,7 +55,7 @@ def validate(artifact, source, recipe, imatrix, payload, seed, structure_only, j
                      what="--json report")
     try:
         report = run(artifact, source=source, recipe=recipe, imatrix=imatrix, payload=payload, seed=seed,
-                     structure_only=structure_only)
+                     structure_only=structure_only, target=target)
     except (QuantkitError, OSError) as exc:
         if json_path is not None:
             _write_json(json_path, {"format": "quantkit-validation", "artifact": str(artifact), "ok": False,

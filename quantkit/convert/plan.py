@@ -45,7 +45,7 @@ from ..arch import ROW_TABLE_CLASSES, OutputTensor, get_arch
 from ..arch import transforms
 from ..arch.dialects import (LAYOUT_A_LOG, LAYOUT_CONV, LLAMA_CPP, relaid_dialect, relaid_metadata,
                               relaid_tensors, translate)
-from ..errors import RecipeError, SourceError
+from ..errors import RecipeError, SourceError, UnsupportedError
 from ..formats.api import tensor_nbytes
 from ..formats.registry import GGMLType, ImatrixUse, get_format
 from ..io.checkpoint import Checkpoint, open_checkpoint
@@ -54,6 +54,10 @@ from ..io.gguf_writer import Layout, TensorSpec, plan_layout
 from ..recipes import Recipe, Resolution, load_recipe, resolve
 from ..recipes import name_tag as file_name_tag
 
+#: Support (drafter) files ``convert --support`` writes.
+SUPPORT_KINDS = ("mtp", "dspark")
+#: Tensors an MTP support file carries besides the MTP blocks (llama.cpp's ``--mtp`` export keeps the same three).
+MTP_SHARED_TENSORS = frozenset({"token_embd.weight", "output_norm.weight", "output.weight"})
 #: Version of :meth:`Plan.to_json`'s layout (independent of the package version).
 PLAN_FORMAT_VERSION = 1
 IMPORTANCE_KINDS = ("imatrix", "bootstrap", "none")
@@ -129,6 +133,8 @@ class Plan:
     resolution: Resolution | None = field(default=None, repr=False)
     dialect: str = LLAMA_CPP
     """GGUF dialect of the names, keys and order (:mod:`quantkit.arch.dialects`)."""
+    support: str | None = None
+    """The support (drafter) file this plan writes instead of the model (:func:`support_plan`), or None."""
 
     @property
     def name_tag(self) -> str:
@@ -169,6 +175,7 @@ class Plan:
         elements = sum(t.n_elements for t in self.tensors)
         return {
             "format": "quantkit-plan", "version": PLAN_FORMAT_VERSION, "dialect": self.dialect,
+            "support": self.support,
             "source": str(self.source), "model_type": self.model_type, "label": self.label,
             "recipe": self.recipe.to_dict(), "name_tag": self.name_tag,
             "importance": {"imatrix_entries": self.imatrix_entries, "bootstrap": self.bootstrap},
@@ -191,6 +198,8 @@ class Plan:
         lines = [f"source      {self.source} ({self.model_type})",
                  f"recipe      {self.recipe.name} ({self.recipe.where()}, sha256 {self.recipe.sha256[:16]})",
                  f"name tag    {self.name_tag}" + (f"  label {self.label}" if self.label else ""),
+                 *([f"support     {self.support} drafter file: the MTP blocks with the embedding, output norm and "
+                    f"head; pair it only with a target of this checkpoint"] if self.support else []),
                  "", f"{'class':<16}{'tensors':>8}  {'bytes':>12}  {'bpw':>7}  types"]
         totals = self.class_totals()
         for cls, e in sorted(totals.items(), key=lambda kv: (-kv[1]["bytes"], kv[0])):
@@ -357,14 +366,15 @@ def _nvfp4_scale(weight: PlannedTensor) -> PlannedTensor:
 
 def build_plan(source: str | os.PathLike, recipe: Recipe | str | os.PathLike, *,
                imatrix: Mapping[str, Any] | None = None, bootstrap: bool = False, label: str | None = None,
-               pre_tokenizer: str | None = None, dialect: str | None = None) -> Plan:
+               pre_tokenizer: str | None = None, dialect: str | None = None, support: str | None = None) -> Plan:
     """Plan the conversion of checkpoint ``source`` with ``recipe`` (a Recipe, a file, or a shipped name).
 
     ``imatrix``: GGUF tensor name -> importance values (any array-like; only names and sizes are read here).
     ``bootstrap``: use weight energy where the imatrix has no entry.  ``label``: the checkpoint label.
     ``pre_tokenizer``: llama.cpp's pre-tokenizer name, for tokenizers its hash table does not know.
     ``dialect``: the GGUF dialect of names, keys and order (:mod:`quantkit.arch.dialects`); None: the recipe's
-    ``dialect``, else llama.cpp's.
+    ``dialect``, else llama.cpp's.  ``support``: plan the support (drafter) file of this kind instead
+    (:func:`support_plan`).
     """
     if not isinstance(recipe, Recipe):
         recipe = load_recipe(recipe)
@@ -419,10 +429,34 @@ def build_plan(source: str | os.PathLike, recipe: Recipe | str | os.PathLike, *,
     plan = Plan(Path(source), model_type, recipe, tensors, metadata, label=label, bootstrap=bootstrap,
                 imatrix_entries=len(imatrix) if imatrix is not None else None, skipped=skipped,
                 unused_rules=[resolution.explain_unused(r) for r in resolution.unused_rules], resolution=resolution)
+    if support is not None:
+        plan = support_plan(plan, support, amap.hp)
     if dialect == LLAMA_CPP:
         return plan
     table = relaid_dialect(arch.gguf_arch, dialect)
     return in_dialect(plan, dialect) if table is None else relaid_plan(plan, table, amap.hp, shapes)
+
+
+def support_plan(plan: Plan, kind: str, hp: Mapping[str, Any]) -> Plan:
+    """The plan of a support file: for ``mtp``, the NextN/MTP blocks (blocks from ``num_hidden_layers`` on) with
+    the token embedding, output norm and head, and the model's metadata, as llama.cpp's converter exports a draft
+    with ``--mtp``; the executor records the target's checkpoint identity (``quantkit.support.*``).  Refused
+    when the architecture map writes no MTP block from this checkpoint, and for ``dspark`` (no map has the
+    DSpark drafter's tensors)."""
+    if kind not in SUPPORT_KINDS:
+        raise UnsupportedError(f"unknown support kind {kind!r}; known: {', '.join(SUPPORT_KINDS)}", field="support")
+    if kind == "dspark":
+        raise UnsupportedError("--support dspark: no architecture map has the DSpark drafter's tensors yet (V4.1's "
+                               "dspark.* are dropped from the main file)", field="support")
+    main = hp["num_hidden_layers"]
+    blocks = [t for t in plan.tensors if t.output.layer is not None and t.output.layer >= main]
+    if not blocks:
+        raise UnsupportedError(f"--support mtp: the {plan.model_type} map writes no MTP block from this checkpoint "
+                               f"(num_nextn_predict_layers {hp.get('num_nextn_predict_layers', 0)}; the deepseek_v4 "
+                               f"and qwen4_exp maps drop mtp.*, as llama.cpp's converter does for their main file)",
+                               field="support")
+    kept = [t for t in plan.tensors if t.name in MTP_SHARED_TENSORS or t in blocks]
+    return replace(plan, tensors=kept, support=kind)
 
 
 #: Transform steps the ds4 dialect replaces: ds4 keeps A_log itself and [C, 1, K] convolutions.

@@ -13,7 +13,6 @@ tensor, no memory map), so its scratch is bounded whatever the table's size.
 from __future__ import annotations
 
 import os
-from typing import Iterator
 
 import numba
 import numpy as np
@@ -125,7 +124,6 @@ class RowSource:
     def __init__(self, checkpoint, weight: str, scale: str):
         self.weight, self.scale = checkpoint.tensor_info(weight), checkpoint.tensor_info(scale)
         self.name = weight
-        entries = (checkpoint._file(weight).entries[weight], checkpoint._file(scale).entries[scale])
         if self.weight.dtype != "F8_E4M3" or self.scale.dtype not in ("F8_E8M0", "U8"):
             raise SourceError(f"an Engram table is F8_E4M3 with F8_E8M0 scales, found {self.weight.dtype} with "
                               f"{self.scale.dtype}", tensor=weight)
@@ -136,11 +134,10 @@ class RowSource:
                               f"{list(self.weight.shape)} and {list(self.scale.shape)}", tensor=weight)
         self.rows, self.head_dim = (int(d) for d in self.weight.shape)
         self.scales_per_row = self.head_dim // SCALE_BLOCK
-        self._begins = (entries[0].begin, entries[1].begin)
+        self._begins = (checkpoint.data_offset(weight), checkpoint.data_offset(scale))
         self._paths = (self.weight.file, self.scale.file)
         self._fds: list[int] = []
         self._buffers: tuple[np.ndarray, np.ndarray] | None = None
-        self.bytes_read = 0
 
     @property
     def row_bytes(self) -> int:
@@ -165,7 +162,6 @@ class RowSource:
                 raise SourceError(f"EOF reading rows from offset {offset + done}", path=self._paths[which],
                                   tensor=self.name)
             done += n
-        self.bytes_read += len(view)
 
     def read(self, r0: int, count: int, codes: np.ndarray, scales: np.ndarray) -> None:
         """Rows ``r0 .. r0+count`` into ``codes[:count]`` and ``scales[:count]`` (contiguous buffers)."""

@@ -16,8 +16,8 @@ blocks; V4.1's attention changes (shared compressed streams) and its DSpark/visi
 Each Engram layer gets ``layers.L.engram.embed.weight`` F8_E4M3 ``[rows, 256]`` + ``.scale`` F8_E8M0
 ``[rows, 8]`` (seeded codes, never an E4M3 NaN; scales 2^-8 .. 2^4), ``engram.wkv`` (FP8 + E8M0 per 128x128) and
 ``engram.q_weight`` / ``k_weight`` (BF16).  The row counts are the sums of the bucket primes above
-``engram_vocab_size`` (:func:`quantkit.engram.bucket_primes`), about ``rows_per_layer`` each; the compressed vocabulary is
-counted from the tokenizer.  The tables go to their own last shard, written in chunks (a few million rows take
+``engram_vocab_size`` (:func:`quantkit.engram.bucket_primes`), about ``rows_per_layer`` each; the compressed
+vocabulary is counted from the tokenizer.  The tables go to their own last shard, written in chunks (a few million rows take
 no more memory than a few thousand).
 """
 from __future__ import annotations

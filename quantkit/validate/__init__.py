@@ -37,6 +37,7 @@ from .foreign import foreign_plan, is_foreign, proof_check, source_hash_check, u
 from .foreign import metadata_check as foreign_metadata_check
 from .foreign import tensors_check as foreign_tensors_check
 from .engram import row_stores, spec_check
+from .support import target_check
 from .payload import PAYLOAD_MODES, audit
 from .replan import describe_inputs, inventory_checks, replan, source_check
 from .report import FAILED, PASSED, Check, Report, skipped
@@ -49,9 +50,10 @@ INVENTORY_CHECKS = ("inventory.tensors", "inventory.metadata", "inventory.file_s
 
 
 def validate(artifact: str | os.PathLike, *, source: str | None = None, recipe: str | None = None,
-             imatrix: str | None = None, payload: str = "sample", seed: int = 0, structure_only: bool = False
-             ) -> Report:
-    """Validate ``artifact`` (see the module docstring)."""
+             imatrix: str | None = None, payload: str = "sample", seed: int = 0, structure_only: bool = False,
+             target: str | os.PathLike | None = None) -> Report:
+    """Validate ``artifact`` (see the module docstring); with ``target``, ``artifact`` is a support (drafter) file
+    that must come from the same checkpoint as the GGUF ``target`` (:mod:`.support`: ``support.target``)."""
     if payload not in PAYLOAD_MODES:
         raise UnsupportedError(f"payload mode {payload!r} is not one of {PAYLOAD_MODES}")
     path = Path(artifact)
@@ -59,8 +61,11 @@ def validate(artifact: str | os.PathLike, *, source: str | None = None, recipe: 
         return _sidecar(path, payload, seed)
     sequential = structure_only or payload != "sample"
     with GGUFFile(path) as f, ArtifactReader(path, f.file_size, sequential=sequential) as reader:
-        return _gguf(f, reader, source=source, recipe=recipe, imatrix=imatrix, payload=payload, seed=seed,
-                     structure_only=structure_only)
+        report = _gguf(f, reader, source=source, recipe=recipe, imatrix=imatrix, payload=payload, seed=seed,
+                       structure_only=structure_only)
+        if target is not None:
+            report.checks.append(target_check(f, target))
+        return report
 
 
 def _gguf(f: GGUFFile, reader: ArtifactReader, *, source, recipe, imatrix, payload: str, seed: int,
