@@ -98,3 +98,17 @@ def test_mtp_support_file_equals_llama_cpp_mtp_export(glm, tmp_path):
     a, b = gguf.GGUFReader(ours), gguf.GGUFReader(theirs)
     assert tensor_differences(a, b) == []
     assert metadata_differences(a, b) == []
+
+
+def test_score_refuses_a_support_file_of_another_checkpoint_and_a_support_file_as_model(glm, tmp_path):
+    src, other, root = glm
+    support = convert(src, root / "mtp-score.gguf", "q8_0", "--support", "mtp")
+    foreign = convert(other, root / "other-score.gguf")
+    fixture = tmp_path / "fixture"
+    fixture.mkdir()
+    for model, extra, message in ((foreign, ["--support", str(support)], "from another one"),
+                                  (support, [], "support (drafter) file, not a model")):
+        result = CliRunner().invoke(main, ["score", str(model), str(fixture), str(tmp_path / "out.tsv"), "--ctx",
+                                           "64", *extra])
+        assert result.exit_code == 2, result.output
+        assert message in result.output and "Traceback" not in result.output

@@ -153,8 +153,11 @@ def check(path):
 @click.option("--format", "table_format", type=click.Choice(["quantkit", "ds4", "ds4-nll"]), default="quantkit",
               show_default=True, help="ds4: score_official's 26-column table (ds4-nll: its 7 NLL columns) with the "
               "identity record in OUT.tsv.json")
+@click.option("--support", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="a support (drafter) GGUF meant for MODEL: refused unless it comes from MODEL's checkpoint "
+                   "(recorded in the table)")
 def score(model, fixture_dir, out, ctx, device, allow_cross_checkpoint, kld_base, save_logits, tokenizer, sidecars,
-          label, table_format):
+          label, table_format, support):
     """Score MODEL (GGUF or checkpoint) on FIXTURE; write the per-case table OUT.tsv."""
     require_runtime("quantkit score")
     from ..fixtures.directory import read_fixture
@@ -171,7 +174,12 @@ def score(model, fixture_dir, out, ctx, device, allow_cross_checkpoint, kld_base
         check_output(save_logits, inputs=[*inputs, out], overwrite=True, what="--save-logits file")
     if kld_base is not None and not os.access(kld_base, os.R_OK):
         raise click.BadParameter(f"{kld_base}: not readable", param_hint="--kld-base")
+    from ..validate.support import require_pair
+
+    paired = require_pair(model, support)
     replace, applied = None, []
+    if paired is not None:
+        applied.append(paired)
     if sidecars:
         from ..swapset import sidecars_line
 

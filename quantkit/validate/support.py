@@ -11,6 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..convert.provenance import checkpoint_identity
+from ..errors import ValidationError
 from ..io.gguf_reader import GGUFFile
 from .report import Check, check
 
@@ -53,3 +54,25 @@ def target_check(support: GGUFFile, target: str | Path) -> Check:
             problems.append(f"checkpoint labels differ: support {labels[0]!r}, target {labels[1]!r}")
     return check("support.target", problems,
                  passed=f"{kind} support file and target {Path(target).name} come from checkpoint {recorded[:16]}…")
+
+
+def require_pair(model: str | Path, support: str | Path | None) -> str | None:
+    """For ``score``: refuse a support file given as the model, and a ``support`` file whose checkpoint is not
+    the model's (ValidationError naming both); returns the line to record, or None without ``support``."""
+    path = Path(model)
+    if path.is_file() and path.suffix == ".gguf":
+        with GGUFFile(path) as f:
+            kind = _value(f, KIND_KEY)
+        if kind is not None:
+            raise ValidationError(f"MODEL is a {kind} support (drafter) file, not a model: score its target",
+                                  path=path)
+    if support is None:
+        return None
+    if not (path.is_file() and path.suffix == ".gguf"):
+        raise ValidationError("--support pairs a support GGUF with a GGUF target; MODEL is not a GGUF file",
+                              path=path)
+    with GGUFFile(support) as s:
+        found = target_check(s, path)
+    if found.failed:
+        raise ValidationError(f"support file refused: {found.detail}", path=support)
+    return f"support file {Path(support).name}: {found.detail}"
