@@ -142,6 +142,31 @@ def test_an_inconsistent_engram_config_is_refused_before_writing(release, tmp_pa
 
 # -- the row store ---------------------------------------------------------------------------------------------------
 
+def test_word_and_byte_packers_agree_and_find_the_first_invalid_row():
+    from quantkit.engram.rows import _interleave_checked, _interleave_checked_words
+
+    rng = np.random.default_rng(7)
+    for case in range(300):
+        n = int(rng.integers(1, 40))
+        codes = rng.integers(0, 256, (n, 256), dtype=np.uint8)
+        scales = rng.integers(0, 256, (n, 8), dtype=np.uint8)
+        codes[(codes & 0x7F) == 0x7F] ^= 1
+        scales[scales == 0xFF] = 0
+        bad = sorted(set(rng.integers(0, n, int(rng.integers(0, 3))).tolist()))
+        for r in bad:
+            if rng.integers(0, 2):
+                codes[r, rng.integers(0, 256)] = rng.choice([0x7F, 0xFF])
+            else:
+                scales[r, rng.integers(0, 8)] = 0xFF
+        by_bytes, by_words = np.empty((n, ROW), np.uint8), np.empty((n, ROW), np.uint8)
+        first = _interleave_checked(codes, scales, by_bytes)
+        assert first == _interleave_checked_words(codes.view(np.uint64), scales.view(np.uint64),
+                                                  by_words.view(np.uint64)), case
+        assert first == (bad[0] if bad else -1), case
+        assert np.array_equal(by_bytes, np.concatenate([codes, scales], axis=1))
+        assert np.array_equal(by_words, by_bytes)
+
+
 def test_release_recipe_writes_native_rows_byte_exact(release):
     from gguf import GGUFReader
 
