@@ -112,3 +112,56 @@ def test_score_refuses_a_support_file_of_another_checkpoint_and_a_support_file_a
                                            "64", *extra])
         assert result.exit_code == 2, result.output
         assert message in result.output and "Traceback" not in result.output
+
+
+@pytest.fixture(scope="module")
+def v4_mtp(tmp_path_factory):
+    from quantkit.testing.tiny_mtp import write_v4_with_mtp
+
+    return write_v4_with_mtp(tmp_path_factory.mktemp("v4-mtp") / "v4")
+
+
+def v4_recipe(path: Path) -> str:
+    """llama.cpp's converter's choices for V4 (test_convert_interop), and Q8_0 for the FP8 ``eh_proj`` it builds."""
+    from test_convert_interop import V4_CONVERTER_RECIPE
+
+    path.write_text(V4_CONVERTER_RECIPE + "[[rule]]\nclass = \"mtp\"\nname = 'blk\\.\\d+\\.nextn\\.eh_proj\\.weight'\n"
+                                          "type = \"Q8_0\"\n")
+    return str(path)
+
+
+def test_v4_mtp_support_file_validates_and_pairs(v4_mtp, tmp_path):
+    support = tmp_path / "v4-mtp.gguf"
+    result = CliRunner().invoke(main, ["convert", str(v4_mtp), "-o", str(support), "--recipe", "q8_0", "--no-progress",
+                                       "-j", "1", "--pre-tokenizer", "deepseek-v3", "--support", "mtp"])
+    assert result.exit_code == 0, result.output
+    names = {t.name for t in gguf.GGUFReader(support).tensors}
+    assert {"blk.3.nextn.eh_proj.weight", "output_hc_fn.weight", "token_embd.weight"} <= names
+    assert not any(n.startswith(("blk.0.", "blk.1.", "blk.2.")) for n in names)
+    target = tmp_path / "v4.gguf"
+    made = CliRunner().invoke(main, ["convert", str(v4_mtp), "-o", str(target), "--recipe", "q8_0", "--no-progress",
+                                     "-j", "1", "--pre-tokenizer", "deepseek-v3"])
+    assert made.exit_code == 0, made.output
+    checked = CliRunner().invoke(main, ["validate", str(support), "--source", str(v4_mtp), "--payload", "full",
+                                        "--target", str(target)])
+    assert checked.exit_code == 0, checked.output
+
+
+@pytest.mark.interop
+@pytest.mark.slow
+def test_v4_mtp_support_file_equals_llama_cpp_mtp_export(v4_mtp, tmp_path):
+    from test_arch import LLAMA_CPP_SRC, run_converter
+    from test_convert_interop import metadata_differences, tensor_differences
+
+    if not (LLAMA_CPP_SRC / "convert_hf_to_gguf.py").is_file():
+        pytest.fail(f"llama.cpp's converter not found under {LLAMA_CPP_SRC}")
+    theirs = tmp_path / "mtp-converter.gguf"
+    run_converter(v4_mtp, theirs, "deepseek-v3", "--mtp")
+    ours = tmp_path / "mtp-quantkit.gguf"
+    recipe = v4_recipe(tmp_path / "r.toml")
+    result = CliRunner().invoke(main, ["convert", str(v4_mtp), "-o", str(ours), "--recipe", recipe, "--no-progress",
+                                       "-j", "1", "--pre-tokenizer", "deepseek-v3", "--support", "mtp"])
+    assert result.exit_code == 0, result.output
+    a, b = gguf.GGUFReader(ours), gguf.GGUFReader(theirs)
+    assert tensor_differences(a, b) == []
+    assert metadata_differences(a, b) == []

@@ -38,5 +38,6 @@ def get_arch(model_type: str) -> Arch:
                                f"{', '.join(sorted(ARCHITECTURES))}", field="model_type") from None
 
 
-__all__ = ["ARCHITECTURES", "CLASS_GROUPS", "ROW_TABLE_CLASSES", "TENSOR_CLASSES", "Arch", "ArchMap", "OutputTensor", "TensorMapping",
+__all__ = ["ARCHITECTURES", "CLASS_GROUPS", "ROW_TABLE_CLASSES", "TENSOR_CLASSES", "Arch", "ArchMap", "OutputTensor",
+           "TensorMapping",
            "get_arch"]

@@ -386,7 +386,7 @@ def build_plan(source: str | os.PathLike, recipe: Recipe | str | os.PathLike, *,
                               field="model_type")
         arch = get_arch(model_type)
         recipe.check_architecture(model_type)
-        amap = arch.bind(ckpt.config)
+        amap = arch.bind(ckpt.config, support)
         shapes, encodings = inspect_sources(ckpt)
         outputs = amap.outputs(shapes)
         by_name = {o.gguf_name: o for o in outputs}
@@ -455,7 +455,8 @@ def support_plan(plan: Plan, kind: str, hp: Mapping[str, Any]) -> Plan:
                                f"(num_nextn_predict_layers {hp.get('num_nextn_predict_layers', 0)}; the deepseek_v4 "
                                f"and qwen4_exp maps drop mtp.*, as llama.cpp's converter does for their main file)",
                                field="support")
-    kept = [t for t in plan.tensors if t.name in MTP_SHARED_TENSORS or t in blocks]
+    kept = [t for t in plan.tensors if t.name in MTP_SHARED_TENSORS or t in blocks
+            or all(m.hf_name.startswith("mtp.") for m in t.output.sources)]
     return replace(plan, tensors=kept, support=kind)
 
 

@@ -206,5 +206,6 @@ def merged_metadata(base: Iterable[tuple[str, KV]], extra: Iterable[tuple[str, K
     return list(merged.items())
 
 
-__all__ = ["QUANTIZATION_VERSION", "bootstrap_entries", "checkpoint_identity", "calibration_by_class", "file_type", "merged_metadata",
+__all__ = ["QUANTIZATION_VERSION", "bootstrap_entries", "calibration_by_class", "checkpoint_identity", "file_type",
+           "merged_metadata",
            "overall_calibration", "provenance_metadata"]

@@ -280,6 +280,9 @@ def _encode_pieces(ctx: SourceContext, job: TensorJob) -> Iterator[Piece]:
             yield Piece(e, e * per_matrix, per_matrix,
                         _encoder(ctx, job, e, functools.partial(source, m), expert_rows(m, None)))
         return
+    if out.assembly == "concat_columns":   # every row needs every part
+        yield from whole()
+        return
     if _expert_slices(out):
         for e in range(out.shape[0]):
             load = functools.partial(expert_slice, out.sources[0], e)
