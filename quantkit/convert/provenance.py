@@ -207,5 +207,4 @@ def merged_metadata(base: Iterable[tuple[str, KV]], extra: Iterable[tuple[str, K
 
 
 __all__ = ["QUANTIZATION_VERSION", "bootstrap_entries", "calibration_by_class", "checkpoint_identity", "file_type",
-           "merged_metadata",
-           "overall_calibration", "provenance_metadata"]
+           "merged_metadata", "overall_calibration", "provenance_metadata"]
