@@ -91,6 +91,15 @@ def error_line(exc: BaseException) -> str:
     return " ".join(text.split())
 
 
+def one_output(option: os.PathLike | None, argument: os.PathLike | None) -> os.PathLike:
+    """The output named by ``-o`` or by the positional argument (older scripts), exactly once."""
+    if option is not None and argument is not None and option != argument:
+        raise click.BadParameter(f"two outputs given ({argument} and -o {option})", param_hint="-o/--output")
+    if option is None and argument is None:
+        raise click.BadParameter("name the output with -o/--output", param_hint="-o/--output")
+    return option if option is not None else argument
+
+
 def _quiet_stdout() -> None:
     """After the reader of stdout went away: no further write or the final flush may raise."""
     try:

@@ -10,6 +10,7 @@ from pathlib import Path
 import click
 
 from ..extras import require_runtime
+from . import one_output
 
 DEVICES = ("cpu", "cuda")
 
@@ -136,7 +137,9 @@ def check(path):
 @click.command("score")
 @click.argument("model")
 @click.argument("fixture_dir", metavar="FIXTURE", type=click.Path(exists=True, file_okay=False, path_type=Path))
-@click.argument("out", type=click.Path(dir_okay=False, path_type=Path))
+@click.argument("out_arg", metavar="[OUT]", required=False, type=click.Path(dir_okay=False, path_type=Path))
+@click.option("-o", "--output", "out", type=click.Path(dir_okay=False, path_type=Path),
+              help="the score table to write (OUT.tsv; as a third argument too)")
 @click.option("--ctx", required=True, type=click.IntRange(min=2), help="context limit: prompt + continuation tokens "
               "per case; also the chunk length of --save-logits")
 @click.option("--device", type=click.Choice(DEVICES), default="cpu", show_default=True)
@@ -157,9 +160,10 @@ def check(path):
 @click.option("--arithmetic", type=click.Choice(["float32", "ggml-cpu"]), default="float32", show_default=True,
               help="ggml-cpu: round each product's activations as llama.cpp's CPU backend does (Q8_K/Q8_0/F16 by "
               "weight type; MLA absorbed), for per-token parity with llama-perplexity -ctk f32 -ctv f32")
-def score(model, fixture_dir, out, ctx, device, allow_cross_checkpoint, kld_base, save_logits, tokenizer, sidecars,
+def score(model, fixture_dir, out_arg, out, ctx, device, allow_cross_checkpoint, kld_base, save_logits, tokenizer, sidecars,
           label, table_format, arithmetic):
-    """Score MODEL (GGUF or checkpoint) on FIXTURE; write the per-case table OUT.tsv."""
+    """Score MODEL (GGUF or checkpoint) on FIXTURE; write the per-case table -o OUT.tsv."""
+    out = one_output(out, out_arg)
     require_runtime("quantkit score")
     from ..fixtures.directory import read_fixture
     from ..io.atomic import check_output, input_files
