@@ -177,9 +177,11 @@ def f32_gguf(root: Path, model: Path, pre_tokenizer: str) -> Path:
 
     recipe, out = root / "f32.toml", root / "model-f32.gguf"
     recipe.write_text(F32_RECIPE)
-    subprocess.run([sys.executable, "-m", "quantkit.cli", "convert", str(model), "-o", str(out),
-                    "--recipe", str(recipe), "--pre-tokenizer", pre_tokenizer, "--no-progress"], check=True,
-                   capture_output=True)
+    proc = subprocess.run([sys.executable, "-m", "quantkit.cli", "convert", str(model), "-o", str(out),
+                           "--recipe", str(recipe), "--pre-tokenizer", pre_tokenizer, "--no-progress"],
+                          capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise SystemExit(f"convert to F32 failed:\n{proc.stdout[-2000:]}{proc.stderr[-2000:]}")
     return out
 
 

@@ -33,6 +33,7 @@ import numpy as np
 import torch
 
 from ..arch import ArchMap, get_arch
+from ..arch.dialects import relaid_mappings
 from ..errors import FixtureError, FormatError, UnsupportedError, ValidationError
 from ..io.gguf import KV
 from .inverse import TensorPlan, plan_tensor
@@ -227,6 +228,8 @@ def _load(weights, device: torch.device, dtype: torch.dtype, stream: bool, keep_
         for _, _, name, _ in owners:
             mappings = [m for m in amap.resolve(name) if m.role == "weight"]
             if mappings and all(m.gguf_name is not None for m in mappings):
+                if getattr(weights, "relaid_table", None) is not None:     # ds4's Qwen3.8 layout
+                    mappings = relaid_mappings(mappings, weights.relaid_table)
                 source = (name, mappings)
                 break
         if source is None:      # dropped by the map: vision tower, MTP, constants the model computes itself
