@@ -8,8 +8,8 @@ A name is ``<model>-<recipe fragments>-<suffix><extension>`` in one of these sty
              by ``-``, each ``[Layers<L>][OtherExpertLayers]<label><type>`` or ``...<type><label>`` (both orders
              occur: ``AProjQ8`` and ``Q8Attn``), or a bare ``<type>``.  This is the style of
              :func:`quantkit.recipes.name_tag`.
-``ggml``     ``DeepSeek-V4.1-Flash-IQ2_XXS-Q2_K-imatrix``: bare GGML type names: one type is every routed expert
-             tensor, two are routed gate/up then routed down.
+``ggml``     ``DeepSeek-V4.1-Flash-IQ2_XXS-Q2_K-imatrix``: one or two bare GGML type names (``Q8_0``, not
+             ``Q8``): one type is every routed expert tensor, two are routed gate/up then routed down.
 ``ud``       ``GLM-5.2-UD-IQ2_XXS_RoutedIQ2XXS_blk78Q2K.gguf``: ``UD-<mix>`` then ``_``-joined fragments;
              ``blk<L><type>`` narrows the fragment before it to blocks ``L``.
 ``swapset``  ``nvfp4-swapset-inproj``: a sidecar's encoding and family (claims no GGUF tensor types).
@@ -47,6 +47,7 @@ from typing import Any, Iterable, Mapping
 from .arch import CLASS_GROUPS
 from .errors import FormatError
 from .formats.registry import GGMLType
+from .imatrix.bootstrap import CALIBRATION_KEY
 from .recipes.model import Layers, layers_text
 from .recipes.tags import CLASS_LABELS, type_abbreviation
 
@@ -254,8 +255,7 @@ def _ds4(stem: str, extension: str) -> ArtifactName:
     model = stem[:start].rstrip("-") if matches else stem
     rest = stem[matches[-1].end():].lstrip("-") if matches else ""
     fragments = [_fragment(m, "ds4") for m in matches]
-    ggml = (0 < len(fragments) <= 2 and "_" in fragments[0].type_text
-            and all(f.label is None and f.type_text in GGMLType.__members__ for f in fragments))
+    ggml = 0 < len(fragments) <= 2 and all(f.label is None and f.type_text in GGMLType.__members__ for f in fragments)
     if ggml:
         if len(fragments) == 1:
             fragments = [replace(fragments[0], classes=ROUTED)]
@@ -320,8 +320,8 @@ def _unranged(claims: Iterable[Claim], cls: str) -> Claim | None:
 
 
 def restyle(name: ArtifactName, style: str) -> ArtifactName:
-    """``name`` in another style (``ds4``, ``ggml`` or ``ud``) with the same routed-expert claims; the ``ggml``
-    style keeps only those, the ``ud`` style also the other classes' claims."""
+    """``name`` in another style (``ds4``, ``ggml`` or ``ud``) with the same unranged routed-expert types; the
+    ``ggml`` style keeps only those, the others also ranged expert claims and the other classes' claims."""
     if style == name.style:
         return name
     if style not in ("ds4", "ggml", "ud"):
@@ -333,21 +333,35 @@ def restyle(name: ArtifactName, style: str) -> ArtifactName:
     down_type = (down or gate or bare).types[0] if (down or gate or bare) else None
     if gate_type is None:
         raise FormatError(f"{name.render()} claims no routed-expert type to render in style {style!r}")
+    ranged = [c for c in claims if c.layers is not None and c.classes >= ROUTED]
+    others = [c for c in claims if c.classes and not c.classes <= ROUTED and c.classes in _LABEL_OF]
+    g, d = type_abbreviation(gate_type), type_abbreviation(down_type)
     if style == "ggml":
         types = [gate_type] if gate_type == down_type else [gate_type, down_type]
         fragments = tuple(Fragment(t, classes=c) for t, c in
                           zip(types, [ROUTED] if len(types) == 1 else [ROUTED - {"routed_down"},
                                                                       frozenset({"routed_down"})]))
         return replace(name, style="ggml", fragments=fragments, mix=None)
-    fragments = [Fragment(type_abbreviation(gate_type), "Routed", classes=ROUTED)]
-    fragments += [Fragment(type_abbreviation(c.types[0]), layers=c.layers, classes=ROUTED)
-                  for c in claims if c.layers is not None and c.classes >= ROUTED]
-    if down_type != gate_type:
-        fragments.append(Fragment(type_abbreviation(down_type), "Down", classes=frozenset({"routed_down"})))
-    for c in claims:
-        if c.classes and not c.classes <= ROUTED and c.classes in _LABEL_OF:
-            fragments.append(Fragment(type_abbreviation(c.types[0]), _LABEL_OF[c.classes], layers=c.layers,
-                                      classes=c.classes))
+    if style == "ds4":   # the layout of quantkit.recipes.name_tag
+        fragments = [Fragment(type_abbreviation(c.types[0]), "Experts", True, c.layers, classes=ROUTED)
+                     for c in ranged]
+        if g == d:
+            fragments.append(Fragment(g, "Experts", True, other_layers=bool(ranged), classes=ROUTED))
+        elif ranged:
+            fragments += [Fragment(g, "GateUp", True, other_layers=True, classes=ROUTED - {"routed_down"}),
+                          Fragment(d, "Down", True, classes=frozenset({"routed_down"}))]
+        else:
+            fragments += [Fragment(g, classes=ROUTED - {"routed_down"}),
+                          Fragment(d, "w2", classes=frozenset({"routed_down"}))]
+        fragments += [Fragment(type_abbreviation(c.types[0]), _LABEL_OF[c.classes], layers=c.layers,
+                               classes=c.classes) for c in others]
+        return replace(name, style="ds4", fragments=tuple(fragments), mix=None)
+    fragments = [Fragment(g, "Routed", classes=ROUTED)]
+    fragments += [Fragment(type_abbreviation(c.types[0]), layers=c.layers, classes=ROUTED) for c in ranged]
+    if d != g:
+        fragments.append(Fragment(d, "Down", classes=frozenset({"routed_down"})))
+    fragments += [Fragment(type_abbreviation(c.types[0]), _LABEL_OF[c.classes], layers=c.layers, classes=c.classes)
+                  for c in others]
     return replace(name, style="ud", fragments=tuple(fragments), mix=gate_type)
 
 
@@ -418,7 +432,7 @@ def contradictions(name: ArtifactName, tensors: Iterable[tuple[str, str, int]],
             problems.append(f"name claims {claim.describe()} but no tensor is {' or '.join(claim.types)}")
         elif claim.classes and not count:
             problems.append(f"name claims {claim.describe()} but the file has no such tensor")
-    recorded = metadata.get("quantkit.imatrix.calibration")
+    recorded = metadata.get(CALIBRATION_KEY)
     if name.calibration == CALIBRATION and recorded is not None and "imatrix" not in str(recorded):
         problems.append(f"name claims an imatrix calibration but the file records calibration {recorded!r}")
     label = metadata.get("quantkit.checkpoint_label")
@@ -449,19 +463,52 @@ def sha256_of(path: str | Path, progress: bool = False) -> str:
 
 MANIFEST_FORMAT = "quantkit-release"
 MANIFEST_VERSION = 1
+MANIFEST_SUFFIX = ".release.json"
 
 
-def release_manifest(*, path: Path, sha256: str, suggested: str, recipe_name: str, recipe_sha256: str,
-                     imatrix: Mapping[str, Any] | None, calibration: str, label: str | None,
-                     source: Mapping[str, Any]) -> dict[str, Any]:
-    """The release manifest of a converted file: its name (and the name the grammar suggests), size, SHA-256, the
-    recipe, the calibration (imatrix hash and coverage, or none), the checkpoint label and the source identity."""
+def manifest_path(output: Path) -> Path:
+    """Where the release manifest of ``output`` goes by default: ``<stem>.release.json`` beside it."""
+    return output.with_name(output.stem + MANIFEST_SUFFIX)
+
+
+def model_name(repo_id: str | None, path: Path) -> str:
+    """The model part of a suggested name: the repo's name, else the source directory's (a Hugging Face snapshot
+    directory, ``models--org--name/snapshots/<commit>``, gives ``name``)."""
+    if repo_id:
+        return repo_id.rsplit("/", 1)[-1]
+    if path.parent.name == "snapshots" and path.parent.parent.name.startswith("models--"):
+        return path.parent.parent.name.split("--")[-1]
+    return path.name
+
+
+def release_manifest(path: Path, sha256: str, suggested: str | None) -> dict[str, Any]:
+    """The release manifest of a file quantkit converted, from its provenance keys
+    (:mod:`quantkit.convert.provenance`): its name (and the one the grammar suggests), size, SHA-256, the recipe
+    (name, SHA-256, tag), the calibration (imatrix SHA-256, coverage, datasets, chunks; or none), the checkpoint
+    label and the source identity (repo, revision, every file read with its SHA-256)."""
+    from .io.gguf_reader import GGUFFile
+
+    with GGUFFile(path) as f:
+        meta = {key: kv.value for key, kv in f.metadata.items()}
+    imatrix = None
+    if "quantkit.imatrix.sha256" in meta:
+        imatrix = {"sha256": meta["quantkit.imatrix.sha256"], "coverage": meta.get("quantkit.imatrix.coverage"),
+                   "datasets": list(meta.get("quantkit.imatrix.datasets", [])),
+                   "chunks": meta.get("quantkit.imatrix.chunks"), "synthetic": meta.get("quantkit.imatrix.synthetic"),
+                   "file": meta.get("quantize.imatrix.file")}
+    files = [{"name": n, "sha256": h} for n, h in zip(meta.get("quantkit.source.files", []),
+                                                     meta.get("quantkit.source.sha256", []))]
     return {"format": MANIFEST_FORMAT, "version": MANIFEST_VERSION, "name": path.name, "suggested_name": suggested,
             "size": path.stat().st_size, "sha256": sha256,
-            "recipe": {"name": recipe_name, "sha256": recipe_sha256},
-            "calibration": {"kind": calibration, "imatrix": dict(imatrix) if imatrix else None},
-            "label": label, "source": dict(source)}
+            "recipe": {"name": meta.get("quantkit.recipe.name"), "sha256": meta.get("quantkit.recipe.sha256"),
+                       "tag": meta.get("quantkit.recipe.tag")},
+            "calibration": {"kind": meta.get(CALIBRATION_KEY, "none"), "imatrix": imatrix},
+            "label": meta.get("quantkit.checkpoint_label"),
+            "source": {"repo": meta.get("quantkit.source.repo"), "revision": meta.get("quantkit.source.revision"),
+                       "files": files},
+            "quantkit_version": meta.get("quantkit.version")}
 
 
-__all__ = ["ArtifactName", "Claim", "Fragment", "LABEL_CLASSES", "STYLES", "TYPE_SPELLINGS", "contradictions",
-           "parse", "release_manifest", "restyle", "sha256_of", "suggest", "tensor_class"]
+__all__ = ["ArtifactName", "Claim", "Fragment", "LABEL_CLASSES", "MANIFEST_SUFFIX", "STYLES", "TYPE_SPELLINGS",
+           "contradictions", "manifest_path", "model_name", "parse", "release_manifest", "restyle", "sha256_of",
+           "suggest", "tensor_class"]

@@ -33,6 +33,7 @@ from ..errors import UnsupportedError
 from ..io.gguf_reader import GGUFFile
 from .foreign import foreign_plan, is_foreign, proof_check, source_hash_check, unverified_checks
 from .foreign import metadata_check as foreign_metadata_check
+from .naming import name_check
 from .foreign import tensors_check as foreign_tensors_check
 from .payload import PAYLOAD_MODES, audit
 from .replan import describe_inputs, inventory_checks, replan, source_check
@@ -75,7 +76,7 @@ def _gguf(f: GGUFFile, reader: ArtifactReader, *, source, recipe, imatrix, paylo
     _scan_rest(f, reader, scan, report.tensors, mode)
     scope = "sampled regions only" if mode == "sample" else "every block"
     report.checks = [header_check(f), *layout_checks(f), padding_check(reader, f, payloads=mode != "sample"),
-                     scan.check(f.tensors, scope), metadata_check(f), provenance_check(f)]
+                     scan.check(f.tensors, scope), metadata_check(f), provenance_check(f), name_check(f)]
     if plan is None:
         report.checks += [skipped(name, "--structure-only") for name in INVENTORY_CHECKS]
     else:
@@ -122,7 +123,8 @@ def _foreign(f: GGUFFile, reader: ArtifactReader, *, source, imatrix, mode: str,
     scope = "sampled regions only" if mode == "sample" else "every block"
     report.checks = [header_check(f), *layout_checks(f), padding_check(reader, f, payloads=mode != "sample"),
                      scan.check(f.tensors, scope), metadata_check(f),
-                     skipped("structure.provenance", "not written by quantkit: no quantkit.* provenance keys")]
+                     skipped("structure.provenance", "not written by quantkit: no quantkit.* provenance keys"),
+                     name_check(f)]
     if plan is not None:
         report.source = {"path": str(plan.source.path), "repo": plan.source.repo_id, "revision": plan.source.revision}
         report.recipe = {"name": "inferred from the file's tensor types", "sha256": None, "from": "artifact"}
