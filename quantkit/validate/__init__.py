@@ -16,6 +16,9 @@ validated by :mod:`.foreign`: its plan is inferred from the file (each tensor's 
 from ``source`` and compared, and the verdict counts the tensors proven and those that could not be (with why);
 without a source only the structure is checked, and the report says so.
 
+4. **name** (:mod:`.naming`): what the file name claims (recipe types, imatrix, checkpoint label;
+   :mod:`quantkit.names`) against the tensors and provenance, when it claims anything.
+
 Input that cannot be read (not GGUF, truncated, malformed header, missing source or recipe) raises a
 :class:`~quantkit.errors.QuantkitError`; everything else is a check in the report.  ``structure_only`` skips 2
 and 3 (no source needed).  A path ending ``.json`` or ``.safetensors`` is a sidecar: it is handed to
@@ -33,7 +36,7 @@ from ..errors import UnsupportedError
 from ..io.gguf_reader import GGUFFile
 from .foreign import foreign_plan, is_foreign, proof_check, source_hash_check, unverified_checks
 from .foreign import metadata_check as foreign_metadata_check
-from .naming import name_check
+from .naming import name_checks
 from .foreign import tensors_check as foreign_tensors_check
 from .payload import PAYLOAD_MODES, audit
 from .replan import describe_inputs, inventory_checks, replan, source_check
@@ -76,14 +79,14 @@ def _gguf(f: GGUFFile, reader: ArtifactReader, *, source, recipe, imatrix, paylo
     _scan_rest(f, reader, scan, report.tensors, mode)
     scope = "sampled regions only" if mode == "sample" else "every block"
     report.checks = [header_check(f), *layout_checks(f), padding_check(reader, f, payloads=mode != "sample"),
-                     scan.check(f.tensors, scope), metadata_check(f), provenance_check(f), name_check(f)]
+                     scan.check(f.tensors, scope), metadata_check(f), provenance_check(f)]
     if plan is None:
         report.checks += [skipped(name, "--structure-only") for name in INVENTORY_CHECKS]
     else:
         report.source, report.recipe, report.imatrix = describe_inputs(plan)
         report.checks += [*inventory_checks(f, plan, reader), source_check(f, plan, shards_hashed=mode == "full")]
         report.notes = list(plan.notes)
-    report.checks += payload_checks
+    report.checks += payload_checks + name_checks(f)
     if mode == "sample":
         report.sampled_bytes = (sum(t["bytes_compared"] for t in report.tensors),
                                 sum(t.nbytes for t in f.tensors.values()))
@@ -123,15 +126,14 @@ def _foreign(f: GGUFFile, reader: ArtifactReader, *, source, imatrix, mode: str,
     scope = "sampled regions only" if mode == "sample" else "every block"
     report.checks = [header_check(f), *layout_checks(f), padding_check(reader, f, payloads=mode != "sample"),
                      scan.check(f.tensors, scope), metadata_check(f),
-                     skipped("structure.provenance", "not written by quantkit: no quantkit.* provenance keys"),
-                     name_check(f)]
+                     skipped("structure.provenance", "not written by quantkit: no quantkit.* provenance keys")]
     if plan is not None:
         report.source = {"path": str(plan.source.path), "repo": plan.source.repo_id, "revision": plan.source.revision}
         report.recipe = {"name": "inferred from the file's tensor types", "sha256": None, "from": "artifact"}
         report.imatrix = None if imatrix is None else {"path": str(imatrix), "sha256": None}
         report.notes = list(plan.notes)
         payload_checks.insert(2, source_hash_check(plan))
-    report.checks += payload_checks
+    report.checks += payload_checks + name_checks(f)
     report.io = {"artifact_bytes": f.file_size, "header_bytes": f.data_offset,
                  "artifact_bytes_read": reader.bytes_read,
                  "source_files_hashed_bytes": 0 if plan is None else plan.hashed_bytes}

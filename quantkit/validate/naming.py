@@ -9,18 +9,19 @@ from __future__ import annotations
 
 from ..io.gguf_reader import GGUFFile
 from ..names import contradictions, parse
-from .report import Check, check, skipped
+from .report import Check, check
 
 NAME_CHECK = "name.claims"
 
 
-def name_check(f: GGUFFile) -> Check:
+def name_checks(f: GGUFFile) -> list[Check]:
+    """The ``name.claims`` check, or none when the file name claims nothing."""
     name = parse(f.path.name)
     if not name.claims_anything:
-        return skipped(NAME_CHECK, f"the file name {f.path.name!r} makes no recipe, calibration or label claim")
+        return []
     metadata = {key: kv.value for key, kv in f.metadata.items()}
     tensors = ((t.name, t.type.name, len(t.shape)) for t in f.tensors.values())
     problems = contradictions(name, tensors, metadata)
     claims = len(name.claims) + bool(name.calibration) + bool(name.label)
-    return check(NAME_CHECK, problems, passed=f"{claims} claim{'s' if claims != 1 else ''} of the "
-                 f"{name.style}-style name hold")
+    return [check(NAME_CHECK, problems, passed=f"{claims} claim{'s' if claims != 1 else ''} of the "
+                  f"{name.style}-style name hold")]
