@@ -39,6 +39,7 @@ contradict; a name that parses to no claims contradicts nothing.
 from __future__ import annotations
 
 import hashlib
+import json
 import re
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -464,11 +465,24 @@ def sha256_of(path: str | Path, progress: bool = False) -> str:
 MANIFEST_FORMAT = "quantkit-release"
 MANIFEST_VERSION = 1
 MANIFEST_SUFFIX = ".release.json"
+#: A release manifest is a few KB plus one line per source file.
+MAX_MANIFEST_BYTES = 16 << 20
 
 
 def manifest_path(output: Path) -> Path:
     """Where the release manifest of ``output`` goes by default: ``<stem>.release.json`` beside it."""
     return output.with_name(output.stem + MANIFEST_SUFFIX)
+
+
+def is_release_manifest(path: Path) -> bool:
+    """Whether ``path`` holds a release manifest (convert replaces its own stale record; never another file)."""
+    try:
+        if path.stat().st_size > MAX_MANIFEST_BYTES:
+            return False
+        record = json.loads(path.read_bytes())
+    except (OSError, ValueError):
+        return False
+    return isinstance(record, dict) and record.get("format") == MANIFEST_FORMAT
 
 
 def model_name(repo_id: str | None, path: Path) -> str:
@@ -510,5 +524,5 @@ def release_manifest(path: Path, sha256: str, suggested: str | None) -> dict[str
 
 
 __all__ = ["ArtifactName", "Claim", "Fragment", "LABEL_CLASSES", "MANIFEST_SUFFIX", "STYLES", "TYPE_SPELLINGS",
-           "contradictions", "manifest_path", "model_name", "parse", "release_manifest", "restyle", "sha256_of",
+           "contradictions", "is_release_manifest", "manifest_path", "model_name", "parse", "release_manifest", "restyle", "sha256_of",
            "suggest", "tensor_class"]

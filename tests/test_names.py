@@ -224,6 +224,21 @@ def test_convert_refuses_an_existing_manifest_without_force_before_any_work(conv
     assert not (tmp_path / "x.gguf").exists()
 
 
+def test_convert_replaces_its_own_stale_manifest(converted, tmp_path):
+    source, *_ = converted
+    out = tmp_path / "f16.gguf"
+    args = ["convert", str(source), "-o", str(out), "--recipe", "tiny-moe-f16", "--pre-tokenizer", PRE,
+            "--no-progress", "-j", "1"]
+    assert CliRunner().invoke(main, args).exit_code == 0
+    stale = manifest_path(out).read_text()
+    out.unlink()   # the output is gone; its manifest is left behind
+    result = CliRunner().invoke(main, [*args, "--label", "0731"])
+    assert result.exit_code == 0, result.output
+    fresh = json.loads(manifest_path(out).read_text())
+    assert manifest_path(out).read_text() != stale and fresh["label"] == "0731"
+    assert fresh["sha256"] == hashlib.sha256(out.read_bytes()).hexdigest()
+
+
 def _validate(path: Path):
     return CliRunner().invoke(main, ["validate", str(path), "--structure-only"])
 

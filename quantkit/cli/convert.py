@@ -44,7 +44,8 @@ def _default_jobs() -> int:
               help="GGUF dialect: llama.cpp's tensor names and keys, or ds4's  [default: the recipe's dialect, "
                    "else llama.cpp]")
 @click.option("--release-manifest", "manifest", type=click.Path(dir_okay=False, path_type=Path),
-              help="write the release manifest (name, size, SHA-256, recipe, calibration, label, source) here  "
+              help="write the release manifest (name, size, SHA-256, recipe, calibration, label, source) here; an "
+                   "earlier release manifest there is replaced, any other file only with --force  "
                    "[default: <output stem>.release.json beside the output]")
 @click.option("--progress/--no-progress", default=True, show_default=True, help="show a progress bar")
 def convert(source, out, recipe, imatrix, bootstrap, allow_synthetic_imatrix, jobs, resume, force, label, dry_run,
@@ -69,8 +70,8 @@ def convert(source, out, recipe, imatrix, bootstrap, allow_synthetic_imatrix, jo
         return
     check_outputs(prepared, request, report)
     manifest = manifest or names.manifest_path(out)
-    check_output(manifest, inputs=[*prepared.inputs, out, *([report] if report else [])], overwrite=force or resume,
-                 what="release manifest")
+    check_output(manifest, inputs=[*prepared.inputs, out, *([report] if report else [])],
+                 overwrite=force or resume or names.is_release_manifest(manifest), what="release manifest")
     try:
         result = execute(prepared, request)
     except KeyboardInterrupt:
