@@ -25,9 +25,11 @@ Pieces:
   ``Indexer``, ``Routed``).  A bare type directly before a ``w2`` fragment is the routed gate/up type; any other
   bare type (``-MTP-Q4K-Q8_0-F32``, or a recipe's default type) only claims that the file holds tensors of it.
 - **suffix**: lowercase ``-`` words: the variant before ``imatrix`` (``chat-v2``), the calibration ``imatrix``,
-  qualifiers after it (``fixed``), and a final checkpoint label of 4, 6 or 8 digits (``0731``); ``...`` marks a
-  name quoted with its end elided.
-- the **model** is everything before the first fragment.
+  qualifiers after it (``fixed``), and a final checkpoint label of 4 digits (``0731``, as
+  :data:`quantkit.scoring.source.DS4_NAME_LABEL` reads it); ``...`` marks a name quoted with its end elided.  A
+  split part ends ``-00001-of-00002`` (llama.cpp's shard names) after all of that.
+- the **model** is everything before the first fragment; a name without fragments is a model name with at most a
+  label (``model-0731.gguf``).
 
 Claims are checked most-specific first: a ranged claim (``Layers37-42Q4KExperts``, ``blk78Q2K``) beats an
 unranged one for the tensors in its range, then a claim for fewer classes beats one for more (``Q2KDown`` beats
@@ -107,7 +109,8 @@ _UD_FRAGMENT = re.compile(rf"(?:blk(?P<layers>{_LAYERS}))?(?P<other>)?{_BODY}")
 _UD = re.compile(r"(?P<model>.+?)-UD-(?P<mix>[A-Z0-9]+(?:_[A-Z0-9]+)*?)(?P<fragments>(?:_(?:[A-Z][a-z]|blk\d|w2).*?)?)"
                  r"(?P<suffix>(?:-[a-z0-9.]+)*)")
 _SWAPSET = re.compile(r"(?P<encoding>[a-z0-9]+)-swapset(?P<family>(?:-[a-z0-9]+)*)")
-_LABEL_TOKEN = re.compile(r"\d{4}(?:\d{2}){0,2}")
+_LABEL_TOKEN = re.compile(r"\d{4}")
+_SHARD = re.compile(r"(?P<stem>.+)-(?P<shard>\d{5}-of-\d{5})")
 
 
 def _parse_layers(text: str | None) -> Layers | None:
@@ -183,6 +186,8 @@ class ArtifactName:
     qualifiers: tuple[str, ...] = ()
     label: str | None = None
     elided: bool = False
+    shard: str | None = None
+    """A split part's ``00001-of-00002``."""
     extension: str = ""
 
     @property
@@ -201,14 +206,15 @@ class ArtifactName:
         return words
 
     def render(self) -> str:
+        end = (f"-{self.shard}" if self.shard else "") + self.extension
         if self.style == "swapset":
-            return "-".join([f"{self.mix}-swapset", *self.variant]) + self.extension
+            return "-".join([f"{self.mix}-swapset", *self.variant]) + end
         suffix = self.suffix_words()
         if self.style == "ud":
             head = f"{self.model}-UD-{self.mix}" + "".join(f"_{f.render('ud')}" for f in self.fragments)
-            return "-".join([head, *suffix]) + self.extension
+            return "-".join([head, *suffix]) + end
         parts = [self.model] if self.model else []
-        return "-".join(parts + [f.render(self.style) for f in self.fragments] + suffix) + self.extension
+        return "-".join(parts + [f.render(self.style) for f in self.fragments] + suffix) + end
 
 
 # -- parsing -------------------------------------------------------------------------------------------------------
@@ -253,7 +259,12 @@ def _scan(text: str) -> tuple[int, list[re.Match]]:
 
 def _ds4(stem: str, extension: str) -> ArtifactName:
     start, matches = _scan(stem)
-    model = stem[:start].rstrip("-") if matches else stem
+    if not matches:
+        model, dash, label = stem.rpartition("-")
+        if dash and model and _LABEL_TOKEN.fullmatch(label):
+            return ArtifactName("ds4", model, label=label, extension=extension)
+        return ArtifactName("ds4", stem, extension=extension)
+    model = stem[:start].rstrip("-")
     rest = stem[matches[-1].end():].lstrip("-") if matches else ""
     fragments = [_fragment(m, "ds4") for m in matches]
     ggml = 0 < len(fragments) <= 2 and all(f.label is None and f.type_text in GGMLType.__members__ for f in fragments)
@@ -277,6 +288,8 @@ def parse(name: str) -> ArtifactName:
     base = Path(name).name
     extension = next((e for e in EXTENSIONS if base.endswith(e) and len(base) > len(e)), "")
     stem = base[:len(base) - len(extension)]
+    if m := _SHARD.fullmatch(stem):
+        return replace(parse(m.group("stem") + extension), shard=m.group("shard"))
     if m := _SWAPSET.fullmatch(stem):
         family = tuple(w for w in m.group("family").split("-") if w)
         return ArtifactName("swapset", mix=m.group("encoding"), variant=family, extension=extension)
@@ -429,6 +442,8 @@ def contradictions(name: ArtifactName, tensors: Iterable[tuple[str, str, int]],
             problems.append(f"name claims {claim.describe()} but {len(bad)} of those tensors "
                             f"{'are' if len(bad) > 1 else 'is'} not: {', '.join(bad[:3])}"
                             + (f" and {len(bad) - 3} more" if len(bad) > 3 else ""))
+        elif name.shard:   # a split part holds some of the tensors: only those it has are checked
+            continue
         elif not claim.classes and not set(claim.types) & present:
             problems.append(f"name claims {claim.describe()} but no tensor is {' or '.join(claim.types)}")
         elif claim.classes and not count:

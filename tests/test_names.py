@@ -99,6 +99,25 @@ def test_restyled_names_parse_back_to_the_same_routed_claims(row, style):
         assert unranged(back.claims) == unranged(name.claims)
 
 
+@pytest.mark.parametrize("text", [r["name"] for r in ROWS] + [
+    "GLM-5.3-Flash-Q2-0802-00001-of-00002.gguf", "/models/x-0731/DeepSeek-V4-Flash-IQ2XXS-w2Q2K-chat-v2.gguf",
+    "model-07310.gguf", "model-0731.gguf", "model-0731.gguf.partial", "0731.gguf", "GLM-5.3-Flash-Q2-0731.gguf"])
+def test_the_label_is_the_one_the_scorer_reads_off_a_ds4_name(text):
+    from quantkit.scoring.source import file_name_label
+
+    expected = file_name_label(text if text.endswith(".gguf") else text + ".gguf")   # it reads GGUF names
+    name = parse(text)
+    assert name.label == expected and name.render() == Path(text).name
+
+
+def test_a_split_part_round_trips_and_is_checked_only_for_the_tensors_it_holds():
+    name = parse("GLM-5.3-Flash-IQ2XXS-w2Q2K-SExpQ8-0802-00001-of-00002.gguf")
+    assert (name.shard, name.label, name.model) == ("00001-of-00002", "0802", "GLM-5.3-Flash")
+    assert name.render() == "GLM-5.3-Flash-IQ2XXS-w2Q2K-SExpQ8-0802-00001-of-00002.gguf"
+    assert contradictions(name, _tensors("IQ2_XXS", "Q2_K"), {}) == []       # no shared expert in this part
+    assert contradictions(name, _tensors("Q4_K", "Q2_K"), {})                # but what it holds is checked
+
+
 def test_shipped_recipe_tags_render_the_seed_names():
     q2 = load_recipe("deepseek-v4-flash-iq2xxs-w2q2k")
     assert suggest("DeepSeek-V4-Flash", name_tag(q2), calibration="imatrix", label="0731").render() == \
