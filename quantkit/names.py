@@ -86,10 +86,8 @@ def _type_spellings() -> dict[str, tuple[str, ...]]:
         abbreviation = type_abbreviation(t.name)
         if abbreviation != t.name:
             out[abbreviation] = out.get(abbreviation, ()) + (t.name,)
-    for spelling in [s for s in out if re.fullmatch(r"Q[2-6]", s)] + ["Q2", "Q3", "Q6"]:
-        k_quant = f"{spelling}_K"
-        if k_quant in GGMLType.__members__ and k_quant not in out.get(spelling, ()):
-            out[spelling] = out.get(spelling, ()) + (k_quant,)
+    for bits in range(2, 7):   # ds4's bare Q<n> is also the K-quant (AProjQ4: Q4_K attention)
+        out[f"Q{bits}"] = out.get(f"Q{bits}", ()) + (f"Q{bits}_K",)
     return out
 
 
@@ -105,7 +103,7 @@ _LABEL = f"(?:{_alternation(LABEL_CLASSES)})"
 _LAYERS = r"\d+(?:-\d+)?(?:\+\d+(?:-\d+)?)*"
 _BODY = (rf"(?:(?P<label>{_LABEL})(?P<type>{_TYPE})|(?P<type2>{_TYPE})(?P<label2>{_LABEL})?)")
 _DS4_FRAGMENT = re.compile(rf"(?:Layers(?P<layers>{_LAYERS}))?(?P<other>OtherExpertLayers)?{_BODY}(?=-|$)")
-_UD_FRAGMENT = re.compile(rf"(?:blk(?P<layers>{_LAYERS}))?(?P<other>)?{_BODY}")
+_UD_FRAGMENT = re.compile(rf"(?:blk(?P<layers>{_LAYERS}))?{_BODY}")
 _UD = re.compile(r"(?P<model>.+?)-UD-(?P<mix>[A-Z0-9]+(?:_[A-Z0-9]+)*?)(?P<fragments>(?:_(?:[A-Z][a-z]|blk\d|w2).*?)?)"
                  r"(?P<suffix>(?:-[a-z0-9.]+)*)")
 _SWAPSET = re.compile(r"(?P<encoding>[a-z0-9]+)-swapset(?P<family>(?:-[a-z0-9]+)*)")
@@ -219,12 +217,12 @@ class ArtifactName:
 
 # -- parsing -------------------------------------------------------------------------------------------------------
 
-def _fragment(m: re.Match, style: str, inherited: frozenset[str] = frozenset()) -> Fragment:
+def _fragment(m: re.Match, inherited: frozenset[str] = frozenset()) -> Fragment:
     label = m.group("label") or m.group("label2")
     type_first = m.group("type2") is not None
     classes = LABEL_CLASSES[label] if label else inherited
     return Fragment(m.group("type") or m.group("type2"), label, type_first and label is not None,
-                    _parse_layers(m.group("layers")), bool(m.group("other")), classes)
+                    _parse_layers(m.group("layers")), bool(m.groupdict().get("other")), classes)
 
 
 def _suffix(words: list[str]) -> dict[str, Any]:
@@ -266,7 +264,7 @@ def _ds4(stem: str, extension: str) -> ArtifactName:
         return ArtifactName("ds4", stem, extension=extension)
     model = stem[:start].rstrip("-")
     rest = stem[matches[-1].end():].lstrip("-") if matches else ""
-    fragments = [_fragment(m, "ds4") for m in matches]
+    fragments = [_fragment(m) for m in matches]
     ggml = 0 < len(fragments) <= 2 and all(f.label is None and f.type_text in GGMLType.__members__ for f in fragments)
     if ggml:
         if len(fragments) == 1:
@@ -306,7 +304,7 @@ def _ud_fragments(text: str) -> tuple[Fragment, ...] | None:
         m = _UD_FRAGMENT.fullmatch(part)
         if m is None:
             return None
-        fragments.append(_fragment(m, "ud", fragments[-1].classes if fragments else frozenset()))
+        fragments.append(_fragment(m, fragments[-1].classes if fragments else frozenset()))
     return tuple(fragments)
 
 
@@ -539,5 +537,5 @@ def release_manifest(path: Path, sha256: str, suggested: str | None) -> dict[str
 
 
 __all__ = ["ArtifactName", "Claim", "Fragment", "LABEL_CLASSES", "MANIFEST_SUFFIX", "STYLES", "TYPE_SPELLINGS",
-           "contradictions", "is_release_manifest", "manifest_path", "model_name", "parse", "release_manifest", "restyle", "sha256_of",
-           "suggest", "tensor_class"]
+           "contradictions", "is_release_manifest", "manifest_path", "model_name", "parse", "release_manifest",
+           "restyle", "sha256_of", "suggest", "tensor_class"]
