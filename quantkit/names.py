@@ -53,6 +53,7 @@ from .formats.registry import GGMLType
 from .imatrix.bootstrap import CALIBRATION_KEY
 from .recipes.model import Layers, layers_text
 from .recipes.tags import CLASS_LABELS, type_abbreviation
+from .scoring.source import GGUF_LABEL_KEY
 
 STYLES = ("ds4", "ggml", "ud", "swapset")
 EXTENSIONS = (".gguf", ".safetensors", ".json")
@@ -413,8 +414,9 @@ def contradictions(name: ArtifactName, tensors: Iterable[tuple[str, str, int]],
                    metadata: Mapping[str, Any]) -> list[str]:
     """What the file contradicts of what ``name`` claims: ``tensors`` are (GGUF name, type name, dimensions),
     ``metadata`` the file's key -> value.  Type claims are checked on matrices (2 or more dimensions) against
-    the most specific claim covering each (a recorded recipe's fallback types are accepted); calibration and label
-    only against quantkit's provenance keys (a file without them is checked for tensor types only)."""
+    the most specific claim covering each (a recorded recipe's fallback types are accepted); the calibration against
+    quantkit's recorded calibration and the label against a recorded label (a file without them: tensor types
+    only; the scorer takes an unrecorded label from the name)."""
     claims = name.claims
     fallbacks = _allowed_fallbacks(metadata.get("quantkit.recipe.text"))
     covered = [0] * len(claims)          # tensors of the claim's classes and layers
@@ -449,10 +451,9 @@ def contradictions(name: ArtifactName, tensors: Iterable[tuple[str, str, int]],
     recorded = metadata.get(CALIBRATION_KEY)
     if name.calibration == CALIBRATION and recorded is not None and "imatrix" not in str(recorded):
         problems.append(f"name claims an imatrix calibration but the file records calibration {recorded!r}")
-    label = metadata.get("quantkit.checkpoint_label")
-    if name.label is not None and "quantkit.recipe.name" in metadata and label != name.label:
-        problems.append(f"name claims checkpoint label {name.label} but the file records "
-                        + (f"label {label!r}" if label is not None else "no label"))
+    label = metadata.get(GGUF_LABEL_KEY)
+    if name.label is not None and label is not None and label != name.label:
+        problems.append(f"name claims checkpoint label {name.label} but the file records label {label!r}")
     return problems
 
 
@@ -530,7 +531,7 @@ def release_manifest(path: Path, sha256: str, suggested: str | None) -> dict[str
             "recipe": {"name": meta.get("quantkit.recipe.name"), "sha256": meta.get("quantkit.recipe.sha256"),
                        "tag": meta.get("quantkit.recipe.tag")},
             "calibration": {"kind": meta.get(CALIBRATION_KEY, "none"), "imatrix": imatrix},
-            "label": meta.get("quantkit.checkpoint_label"),
+            "label": meta.get(GGUF_LABEL_KEY),
             "source": {"repo": meta.get("quantkit.source.repo"), "revision": meta.get("quantkit.source.revision"),
                        "files": files},
             "quantkit_version": meta.get("quantkit.version")}

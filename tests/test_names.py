@@ -13,6 +13,7 @@ from click.testing import CliRunner
 
 from quantkit.cli import main
 from quantkit.io.gguf_reader import GGUFFile
+from quantkit.io.gguf_writer import GGUFWriter, plan_layout
 from quantkit.names import contradictions, manifest_path, model_name, parse, restyle, suggest
 from quantkit.recipes import load_recipe, name_tag
 from quantkit.testing.recipe_texts import PRE_TOKENIZER as PRE
@@ -193,6 +194,8 @@ def test_calibration_and_label_are_checked_against_quantkit_provenance_only():
         and "label 0731" in problems[1] and "'0801'" in problems[1]
     ok = {**quantkit, "quantkit.imatrix.calibration": "imatrix+bootstrap", "quantkit.checkpoint_label": "0731"}
     assert contradictions(name, tensors, ok) == []
+    unlabelled = {k: v for k, v in ok.items() if k != "quantkit.checkpoint_label"}
+    assert contradictions(name, tensors, unlabelled) == []   # the scorer takes the label from the name
     assert contradictions(name, tensors, {}) == []   # a foreign file: tensor types only
 
 
@@ -290,3 +293,30 @@ def test_validate_passes_a_consistent_name_and_skips_one_without_claims(converte
     assert lines == ([] if claimed == "anything.gguf" else ["passed"])   # a name claiming nothing adds no check
     with GGUFFile(renamed) as f:   # the claims were checked against tensors that are there
         assert any(t.type.name == "IQ2_XXS" for t in f.tensors.values())
+
+
+def _foreign_gguf(path: Path) -> Path:
+    """A GGUF with no quantkit provenance: routed gate/up Q8_0, routed down and output F16."""
+    tensors = [("blk.0.ffn_gate_exps.weight", (2, 32, 64), "Q8_0"), ("blk.0.ffn_up_exps.weight", (2, 32, 64), "Q8_0"),
+               ("blk.0.ffn_down_exps.weight", (2, 64, 32), "F16"), ("output.weight", (16, 64), "F16")]
+    layout = plan_layout({"general.architecture": "llama"}, tensors)
+    with GGUFWriter(path, layout) as writer:
+        writer.write_header()
+        for name, _, _ in tensors:
+            writer.write_tensor(name, bytes(layout.tensor(name).nbytes))
+        writer.finish()
+    return path
+
+
+@pytest.mark.parametrize("claimed, status", [
+    ("M-Q8GateUp-F16Down-OutF16.gguf", "passed"),
+    ("M-Q8GateUp-F16Down-imatrix-0731.gguf", "passed"),   # no provenance: only the tensor types are checked
+    ("M-IQ2XXS-w2Q2K.gguf", "failed"),
+    ("M-Q8_0.gguf", "failed"),                             # every routed expert Q8_0: the down projection is F16
+])
+def test_a_foreign_file_is_checked_for_tensor_types_only(tmp_path, claimed, status):
+    result = _validate(_foreign_gguf(tmp_path / claimed))
+    lines = [line.split() for line in result.output.splitlines() if "name.claims" in line]
+    assert len(lines) == 1 and lines[0][0] == status, result.output
+    if status == "failed":
+        assert result.exit_code == 1
