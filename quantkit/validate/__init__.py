@@ -9,15 +9,14 @@ check.  For a GGUF file, in order:
    given) and compared tensor by tensor, key by key, size and header bytes; the source's recorded file hashes
    (``provenance.source``);
 3. **payload** (:mod:`.payload`): every tensor, or a sample, re-encoded from the source with the converter's own
-   code (:func:`quantkit.convert.tensors.pieces`) and compared byte for byte, with each tensor's dequantized error against a per-type bound.
+   code (:func:`quantkit.convert.tensors.pieces`) and compared byte for byte, with each tensor's dequantized error against a per-type bound;
+4. **name** (:mod:`.naming`, only when the file name claims something): the recipe types, imatrix and checkpoint
+   label its name claims (:mod:`quantkit.names`) against its tensors and provenance (``name.claims``).
 
 A GGUF quantkit did not write (no recorded recipe, none given: llama.cpp's converter and llama-quantize, ...) is
 validated by :mod:`.foreign`: its plan is inferred from the file (each tensor's stored type), each tensor re-encoded
 from ``source`` and compared, and the verdict counts the tensors proven and those that could not be (with why);
 without a source only the structure is checked, and the report says so.
-
-4. **name** (:mod:`.naming`): what the file name claims (recipe types, imatrix, checkpoint label;
-   :mod:`quantkit.names`) against the tensors and provenance, when it claims anything.
 
 Input that cannot be read (not GGUF, truncated, malformed header, missing source or recipe) raises a
 :class:`~quantkit.errors.QuantkitError`; everything else is a check in the report.  ``structure_only`` skips 2
@@ -36,8 +35,8 @@ from ..errors import UnsupportedError
 from ..io.gguf_reader import GGUFFile
 from .foreign import foreign_plan, is_foreign, proof_check, source_hash_check, unverified_checks
 from .foreign import metadata_check as foreign_metadata_check
-from .naming import name_checks
 from .foreign import tensors_check as foreign_tensors_check
+from .naming import name_checks
 from .payload import PAYLOAD_MODES, audit
 from .replan import describe_inputs, inventory_checks, replan, source_check
 from .report import FAILED, PASSED, Check, Report, skipped
