@@ -244,7 +244,7 @@ def _scan(text: str) -> tuple[int, list[re.Match]]:
     """(start of the fragments, the fragment matches), the fragments starting at the first word that is one."""
     starts = [0] + [m.end() for m in re.finditer("-", text)]
     for start in starts:
-        if not _DS4_FRAGMENT.match(text, start):
+        if start == 1 or not _DS4_FRAGMENT.match(text, start):   # a model name is never empty
             continue
         matches, pos = [], start
         while (m := _DS4_FRAGMENT.match(text, pos)) is not None:
@@ -263,8 +263,9 @@ def _ds4(stem: str, extension: str) -> ArtifactName:
         if dash and model and _LABEL_TOKEN.fullmatch(label):
             return ArtifactName("ds4", model, label=label, extension=extension)
         return ArtifactName("ds4", stem, extension=extension)
-    model = stem[:start].rstrip("-")
-    rest = stem[matches[-1].end():].lstrip("-") if matches else ""
+    model = stem[:start - 1] if start else ""
+    end = matches[-1].end()
+    words = stem[end + 1:].split("-") if end < len(stem) else []   # after the "-" that ends the fragments
     fragments = [_fragment(m) for m in matches]
     ggml = 0 < len(fragments) <= 2 and all(f.label is None and f.type_text in GGMLType.__members__ for f in fragments)
     if ggml:
@@ -278,7 +279,7 @@ def _ds4(stem: str, extension: str) -> ArtifactName:
             if f.label is None and fragments[i + 1].label == "w2":
                 fragments[i] = replace(f, classes=ROUTED - {"routed_down"})
     return ArtifactName("ggml" if ggml else "ds4", model, tuple(fragments),
-                        extension=extension, **_suffix(rest.split("-") if rest else []))
+                        extension=extension, **_suffix(words))
 
 
 def parse(name: str) -> ArtifactName:
@@ -288,7 +289,11 @@ def parse(name: str) -> ArtifactName:
     extension = next((e for e in EXTENSIONS if base.endswith(e) and len(base) > len(e)), "")
     stem = base[:len(base) - len(extension)]
     if m := _SHARD.fullmatch(stem):
-        return replace(parse(m.group("stem") + extension), shard=m.group("shard"))
+        return replace(_parse_stem(m.group("stem"), extension), shard=m.group("shard"))
+    return _parse_stem(stem, extension)
+
+
+def _parse_stem(stem: str, extension: str) -> ArtifactName:
     if m := _SWAPSET.fullmatch(stem):
         family = tuple(w for w in m.group("family").split("-") if w)
         return ArtifactName("swapset", mix=m.group("encoding"), variant=family, extension=extension)
