@@ -23,7 +23,8 @@ Pieces:
   :data:`~quantkit.recipes.CLASS_LABELS` (``AProj``, ``SExp``, ``Out``, ``Experts``, ``Gate``, ``Down``, ...)
   and the seeds' spellings (``w2`` routed down, ``GateUp``, ``Attn``, ``Shared``, ``HC``, ``Compressor``,
   ``Indexer``, ``Routed``).  A bare type directly before a ``w2`` fragment is the routed gate/up type; any other
-  bare type (``-MTP-Q4K-Q8_0-F32``, or a recipe's default type) only claims that the file holds tensors of it.
+  bare type (``-MTP-Q4K-Q8_0-F32``, or a recipe's default type), and a type under a recipe rule's own ``tag``
+  (``MLAQ8``, ``FFNDownQ6K``: a capitalized word that is no type), only claims that the file holds tensors of it.
 - **suffix**: lowercase ``-`` words: the variant before ``imatrix`` (``chat-v2``), the calibration ``imatrix``,
   qualifiers after it (``fixed``), and a final checkpoint label of 4 digits (``0731``, as
   :data:`quantkit.scoring.source.DS4_NAME_LABEL` reads it); ``...`` marks a name quoted with its end elided.  A
@@ -100,7 +101,9 @@ def _alternation(words: Iterable[str]) -> str:
 
 
 _TYPE = f"(?:{_alternation(TYPE_SPELLINGS)})"
-_LABEL = f"(?:{_alternation(LABEL_CLASSES)})"
+#: A recipe rule's own ``tag`` (``MLA``, ``FFNDown``): a capitalized word that does not start with a type spelling.
+_OWN_LABEL = rf"(?!{_TYPE})[A-Z][A-Za-z]*"
+_LABEL = f"(?:{_alternation(LABEL_CLASSES)}|{_OWN_LABEL})"
 _LAYERS = r"\d+(?:-\d+)?(?:\+\d+(?:-\d+)?)*"
 _BODY = (rf"(?:(?P<label>{_LABEL})(?P<type>{_TYPE})|(?P<type2>{_TYPE})(?P<label2>{_LABEL})?)")
 _DS4_FRAGMENT = re.compile(rf"(?:Layers(?P<layers>{_LAYERS}))?(?P<other>OtherExpertLayers)?{_BODY}(?=-|$)")
@@ -221,7 +224,7 @@ class ArtifactName:
 def _fragment(m: re.Match, inherited: frozenset[str] = frozenset()) -> Fragment:
     label = m.group("label") or m.group("label2")
     type_first = m.group("type2") is not None
-    classes = LABEL_CLASSES[label] if label else inherited
+    classes = LABEL_CLASSES.get(label, frozenset()) if label else inherited   # a rule's own tag: no known class
     return Fragment(m.group("type") or m.group("type2"), label, type_first and label is not None,
                     _parse_layers(m.group("layers")), bool(m.groupdict().get("other")), classes)
 
@@ -385,29 +388,69 @@ def restyle(name: ArtifactName, style: str) -> ArtifactName:
 
 # -- checking a file against its name ------------------------------------------------------------------------------
 
+#: GGUF weight name -> class, for both dialects (the classes of quantkit.arch's maps; first match wins).
 _TENSOR_CLASS_PATTERNS = tuple((re.compile(p), cls) for p, cls in (
     (r"blk\.\d+\.ffn_gate_exps\.weight", "routed_gate"),
     (r"blk\.\d+\.ffn_up_exps\.weight", "routed_up"),
     (r"blk\.\d+\.ffn_down_exps\.weight", "routed_down"),
     (r"blk\.\d+\.ffn_(gate|up|down)_shexp\.weight", "shared_expert"),
-    (r"blk\.\d+\.attn_(q|q_a|q_b|qkv)\.weight", "attn_q"),
+    (r"blk\.\d+\.ffn_(gate|up|down)\.weight", "dense_ffn"),
+    (r"blk\.\d+\.attn_(q|q_a|q_b)\.weight", "attn_q"),
     (r"blk\.\d+\.attn_(k|v|kv|kv_a_mqa|k_b|v_b)\.weight", "attn_kv"),
     (r"blk\.\d+\.attn_(output|output_a|output_b)\.weight", "attn_output"),
-    (r"blk\.\d+\.attn_compressor_(kv|gate)\.weight|blk\.\d+\.indexer_compressor_(kv|gate)\.weight", "compressor"),
-    (r"blk\.\d+\.indexer\.\w+\.weight", "indexer"),
-    (r"blk\.\d+\.hc_\w+\.weight|hc_\w+\.weight", "hc"),
+    (r"blk\.\d+\.attn_compressor_(kv|gate)\.weight", "compressor"),
+    (r"blk\.\d+\.(indexer\.\w+|indexer_compressor_(kv|gate))\.weight", "indexer"),
+    (r"blk\.\d+\.kda_(q|k)\.weight", "kda_qk"),
+    (r"blk\.\d+\.kda_v\.weight", "kda_v"),
+    (r"blk\.\d+\.kda_output\.weight", "kda_output"),
+    (r"blk\.\d+\.kda_(f_a|f_b|g_a|g_b|beta)\.weight", "kda_gate"),
+    (r"blk\.\d+\.attn_qkv\.weight", "gdn_qkv"),
+    (r"blk\.\d+\.ssm_(alpha|beta)\.weight", "gdn_ab"),
+    (r"blk\.\d+\.ssm_out\.weight", "gdn_output"),
+    (r"(blk\.\d+\.)?(output_)?hc_\w+\.weight", "hc"),
+    (r"blk\.\d+\.nextn\.\w+\.weight", "mtp"),
     (r"output\.weight", "output"),
     (r"token_embd\.weight", "token_embd"),
 ))
+#: llama.cpp names a KDA block's projections like attention's (attn_q ... attn_output) and its gates ssm_*: a block
+#: holding ssm_f_a is a KDA block.
+_KDA_BLOCK = re.compile(r"blk\.(\d+)\.ssm_f_a\.weight")
+_KDA_NAMES = {"attn_q": "kda_qk", "attn_k": "kda_qk", "attn_v": "kda_v", "attn_output": "kda_output",
+              "ssm_f_a": "kda_gate", "ssm_f_b": "kda_gate", "ssm_g_a": "kda_gate", "ssm_g_b": "kda_gate",
+              "ssm_beta": "kda_gate"}
+#: Block tensor names whose class depends on the architecture (``general.architecture``): ds4's dialect writes
+#: Qwen3.8's gated-delta-net tensors under KDA names, and the two dialects give ``attn_gate`` different roles.
+_ARCH_NAMES: Mapping[str, Mapping[str, str]] = {
+    "qwen38-next": {"kda_q": "gdn_qkv", "kda_k": "gdn_qkv", "kda_v": "gdn_qkv", "kda_alpha": "gdn_ab",
+                    "kda_beta": "gdn_ab", "kda_output": "gdn_output", "kda_gate": "gdn_gate", "attn_gate": "attn_q"},
+    "qwen4exp": {"attn_gate": "gdn_gate"},
+}
+#: The classes :func:`tensor_classes` can find: a claim on any other class is not checked.
+CLASSIFIED = frozenset([cls for _, cls in _TENSOR_CLASS_PATTERNS] + list(_KDA_NAMES.values())
+                       + [cls for names in _ARCH_NAMES.values() for cls in names.values()])
 _LAYER = re.compile(r"blk\.(\d+)\.")
 
 
-def tensor_class(gguf_name: str) -> str | None:
-    """The class of a GGUF weight name, for the classes names make claims about (both dialects); None for others."""
-    for pattern, cls in _TENSOR_CLASS_PATTERNS:
-        if pattern.fullmatch(gguf_name):
-            return cls
-    return None
+def tensor_classes(gguf_names: Iterable[str], architecture: str | None = None) -> dict[str, str]:
+    """GGUF weight name -> tensor class, for the names of one file (either dialect; ``architecture`` its
+    ``general.architecture``) whose class :data:`CLASSIFIED` holds; other names are left out."""
+    names = list(gguf_names)
+    kda_blocks = {m.group(1) for n in names if (m := _KDA_BLOCK.fullmatch(n))}
+    by_arch = _ARCH_NAMES.get(architecture or "", {})
+    out = {}
+    for n in names:
+        m = _LAYER.match(n)
+        short = n[m.end():-len(".weight")] if m and n.endswith(".weight") else None
+        if short in by_arch:
+            out[n] = by_arch[short]
+            continue
+        if short in _KDA_NAMES and m.group(1) in kda_blocks:
+            out[n] = _KDA_NAMES[short]
+            continue
+        cls = next((cls for pattern, cls in _TENSOR_CLASS_PATTERNS if pattern.fullmatch(n)), None)
+        if cls is not None:
+            out[n] = cls
+    return out
 
 
 def _allowed_fallbacks(recipe_text: str | None) -> set[str]:
@@ -426,10 +469,12 @@ def contradictions(name: ArtifactName, tensors: Iterable[tuple[str, str, int]],
     fallbacks = _allowed_fallbacks(metadata.get("quantkit.recipe.text"))
     covered = [0] * len(claims)          # tensors of the claim's classes and layers
     wrong: list[list[str]] = [[] for _ in claims]
-    present = set()
+    tensors = list(tensors)
+    present = {ttype for _, ttype, _ in tensors}
+    classes = tensor_classes((tname for tname, _, ndim in tensors if ndim >= 2),
+                             metadata.get("general.architecture"))
     for tname, ttype, ndim in tensors:
-        present.add(ttype)
-        cls = tensor_class(tname) if ndim >= 2 else None
+        cls = classes.get(tname)
         if cls is None:
             continue
         m = _LAYER.match(tname)
@@ -451,7 +496,7 @@ def contradictions(name: ArtifactName, tensors: Iterable[tuple[str, str, int]],
             continue
         elif not claim.classes and not set(claim.types) & present:
             problems.append(f"name claims {claim.describe()} but no tensor is {' or '.join(claim.types)}")
-        elif claim.classes and not count:
+        elif claim.classes and not count and claim.classes <= CLASSIFIED:
             problems.append(f"name claims {claim.describe()} but the file has no such tensor")
     recorded = metadata.get(CALIBRATION_KEY)
     if name.calibration == CALIBRATION and recorded is not None and "imatrix" not in str(recorded):
@@ -542,6 +587,6 @@ def release_manifest(path: Path, sha256: str, suggested: str | None) -> dict[str
             "quantkit_version": meta.get("quantkit.version")}
 
 
-__all__ = ["ArtifactName", "Claim", "Fragment", "LABEL_CLASSES", "MANIFEST_SUFFIX", "STYLES", "TYPE_SPELLINGS",
-           "contradictions", "is_release_manifest", "manifest_path", "model_name", "parse", "release_manifest",
-           "restyle", "sha256_of", "suggest", "tensor_class"]
+__all__ = ["ArtifactName", "CLASSIFIED", "Claim", "Fragment", "LABEL_CLASSES", "MANIFEST_SUFFIX", "STYLES",
+           "TYPE_SPELLINGS", "contradictions", "is_release_manifest", "manifest_path", "model_name", "parse",
+           "release_manifest", "restyle", "sha256_of", "suggest", "tensor_classes"]

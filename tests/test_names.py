@@ -15,7 +15,8 @@ from click.testing import CliRunner
 from quantkit.cli import main
 from quantkit.io.gguf_reader import GGUFFile
 from quantkit.io.gguf_writer import GGUFWriter, plan_layout
-from quantkit.names import contradictions, manifest_path, model_name, parse, restyle, suggest
+from quantkit.names import (CLASSIFIED, contradictions, manifest_path, model_name, parse, restyle, suggest,
+                            tensor_classes)
 from quantkit.recipes import load_recipe, name_tag
 from quantkit.testing.recipe_texts import PRE_TOKENIZER as PRE
 from quantkit.testing.tiny_models import TinyCheckpointCache
@@ -333,3 +334,23 @@ def test_a_foreign_file_is_checked_for_tensor_types_only(tmp_path, claimed, stat
     assert len(lines) == 1 and lines[0][0] == status, result.output
     if status == "failed":
         assert result.exit_code == 1
+
+
+@pytest.mark.parametrize("dialect", ["llama.cpp", "ds4"])
+@pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v3", "deepseek_v4", "glm5_next", "qwen4_exp"])
+def test_tensor_classes_agree_with_the_architecture_maps(tmp_path_factory, arch, dialect):
+    """The name check's GGUF-name classifier gives every tensor of a planned conversion the class quantkit's own
+    architecture map gives it, for every class it claims to find."""
+    from quantkit.convert import build_plan
+    from quantkit.errors import QuantkitError
+
+    source = TinyCheckpointCache(tmp_path_factory.getbasetemp() / "names-cache").get(arch, "per-expert", "bf16")
+    try:
+        plan = build_plan(source, "q8_0", dialect=dialect, pre_tokenizer=PRE)
+    except QuantkitError as exc:   # no ds4 dialect for the architecture, or not for this tiny config
+        pytest.skip(str(exc))
+    matrices = {t.name: t.output.tensor_class for t in plan.tensors if len(t.output.shape) >= 2}
+    (architecture,) = [kv.value for key, kv in plan.metadata if key == "general.architecture"]
+    found = tensor_classes(matrices, architecture)
+    expected = {n: cls for n, cls in matrices.items() if cls in CLASSIFIED}
+    assert found == expected and expected
