@@ -17,7 +17,7 @@ from quantkit.io.gguf_reader import GGUFFile
 from quantkit.io.gguf_writer import GGUFWriter, plan_layout
 from quantkit.names import (CLASSIFIED, contradictions, manifest_path, model_name, parse, restyle, suggest,
                             tensor_classes)
-from quantkit.recipes import load_recipe, name_tag
+from quantkit.recipes import load_recipe, name_tag, shipped_recipes
 from quantkit.testing.recipe_texts import PRE_TOKENIZER as PRE
 from quantkit.testing.tiny_models import TinyCheckpointCache
 
@@ -354,3 +354,26 @@ def test_tensor_classes_agree_with_the_architecture_maps(tmp_path_factory, arch,
     found = tensor_classes(matrices, architecture)
     expected = {n: cls for n, cls in matrices.items() if cls in CLASSIFIED}
     assert found == expected and expected
+
+
+PLANNED = [(r.name, arch) for r in shipped_recipes()
+           for arch in ("qwen3_moe", "deepseek_v3", "deepseek_v4", "glm5_next", "qwen4_exp") if arch in r.architectures]
+
+
+@pytest.mark.parametrize("recipe_name, arch", PLANNED, ids=[f"{r}-{a}" for r, a in PLANNED])
+def test_the_suggested_name_of_every_shipped_recipe_holds_for_its_plan(tmp_path_factory, recipe_name, arch):
+    """What convert would suggest for a tiny model of each architecture a shipped recipe names, checked against the
+    types quantkit plans for it: no claim contradicted, every routed-expert claim backed by tensors."""
+    from quantkit.convert import build_plan
+
+    source = TinyCheckpointCache(tmp_path_factory.getbasetemp() / "names-cache").get(arch, "per-expert", "bf16")
+    plan = build_plan(source, recipe_name, bootstrap=True, label="0731", pre_tokenizer=PRE)
+    name = suggest(arch, plan.name_tag, label="0731")
+    tensors = [(t.name, t.qtype.name, len(t.output.shape)) for t in plan.tensors]
+    metadata = {"general.architecture": next(kv.value for k, kv in plan.metadata if k == "general.architecture"),
+                "quantkit.recipe.name": recipe_name, "quantkit.recipe.text": plan.recipe.text,
+                "quantkit.checkpoint_label": "0731"}
+    assert contradictions(parse(name.render()), tensors, metadata) == []
+    routed = {t.name: t.qtype.name for t in plan.tensors if "_exps." in t.name}
+    if any(c.classes & {"routed_gate", "routed_down"} for c in name.claims):
+        assert contradictions(parse(name.render()), [(n, "TQ1_0", 3) for n in routed], {})   # the check can fail
