@@ -54,7 +54,7 @@ from .formats.registry import GGMLType
 from .imatrix.bootstrap import CALIBRATION_KEY
 from .recipes.model import Layers, layers_text
 from .recipes.tags import CLASS_LABELS, type_abbreviation
-from .scoring.source import GGUF_LABEL_KEY
+from .scoring.source import GGUF_LABEL_KEY, source_digest
 
 STYLES = ("ds4", "ggml", "ud", "swapset")
 EXTENSIONS = (".gguf", ".safetensors", ".json")
@@ -563,7 +563,8 @@ def release_manifest(path: Path, sha256: str, suggested: str | None) -> dict[str
     """The release manifest of a file quantkit converted, from its provenance keys
     (:mod:`quantkit.convert.provenance`): its name (and the one the grammar suggests), size, SHA-256, the recipe
     (name, SHA-256, tag), the calibration (imatrix SHA-256, coverage, datasets, chunks; or none), the checkpoint
-    label and the source identity (repo, revision, every file read with its SHA-256)."""
+    label and the source identity (repo, revision, every file read with its SHA-256, and the weight-file digest
+    fixtures are matched by: :func:`quantkit.scoring.source.source_digest`)."""
     from .io.gguf_reader import GGUFFile
 
     with GGUFFile(path) as f:
@@ -583,7 +584,7 @@ def release_manifest(path: Path, sha256: str, suggested: str | None) -> dict[str
             "calibration": {"kind": meta.get(CALIBRATION_KEY, "none"), "imatrix": imatrix},
             "label": meta.get(GGUF_LABEL_KEY),
             "source": {"repo": meta.get("quantkit.source.repo"), "revision": meta.get("quantkit.source.revision"),
-                       "files": files},
+                       "digest": source_digest((f["name"], f["sha256"]) for f in files), "files": files},
             "quantkit_version": meta.get("quantkit.version")}
 
 

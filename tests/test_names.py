@@ -244,6 +244,9 @@ def test_convert_suggests_the_name_and_writes_a_manifest_with_the_outputs_sha256
     assert manifest["calibration"] == {"kind": "bootstrap", "imatrix": None}
     files = {f["name"]: f["sha256"] for f in manifest["source"]["files"]}
     assert files and all(files[n] == hashlib.sha256((source / n).read_bytes()).hexdigest() for n in files)
+    weights = sorted(p for p in source.iterdir() if p.suffix == ".safetensors")
+    lines = "".join(f"{p.name}\t{hashlib.sha256(p.read_bytes()).hexdigest()}\n" for p in weights)
+    assert manifest["source"]["digest"] == hashlib.sha256(lines.encode()).hexdigest()
     recorded = json.loads(report.read_text())
     assert recorded["sha256"] == digest and recorded["suggested_name"] == suggested
     assert recorded["release_manifest"] == str(manifest_path(out))
