@@ -35,9 +35,13 @@ Pieces:
 Claims are checked most-specific first: a ranged claim (``Layers37-42Q4KExperts``, ``blk78Q2K``) beats an
 unranged one for the tensors in its range, then a claim for fewer classes beats one for more (``Q2KDown`` beats
 ``RoutedIQ2XXS`` for the down projections).  :func:`contradictions` lists what a file's tensors and provenance
-contradict; a name that parses to no claims contradicts nothing.
+contradict (``quantkit validate``'s ``name.claims`` check, exit 1); a name that parses to no claims contradicts
+nothing.  Tensors are classed from their GGUF names as quantkit's architecture maps class them
+(:func:`tensor_classes`); a claim on a class it cannot find is not checked.  :func:`suggest` renders the ``ds4``
+name of a conversion, :func:`restyle` the same claims in the ``ggml`` and ``ud`` styles.
 
-:func:`release_manifest` and :func:`sha256_of` are what ``quantkit convert`` records about its output.
+``quantkit convert`` prints the suggested name, hashes its output (:func:`sha256_of`, one pass after writing) and
+writes :func:`release_manifest` to ``<output stem>.release.json`` (or ``--release-manifest PATH``).
 """
 from __future__ import annotations
 
