@@ -9,7 +9,9 @@ check.  For a GGUF file, in order:
    given) and compared tensor by tensor, key by key, size and header bytes; the source's recorded file hashes
    (``provenance.source``);
 3. **payload** (:mod:`.payload`): every tensor, or a sample, re-encoded from the source with the converter's own
-   code (:func:`quantkit.convert.tensors.pieces`) and compared byte for byte, with each tensor's dequantized error against a per-type bound.
+   code (:func:`quantkit.convert.tensors.pieces`) and compared byte for byte, with each tensor's dequantized error against a per-type bound;
+4. **name** (:mod:`.naming`, only when the file name claims something): the recipe types, imatrix and checkpoint
+   label its name claims (:mod:`quantkit.names`) against its tensors and provenance (``name.claims``).
 
 A GGUF quantkit did not write (no recorded recipe, none given: llama.cpp's converter and llama-quantize, ...) is
 validated by :mod:`.foreign`: its plan is inferred from the file (each tensor's stored type), each tensor re-encoded
@@ -39,6 +41,7 @@ from ..io.gguf_reader import GGUFFile
 from .foreign import foreign_plan, is_foreign, proof_check, source_hash_check, unverified_checks
 from .foreign import metadata_check as foreign_metadata_check
 from .foreign import tensors_check as foreign_tensors_check
+from .naming import name_checks
 from .payload import PAYLOAD_MODES, audit
 from .replan import describe_inputs, inventory_checks, replan, source_check
 from .report import FAILED, PASSED, Check, Report, skipped
@@ -99,7 +102,7 @@ def _gguf(f: GGUFFile, reader: ArtifactReader, *, source, recipe, imatrix, paylo
         report.source, report.recipe, report.imatrix = describe_inputs(plan)
         report.checks += [*inventory_checks(f, plan, reader), source_check(f, plan, shards_hashed=mode == "full")]
         report.notes = list(plan.notes)
-    report.checks += payload_checks
+    report.checks += payload_checks + name_checks(f)
     if mode == "sample":
         report.sampled_bytes = (sum(t["bytes_compared"] for t in report.tensors),
                                 sum(t.nbytes for t in f.tensors.values()))
@@ -146,7 +149,7 @@ def _foreign(f: GGUFFile, reader: ArtifactReader, *, source, imatrix, mode: str,
         report.imatrix = None if imatrix is None else {"path": str(imatrix), "sha256": None}
         report.notes = list(plan.notes)
         payload_checks.insert(2, source_hash_check(plan))
-    report.checks += payload_checks
+    report.checks += payload_checks + name_checks(f)
     report.io = {"artifact_bytes": f.file_size, "header_bytes": f.data_offset,
                  "artifact_bytes_read": reader.bytes_read,
                  "source_files_hashed_bytes": 0 if plan is None else plan.hashed_bytes}
