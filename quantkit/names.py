@@ -40,12 +40,11 @@ nothing.  Tensors are classed from their GGUF names as quantkit's architecture m
 (:func:`tensor_classes`); a claim on a class it cannot find is not checked.  :func:`suggest` renders the ``ds4``
 name of a conversion, :func:`restyle` the same claims in the ``ggml`` and ``ud`` styles.
 
-``quantkit convert`` prints the suggested name, hashes its output (:func:`sha256_of`, one pass after writing) and
+``quantkit convert`` prints the suggested name, hashes its output (:func:`quantkit.evidence.artifact_sha256`, one pass after writing) and
 writes :func:`release_manifest` to ``<output stem>.release.json`` (or ``--release-manifest PATH``).
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import re
 from dataclasses import dataclass, replace
@@ -65,8 +64,6 @@ EXTENSIONS = (".gguf", ".safetensors", ".json")
 ROUTED = frozenset({"routed_gate", "routed_up", "routed_down"})
 CALIBRATION = "imatrix"
 ELIDED = "..."
-#: Reading the file for its SHA-256 (memory bounded by this).
-HASH_CHUNK_BYTES = 16 << 20
 
 
 def _classes(name: str) -> frozenset[str]:
@@ -513,23 +510,6 @@ def contradictions(name: ArtifactName, tensors: Iterable[tuple[str, str, int]],
 
 # -- what convert records about its output -------------------------------------------------------------------------
 
-def sha256_of(path: str | Path, progress: bool = False) -> str:
-    """Hex SHA-256 of a file in one sequential pass (``progress``: a tqdm bar on stderr).  Convert's writer fills
-    tensors in parallel out of order and rewrites the header last, so the hash is a pass after it finishes.
-    (To be unified with the evidence records' hashing.)"""
-    path = Path(path)
-    digest = hashlib.sha256()
-    size = path.stat().st_size
-    from tqdm import tqdm
-
-    with open(path, "rb") as f, tqdm(total=size, unit="B", unit_scale=True, desc=f"sha256 {path.name}",
-                                     disable=not progress, leave=False) as bar:
-        while block := f.read(HASH_CHUNK_BYTES):
-            digest.update(block)
-            bar.update(len(block))
-    return digest.hexdigest()
-
-
 MANIFEST_FORMAT = "quantkit-release"
 MANIFEST_VERSION = 1
 MANIFEST_SUFFIX = ".release.json"
@@ -594,4 +574,4 @@ def release_manifest(path: Path, sha256: str, suggested: str | None) -> dict[str
 
 __all__ = ["ArtifactName", "CLASSIFIED", "Claim", "Fragment", "LABEL_CLASSES", "MANIFEST_SUFFIX", "STYLES",
            "TYPE_SPELLINGS", "contradictions", "is_release_manifest", "manifest_path", "model_name", "parse",
-           "release_manifest", "restyle", "sha256_of", "suggest", "tensor_classes"]
+           "release_manifest", "restyle", "suggest", "tensor_classes"]

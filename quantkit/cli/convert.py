@@ -7,6 +7,8 @@ from pathlib import Path
 
 import click
 
+from ..evidence import artifact_sha256
+
 from . import EXIT_INTERRUPTED
 
 
@@ -78,7 +80,8 @@ def convert(source, out, recipe, imatrix, bootstrap, allow_synthetic_imatrix, jo
         click.echo("interrupted: the partial output and its journal are kept; run again with --resume to continue",
                    err=True)
         sys.exit(EXIT_INTERRUPTED)
-    sha256 = names.sha256_of(result.path, progress=progress)   # a pass after: the writer is not sequential
+    # a pass after writing (tensors are written in parallel, the header last); kept for evidence records
+    sha256, _ = artifact_sha256(result.path, progress=progress, reuse=False)
     record = names.release_manifest(result.path, sha256, suggested)
     with atomic_output(manifest, overwrite=True) as tmp:   # checked above, before the work
         tmp.write_text(json.dumps(record, indent=1) + "\n")
