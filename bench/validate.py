@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from _common import emit
+from _common import emit, evict
 
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, EXPERT_WIDTH, VOCAB = 2048, 16, 4, 128, 512, 512
 SEED = 20261130
@@ -92,17 +92,6 @@ def resident(paths: list[Path]) -> int:
     out = subprocess.run(["fincore", "--bytes", "--noheadings", "--output", "RES", *map(str, paths)],
                          capture_output=True, text=True, check=True).stdout
     return sum(int(line) for line in out.split())
-
-
-def evict(paths: list[Path]) -> None:
-    """Drop these files' pages from the page cache, so the next reads come from disk."""
-    for path in paths:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
 
 
 def run_measured(args: list[str], evict_paths: list[Path], log: Path) -> dict:
