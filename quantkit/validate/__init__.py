@@ -11,7 +11,9 @@ check.  For a GGUF file, in order:
    given) and compared tensor by tensor, key by key, size and header bytes; the source's recorded file hashes
    (``provenance.source``);
 3. **payload** (:mod:`.payload`): every tensor, or a sample, re-encoded from the source with the converter's own
-   code (:func:`quantkit.convert.tensors.pieces`) and compared byte for byte, with each tensor's dequantized error against a per-type bound.
+   code (:func:`quantkit.convert.tensors.pieces`) and compared byte for byte, with each tensor's dequantized error against a per-type bound;
+4. **name** (:mod:`.naming`, only when the file name claims something): the recipe types, imatrix and checkpoint
+   label its name claims (:mod:`quantkit.names`) against its tensors and provenance (``name.claims``).
 
 A GGUF quantkit did not write (no recorded recipe, none given: llama.cpp's converter and llama-quantize, ...) is
 validated by :mod:`.foreign`: its plan is inferred from the file (each tensor's stored type), each tensor re-encoded
@@ -21,7 +23,10 @@ without a source only the structure is checked, and the report says so.
 Input that cannot be read (not GGUF, truncated, malformed header, missing source or recipe) raises a
 :class:`~quantkit.errors.QuantkitError`; everything else is a check in the report.  ``structure_only`` skips 2
 and 3 (no source needed).  A path ending ``.json`` or ``.safetensors`` is a sidecar: it is handed to
-:func:`quantkit.swapset.validate_sidecar` and its checks are reported as ``sidecar.<check>``.
+:func:`quantkit.swapset.validate_sidecar` and its checks are reported as ``sidecar.<check>``.  A transport
+manifest (``<file>.transport.json``) or a llama.cpp split shard (``<stem>-00001-of-00003.gguf``) is validated as
+transport parts by :mod:`.transport`: the parts' sizes and hashes and the whole file's hash without assembling it,
+or the shard set's split keys and tensor index.
 
 Bytes read: ``none`` and ``full`` read every payload byte of the artifact once; ``sample`` reads the header and the
 sampled regions only (the report's ``io`` section counts them).
@@ -30,17 +35,22 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Sequence
 
 from ..errors import UnsupportedError
+from ..evidence import evidence
 from ..io.gguf_reader import GGUFFile
 from .foreign import foreign_plan, is_foreign, proof_check, source_hash_check, unverified_checks
 from .foreign import metadata_check as foreign_metadata_check
 from .foreign import tensors_check as foreign_tensors_check
 from .engram import row_stores, spec_check
+from .naming import name_checks
 from .support import target_check
 from .payload import PAYLOAD_MODES, audit
 from .replan import describe_inputs, inventory_checks, replan, source_check
 from .report import FAILED, PASSED, Check, Report, skipped
+from ..transport.manifest import is_manifest
+from .transport import is_shard_name, validate_manifest, validate_shards
 from .structure import (ArtifactReader, ScaleScan, header_check, layout_checks, metadata_check, padding_check,
                         provenance_check, scan_tensor)
 
@@ -51,21 +61,30 @@ INVENTORY_CHECKS = ("inventory.tensors", "inventory.metadata", "inventory.file_s
 
 def validate(artifact: str | os.PathLike, *, source: str | None = None, recipe: str | None = None,
              imatrix: str | None = None, payload: str = "sample", seed: int = 0, structure_only: bool = False,
-             target: str | os.PathLike | None = None) -> Report:
-    """Validate ``artifact`` (see the module docstring); with ``target``, ``artifact`` is a support (drafter) file
-    that must come from the same checkpoint as the GGUF ``target`` (:mod:`.support`: ``support.target``)."""
+             command: Sequence[str] | None = None, target: str | os.PathLike | None = None) -> Report:
+    """Validate ``artifact`` (see the module docstring).  The report's evidence record
+    (:func:`quantkit.evidence.evidence`) gives the artifact's SHA-256 and size and ``command`` (default
+    ``sys.argv``).  With ``target``, ``artifact`` is a support (drafter) file that must come from the same
+    checkpoint as the GGUF ``target`` (:mod:`.support`: ``support.target``)."""
     if payload not in PAYLOAD_MODES:
         raise UnsupportedError(f"payload mode {payload!r} is not one of {PAYLOAD_MODES}")
     path = Path(artifact)
+    if is_manifest(path):
+        return validate_manifest(path, payload)
+    if is_shard_name(path):
+        return validate_shards(path)
     if path.suffix in SIDECAR_SUFFIXES:
-        return _sidecar(path, payload, seed)
-    sequential = structure_only or payload != "sample"
-    with GGUFFile(path) as f, ArtifactReader(path, f.file_size, sequential=sequential) as reader:
-        report = _gguf(f, reader, source=source, recipe=recipe, imatrix=imatrix, payload=payload, seed=seed,
-                       structure_only=structure_only)
-        if target is not None:
-            report.checks.append(target_check(f, target))
-        return report
+        report = _sidecar(path, payload, seed)
+    else:
+        sequential = structure_only or payload != "sample"
+        with GGUFFile(path) as f, ArtifactReader(path, f.file_size, sequential=sequential) as reader:
+            report = _gguf(f, reader, source=source, recipe=recipe, imatrix=imatrix, payload=payload, seed=seed,
+                           structure_only=structure_only)
+            if target is not None:
+                report.checks.append(target_check(f, target))
+    # the CPU re-encodes payloads in the converter's own types: no model runs, so no dtype
+    report.evidence = evidence(artifact=path, device="cpu", command=command)
+    return report
 
 
 def _gguf(f: GGUFFile, reader: ArtifactReader, *, source, recipe, imatrix, payload: str, seed: int,
@@ -91,7 +110,7 @@ def _gguf(f: GGUFFile, reader: ArtifactReader, *, source, recipe, imatrix, paylo
         report.source, report.recipe, report.imatrix = describe_inputs(plan)
         report.checks += [*inventory_checks(f, plan, reader), source_check(f, plan, shards_hashed=mode == "full")]
         report.notes = list(plan.notes)
-    report.checks += payload_checks
+    report.checks += payload_checks + name_checks(f)
     if mode == "sample":
         report.sampled_bytes = (sum(t["bytes_compared"] for t in report.tensors),
                                 sum(t.nbytes for t in f.tensors.values()))
@@ -139,7 +158,7 @@ def _foreign(f: GGUFFile, reader: ArtifactReader, *, source, imatrix, mode: str,
         report.imatrix = None if imatrix is None else {"path": str(imatrix), "sha256": None}
         report.notes = list(plan.notes)
         payload_checks.insert(2, source_hash_check(plan))
-    report.checks += payload_checks
+    report.checks += payload_checks + name_checks(f)
     report.io = {"artifact_bytes": f.file_size, "header_bytes": f.data_offset,
                  "artifact_bytes_read": reader.bytes_read,
                  "source_files_hashed_bytes": 0 if plan is None else plan.hashed_bytes}

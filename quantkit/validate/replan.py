@@ -35,6 +35,7 @@ from pathlib import Path
 
 from gguf.constants import GGUFValueType, Keys
 
+from ..arch.dialects import dialect_of
 from ..convert.execute import ConvertRequest, Prepared, file_layout, prepare
 from ..convert.provenance import provenance_metadata
 from ..convert.source import FileHash, ResolvedSource, hash_files, resolve_source
@@ -244,7 +245,7 @@ def replan(f: GGUFFile, *, source: str | None = None, recipe: str | None = None,
     for bootstrap in _bootstrap_candidates(f, imatrix_path):
         request = ConvertRequest(source=str(resolved.path), out=Path(f.path), recipe=recipe_obj,
                                  imatrix=imatrix_path, bootstrap=bootstrap, allow_synthetic_imatrix=True,
-                                 label=label, pre_tokenizer=pre, progress=False,
+                                 label=label, pre_tokenizer=pre, progress=False, dialect=dialect_of(f.metadata),
                                  support=_string(f, "quantkit.support.kind"))
         try:
             prepared = prepare(request)

@@ -32,6 +32,7 @@ from pathlib import Path
 import numpy as np
 from gguf.constants import GGUFValueType, Keys
 
+from ..arch.dialects import ds4_key_types
 from ..errors import TruncatedFileError
 from ..formats.registry import layout as type_layout
 from ..imatrix.bootstrap import BOOTSTRAP_KEY, CALIBRATION_KEY
@@ -300,8 +301,10 @@ def metadata_check(f: GGUFFile) -> Check:
         problems.append(f"{Keys.General.ARCHITECTURE} must be a non-empty STRING, found {type_name(arch.type)} "
                         f"{arch.value!r}")
     else:
+        dialect_types = ds4_key_types(md)     # a ds4-dialect file: ds4's own key types win
         for template, vtype in ARCH_KEY_TYPES.items():
-            problems += _typed(md, template.format(arch=arch.value), vtype)
+            key = template.format(arch=arch.value)
+            problems += _typed(md, key, dialect_types.get(key, vtype))
         problems += [f"{template.format(arch=arch.value)} is missing" for template in REQUIRED_ARCH_KEYS
                      if template.format(arch=arch.value) not in md]
     for key, vtype in KEY_TYPES.items():
