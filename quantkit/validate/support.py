@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..convert.provenance import checkpoint_identity
-from ..errors import ValidationError
+from ..errors import FormatError, ValidationError
 from ..io.gguf_reader import GGUFFile
 from .report import Check, check
 
@@ -61,8 +61,11 @@ def require_pair(model: str | Path, support: str | Path | None) -> str | None:
     the model's (ValidationError naming both); returns the line to record, or None without ``support``."""
     path = Path(model)
     if path.is_file() and path.suffix == ".gguf":
-        with GGUFFile(path) as f:
-            kind = _value(f, KIND_KEY)
+        try:
+            with GGUFFile(path) as f:
+                kind = _value(f, KIND_KEY)
+        except FormatError:   # not a readable GGUF: the model loader refuses it, in its own words
+            kind = None
         if kind is not None:
             raise ValidationError(f"MODEL is a {kind} support (drafter) file, not a model: score its target",
                                   path=path)
