@@ -141,7 +141,7 @@ def inspect(path, as_json, show_all):
 
 # Modules that define extra commands, each exporting ``COMMANDS`` (a list of click commands or groups).
 COMMAND_MODULES: tuple[str, ...] = ("recipes", "convert", "validate", "imatrix", "swapset", "score", "demo",
-                                    "redialect")
+                                    "redialect", "generate", "parity")
 
 
 def _attach_commands() -> None:

@@ -47,6 +47,26 @@ def _with(options):
     return apply
 
 
+#: ``quantkit generate`` and ``fixture capture --sample``.
+sampling_options = [
+    click.option("--temperature", type=float, default=0.6, show_default=True,
+                 help="softmax temperature; 0 or below is greedy (the first maximum)"),
+    click.option("--top-k", type=click.IntRange(min=0), default=20, show_default=True, help="0 is off"),
+    click.option("--top-p", type=float, default=0.95, show_default=True,
+                 help="nucleus mass from the full softmax, the crossing token kept; 0 or >= 1 is off"),
+    click.option("--presence-penalty", type=click.FloatRange(-2, 2), default=0.0, show_default=True),
+    click.option("--frequency-penalty", type=click.FloatRange(-2, 2), default=0.0, show_default=True),
+    click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True,
+                 help="the request's PCG64 stream (numpy.random.default_rng(seed))"),
+]
+
+
+def sampling_params(temperature, top_k, top_p, presence_penalty, frequency_penalty):
+    from ..sampling import SamplingParams
+
+    return SamplingParams(temperature, top_k, top_p, presence_penalty, frequency_penalty)
+
+
 @click.group("fixture")
 def fixture():
     """Capture, import and check ds4-style scoring fixtures."""
@@ -66,11 +86,16 @@ def fixture():
 @click.option("--device", type=click.Choice(DEVICES), default="cpu", show_default=True)
 @click.option("--tokenizer", type=click.Path(exists=True), help="tokenizer directory (default: the source's)")
 @click.option("--force", is_flag=True, help="replace an existing output directory")
+@click.option("--sample", is_flag=True, help="sample the continuations by the classic law with the settings below "
+              "(each case its own request stream of --seed) instead of greedy")
+@_with(sampling_options)
 def capture(source, prompts, tokens, top_logprobs, label, out, rendering, chat_template_kwargs, device, tokenizer,
-            force):
-    """Capture a fixture from SOURCE (safetensors checkpoint or GGUF): greedy continuations (the runtime with a KV
-    cache) and top logprobs."""
+            force, sample, temperature, top_k, top_p, presence_penalty, frequency_penalty, seed):
+    """Capture a fixture from SOURCE (safetensors checkpoint or GGUF): greedy (or --sample) continuations (the
+    runtime with a KV cache) and top logprobs."""
     require_runtime("quantkit fixture capture")
+    sampling = (sampling_params(temperature, top_k, top_p, presence_penalty, frequency_penalty), seed) \
+        if sample else None
     from ..fixtures.capture import capture_fixture, read_prompts
     from ..fixtures.directory import check_label
     from ..scoring.loading import describe_model, load_source
@@ -82,7 +107,8 @@ def capture(source, prompts, tokens, top_logprobs, label, out, rendering, chat_t
     try:
         result = capture_fixture(model, codec, prompt_list, out, label=label, tokens=tokens, top_logprobs=top_logprobs,
                                  rendering=_rendering(rendering, chat_template_kwargs), overwrite=force,
-                                 progress=lambda case: click.echo(f"{case.id} target={len(case.response)}", err=True))
+                                 progress=lambda case: click.echo(f"{case.id} target={len(case.response)}", err=True),
+                                 sampling=sampling)
     finally:
         model.close()
     total = sum(len(c.response) for c in result.cases)
