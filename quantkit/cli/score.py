@@ -142,6 +142,38 @@ def import_(src, out, label, source_model, rendering, chat_template_kwargs, toke
                f"content {result.content_sha256[:16]}")
 
 
+@fixture.command("import-vectors")
+@click.argument("vec", type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@click.option("-o", "--output", "out", required=True, type=click.Path(path_type=Path), help="fixture directory")
+@click.option("--label", required=True, help="the checkpoint label the fixture belongs to (e.g. 0731)")
+@click.option("--source", "source_model", help="the checkpoint (or GGUF) the vectors belong to, to record its "
+              "identity")
+@_with(_rendering_options)
+@click.option("--tokenizer", type=click.Path(exists=True), help="tokenizer directory (default: the source's)")
+@click.option("--force", is_flag=True, help="replace an existing output directory")
+def import_vectors(vec, out, label, source_model, rendering, chat_template_kwargs, tokenizer, force):
+    """Write ds4's logprob test vectors VEC (tests/test-vectors/official.vec; prompts found above it) as a fixture.
+
+    ds4 renders them with its chat template, empty system prompt, thinking disabled: pass the matching
+    --chat-template-kwargs."""
+    from ..fixtures.directory import write_fixture
+    from ..fixtures.ds4_vectors import read_vectors
+    from ..scoring.source import ModelIdentity
+
+    cases = read_vectors(vec)
+    identity = ModelIdentity()
+    if source_model is not None:
+        require_runtime("quantkit fixture import-vectors --source")
+        from ..scoring.loading import describe_model
+
+        identity = describe_model(source_model, tokenizer=tokenizer)[1]
+    result = write_fixture(out, cases, label=label, source=identity,
+                           rendering=_rendering(rendering, chat_template_kwargs), capture=None, overwrite=force)
+    click.echo(f"fixture {result.path}: {len(result.cases)} cases imported from {vec.name}, "
+               f"{sum(len(c.response) for c in result.cases)} reference tokens, label {label}, "
+               f"content {result.content_sha256[:16]}")
+
+
 @fixture.command("check")
 @click.argument("path", type=click.Path(exists=True, file_okay=False, path_type=Path))
 def check(path):
