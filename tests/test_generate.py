@@ -18,7 +18,7 @@ from click.testing import CliRunner
 
 from quantkit.cli import main
 from quantkit.sampling import SamplingParams, first_divergence
-from test_fixtures import text_model  # noqa: F401 - the module fixture
+from test_fixtures import text_model  # noqa: F401 - the module fixture, used by name
 
 ARCH_NAMES = ["deepseek_v3", "deepseek_v4", "glm5_next", "qwen3_moe", "qwen4_exp"]
 PARAMS = SamplingParams(temperature=1.0, top_k=20, top_p=0.95)

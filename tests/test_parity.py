@@ -201,6 +201,8 @@ def test_unusable_inputs_exit_2_with_one_line(tiny, tmp_path, prompt_file):
         (["--stream", write_json(tmp_path / "u.json", {"tokens": [1, 10 ** 6], "seed": 0}), "--tokens",
           prompt_file], "outside the reference's vocabulary"),
         (["--logits", tmp_path / "ok.npy"], "--prompt or --tokens"),
+        (["--logits", tmp_path / "ok.npy", "--tokens", write_json(tmp_path / "ids.json", ["a"])], "ids.json: [0]"),
+        (["--logits", tmp_path / "ok.npy", "--tokens", tmp_path / "ok.npy"], "1-D integer array"),
         ([], "nothing to compare"),
     ]
     for args, message in cases:

@@ -15,24 +15,6 @@ from .score import DEVICES, _rendering, _rendering_options, _with
 _file = click.Path(exists=True, dir_okay=False, path_type=Path)
 
 
-def _read_tokens(path: Path) -> list[int]:
-    from ..errors import FormatError
-    from ..scoring.parity import _int, _read_json
-
-    if path.suffix == ".npy":
-        import numpy as np
-
-        array = np.load(path, allow_pickle=False)
-        if array.ndim != 1 or array.dtype.kind not in "iu" or array.size == 0:
-            raise FormatError(f"expected a non-empty 1-D integer array of token ids, found {array.dtype}"
-                              f"{list(array.shape)}", path=path)
-        return [int(t) for t in array]
-    data = _read_json(path)
-    if not isinstance(data, list) or not data:
-        raise FormatError("expected a non-empty JSON list of token ids", path=path)
-    return [_int(t, f"[{i}]", path) for i, t in enumerate(data)]
-
-
 @click.command("parity")
 @click.argument("model")
 @click.option("--logits", "logits_dump", type=_file,
@@ -58,7 +40,7 @@ def parity(model, logits_dump, streams, hidden, prompt, tokens_file, confident, 
     """Compare an engine's output on MODEL (GGUF or checkpoint) with quantkit's reference: exit 0 when every
     check passes, 1 on a divergence, 2 when an input cannot be used."""
     from ..scoring.parity import (compare_hidden, compare_logits, compare_stream, read_hidden_dump,
-                                  read_logits_dump, read_stream)
+                                  read_logits_dump, read_stream, read_token_ids)
 
     if not (logits_dump or streams or hidden):
         raise click.UsageError("nothing to compare: give --logits, --stream or --hidden")
@@ -68,7 +50,7 @@ def parity(model, logits_dump, streams, hidden, prompt, tokens_file, confident, 
     dump = read_logits_dump(logits_dump) if logits_dump else None
     stream_inputs = [read_stream(p) for p in streams]
     hidden_dump = read_hidden_dump(hidden) if hidden else None
-    tokens = _read_tokens(tokens_file) if tokens_file else None
+    tokens = read_token_ids(tokens_file) if tokens_file else None
     needs_tokens = (dump is not None and dump[0] != "llama") or stream_inputs or hidden_dump is not None
     if needs_tokens and prompt is None and tokens is None:
         raise click.UsageError("--stream, --hidden and .npy or ds4 logits need the engine's input: give --prompt "
@@ -96,14 +78,10 @@ def parity(model, logits_dump, streams, hidden, prompt, tokens_file, confident, 
             return logits(runtime, ids)
 
         if dump is not None:
-            bound = None
-            if dump[0] == "llama":
-                source = RuntimeSource(runtime, model_identity(model, codec))
-
-                def bound(path, each):
-                    return kld_against(source, codec, path, runtime.vocab_size, each)
+            source = RuntimeSource(runtime, model_identity(model, codec)) if dump[0] == "llama" else None
             result = compare_logits(*dump, reference, tokens, runtime.vocab_size, confident=confident,
-                                    kld_against=bound)
+                                    kld_against=lambda path, each: kld_against(source, codec, path,
+                                                                               runtime.vocab_size, each))
             report["logits"] = result.to_json()
             lines += result.report_lines()
         for (stream_tokens, params, seed), path in zip(stream_inputs, streams):

@@ -21,7 +21,8 @@ compressed attention path (sliding window, compressors, indexers, past 128 token
 and logits within ``1e-4 x max |logit|``; the largest difference measured is 1.1e-6 with max |logit| 1.3
 (``bench/fixture_capture.py archs``).  No architecture needs the uncached path.  A sampled 64-token stream with
 seed 0 is identical cached and uncached, with weights decoded per use and kept decoded, on every tiny architecture
-(``tests/test_generate.py``; on CUDA also resident and streamed against the CPU).
+(``tests/test_generate.py``, which also runs CUDA resident and streamed, cached and uncached, against the CPU
+stream where a CUDA device is present).
 
 Checks, as :func:`.loader.logits`: prompt ids outside the vocabulary raise :class:`~quantkit.errors.FixtureError`;
 weights that decode to NaN/inf raise naming the GGUF tensor; non-finite logits raise

@@ -262,6 +262,24 @@ def read_stream(path: str | os.PathLike) -> tuple[list[int], SamplingParams, int
     return tokens, params, _int(data["seed"], "seed", path)
 
 
+def read_token_ids(path: str | os.PathLike) -> list[int]:
+    """The token ids an engine ran: a JSON list or a 1-D integer ``.npy``."""
+    path = Path(path)
+    if path.suffix == ".npy":
+        try:
+            array = np.load(path, allow_pickle=False)
+        except (ValueError, OSError, EOFError) as exc:
+            raise FormatError(f"not a readable .npy array ({exc})", path=path) from None
+        if array.ndim != 1 or array.dtype.kind not in "iu" or array.size == 0:
+            raise FormatError(f"expected a non-empty 1-D integer array of token ids, found {array.dtype}"
+                              f"{list(array.shape)}", path=path)
+        return [int(t) for t in array]
+    data = _read_json(path)
+    if not isinstance(data, list) or not data:
+        raise FormatError("expected a non-empty JSON list of token ids", path=path)
+    return [_int(t, f"[{i}]", path) for i, t in enumerate(data)]
+
+
 def _layer_key(name: str) -> tuple:
     return tuple(int(p) if p.isdigit() else p for p in re.split(r"(\d+)", name))
 
