@@ -35,12 +35,27 @@ which differs only for a request that mixes temperatures).
 
 **The faulty "top-k-renormalized" law** (:func:`top_k_renormalized_distribution`): as the classic one, but the
 top-p mass is taken over the top-k slice renormalized to 1, so a token the full softmax needs can be cut.  This is
-what a Qwen3.8 serving lane did (``CONTEXT.md``, "Sampling parity"); it is also ds4's own law for DeepSeek and
-GLM (``ds4.c`` ``sample_top_p_min_p``: the top-k candidates' ``expf((v - max)/T)`` summed, ``filtered_sum / sum >=
-top_p`` over that slice; ds4 draws with its own xorshift64* generator, a 24-bit float ``((x >> 40) & 0xffffff) /
-2^24`` times the kept mass, subtracting probabilities in rank order; top-k capped at 1024, ``top_p <= 0`` or ``> 1``
-means 1, ``T <= 0`` argmax).  The receipt: logits ``ln([.4, .3, .3/62 x 62])``, ``T = 1, k = 2, p = .5``: the
-classic law keeps tokens 0 and 1 with ``.4/.7`` and ``.3/.7``; the faulty law keeps token 0 alone (``.4/.7 >= .5``).
+what a Qwen3.8 serving lane did (``CONTEXT.md``, "Sampling parity").  The receipt: logits ``ln([.4, .3, .3/62 x
+62])``, ``T = 1, k = 2, p = .5``: the classic law keeps tokens 0 and 1 with ``.4/.7`` and ``.3/.7``; the faulty
+law keeps token 0 alone (``.4/.7 >= .5``).
+
+**The ds4 law** (:class:`Ds4Sampler`, law ``"ds4"``), DeepSeek's and GLM's reference (``CONTEXT.md``), read from
+ds4's public ``ds4.c`` (``sample_top_p_min_p``, ``sample_full_vocab``, ``sample_rng_next``) and proven token for
+token against those functions compiled from that source (``tests/test_sampling.py``):
+
+* float32 throughout: ``p = expf((v - max) / T)``, sums accumulated in order; ``T <= 0``: the first maximum;
+  ``top_p <= 0`` or ``> 1`` means 1; ``min_p`` (< 0 means 0) cuts a ranked token with ``p / sum < (p_0 / sum) *
+  min_p``; no penalties;
+* ``top_k > 0`` (capped at 1024 and the vocabulary): the ``k`` largest logits, ties by ascending id; **the top-p
+  mass is measured over that slice** (``filtered_sum / sum >= top_p`` with ``sum`` over the slice, the crossing
+  token kept) -- the top-k-renormalized law, in float32;
+* ``top_k <= 0``: the whole vocabulary; ``top_p >= 1``: every token (with ``p >= min_p``, unnormalized), drawn in
+  vocabulary order; else ranked by logit (ds4's ``qsort``; ties here by ascending id, which glibc's merge sort
+  gives) with the full sum, the crossing token kept;
+* the draw: ds4's own xorshift64* generator (state = the request's seed, 0 replaced by ``0x9e3779b97f4a7c15``;
+  ``x ^= x >> 12; x ^= x << 25; x ^= x >> 27``, output ``x * 0x2545f4914f6cdd1d``), ``u = ((out >> 40) & 0xffffff)
+  / 2^24``; ``r = u * kept_sum``, then ``r -= p`` over the kept tokens in order until ``r <= 0`` (the last kept
+  token if rounding leaves ``r > 0``); a greedy step and an empty or non-finite sum draw nothing.
 """
 from __future__ import annotations
 
@@ -51,6 +66,7 @@ from typing import Callable, Iterable, Sequence
 import numpy as np
 
 from .errors import ValidationError
+from .scoring.kld import expf
 
 #: OpenAI's (and MTPLX's) range of presence and frequency penalties.
 PENALTY_RANGE = (-2.0, 2.0)
@@ -65,9 +81,11 @@ class SamplingParams:
     top_p: float = 0.95
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    min_p: float = 0.0
+    """ds4 law only (module doc)."""
 
     def __post_init__(self):
-        for name in ("temperature", "top_p", "presence_penalty", "frequency_penalty"):
+        for name in ("temperature", "top_p", "presence_penalty", "frequency_penalty", "min_p"):
             if not np.isfinite(getattr(self, name)):
                 raise ValidationError(f"sampling {name} must be finite, got {getattr(self, name)}")
         if self.top_k < 0:
@@ -79,7 +97,8 @@ class SamplingParams:
 
     def to_json(self) -> dict:
         return {"temperature": self.temperature, "top_k": self.top_k, "top_p": self.top_p,
-                "presence_penalty": self.presence_penalty, "frequency_penalty": self.frequency_penalty}
+                "presence_penalty": self.presence_penalty, "frequency_penalty": self.frequency_penalty,
+                **({"min_p": self.min_p} if self.min_p else {})}
 
 
 def request_stream(seed: int) -> np.random.Generator:
@@ -170,16 +189,24 @@ def draw(probs: np.ndarray, rng: np.random.Generator) -> int:
 
 Law = Callable[[np.ndarray, SamplingParams, Counter], np.ndarray]
 LAWS: dict[str, Law] = {"classic": classic_distribution, "top-k-renormalized": top_k_renormalized_distribution}
+#: Every law a :class:`Sampler` can follow.
+LAW_NAMES = (*LAWS, "ds4")
 
 
 class Sampler:
     """One request: the law, its settings, the request stream and the generated-token counts.
 
-    ``next(row)`` chooses the token for a logits row and records it; greedy settings never touch the stream."""
+    ``next(row)`` chooses the token for a logits row and records it; greedy settings never touch the stream.
+    ``law="ds4"`` builds a :class:`Ds4Sampler`."""
+
+    def __new__(cls, params: SamplingParams, seed: int, law: str = "classic"):
+        if law == "ds4":
+            return Ds4Sampler(params, seed)
+        return super().__new__(cls)
 
     def __init__(self, params: SamplingParams, seed: int, law: str = "classic"):
         if law not in LAWS:
-            raise ValidationError(f"unknown sampling law {law!r}; known: {', '.join(LAWS)}")
+            raise ValidationError(f"unknown sampling law {law!r}; known: {', '.join(LAW_NAMES)}")
         self.params, self.seed, self.law = params, seed, LAWS[law]
         self.rng = request_stream(seed)
         self.counts: Counter = Counter()
@@ -216,8 +243,75 @@ def first_divergence(rows: Iterable[np.ndarray], tokens: Sequence[int], params: 
     sampler = Sampler(params, seed, law)
     for i, (row, token) in enumerate(zip(rows, tokens)):
         probs = sampler.distribution(row)
-        expected = int(np.argmax(probs)) if params.greedy else draw(probs, sampler.rng)
+        expected = sampler.next(row)
         if expected != int(token):
             return Divergence(i, expected, int(token), float(probs[int(token)]) if 0 <= token < len(probs) else 0.0)
-        sampler.counts[expected] += 1
     return None
+
+
+_MASK64 = (1 << 64) - 1
+F32 = np.float32
+
+
+class Ds4Sampler:
+    """The ds4 law and generator (module doc) for one request; ``seed`` is the generator's initial state."""
+
+    def __init__(self, params: SamplingParams, seed: int):
+        if params.presence_penalty or params.frequency_penalty:
+            raise ValidationError("the ds4 law has no presence or frequency penalties")
+        self.params, self.seed, self.state = params, seed, seed & _MASK64
+
+    def uniform(self) -> np.float32:
+        x = self.state or 0x9E3779B97F4A7C15
+        x ^= x >> 12
+        x ^= (x << 25) & _MASK64
+        x ^= x >> 27
+        self.state = x
+        return F32((((x * 0x2545F4914F6CDD1D) & _MASK64) >> 40) & 0xFFFFFF) / F32(16777216.0)
+
+    def _kept(self, row: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.float32] | int:
+        """``(ids, weights, kept_sum)`` in draw order, or the token itself where ds4 draws nothing."""
+        row = np.asarray(_check_row(row), F32)
+        params = self.params
+        if params.temperature <= 0:
+            return int(np.argmax(row))
+        temperature = F32(params.temperature)
+        top_p = F32(params.top_p if 0 < params.top_p <= 1 else 1.0)
+        min_p = F32(max(params.min_p, 0.0))
+        if params.top_k <= 0 and top_p >= 1:
+            weights = expf((row - row.max()) / temperature)
+            ids = np.flatnonzero(weights >= min_p)      # min_p against unnormalized weights, as ds4
+            total = np.add.accumulate(weights[ids], dtype=F32)[-1]
+            return (ids, weights[ids], total) if 0 < total < np.inf else int(np.argmax(row))
+        order = np.lexsort((np.arange(len(row)), -row))
+        if params.top_k > 0:
+            order = order[:min(params.top_k, 1024)]
+        weights = expf((row[order] - row[order[0]]) / temperature)
+        # the slice's sum in rank order; the whole vocabulary's in vocabulary order, before ds4 sorts it
+        total = np.add.accumulate(weights if params.top_k > 0 else expf((row - row[order[0]]) / temperature),
+                                  dtype=F32)[-1]
+        if not 0 < total < np.inf:
+            return int(order[0])
+        min_prob = (weights[0] / total) * min_p
+        below = np.flatnonzero(weights[1:] / total < min_prob)
+        crossed = np.flatnonzero(np.add.accumulate(weights, dtype=F32) / total >= top_p)
+        kept = min(int(below[0]) + 1 if len(below) else len(order), int(crossed[0]) + 1 if len(crossed) else len(order))
+        return order[:kept], weights[:kept], np.add.accumulate(weights[:kept], dtype=F32)[-1]
+
+    def distribution(self, row: np.ndarray) -> np.ndarray:
+        kept = self._kept(row)
+        out = np.zeros(len(row))
+        if isinstance(kept, int):
+            out[kept] = 1.0
+        else:
+            out[kept[0]] = kept[1].astype(np.float64) / float(kept[2])
+        return out
+
+    def next(self, row: np.ndarray) -> int:
+        kept = self._kept(row)
+        if isinstance(kept, int):
+            return kept
+        ids, weights, total = kept
+        remaining = np.subtract.accumulate(np.concatenate(([self.uniform() * total], weights)), dtype=F32)[1:]
+        hit = np.flatnonzero(remaining <= 0)
+        return int(ids[hit[0]] if len(hit) else ids[-1])

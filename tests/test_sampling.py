@@ -7,8 +7,13 @@ figures are float32 results and are compared to 2^-23 (two float32 ulps at 0.5).
 """
 from __future__ import annotations
 
+import ctypes
 import math
+import re
+import shutil
+import subprocess
 from collections import Counter
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -246,3 +251,73 @@ def test_bad_settings_and_rows_are_refused():
         classic_distribution(np.array([0.0, 1.0, np.inf]), SamplingParams())
     with pytest.raises(ValidationError, match="law"):
         Sampler(SamplingParams(), 0, law="nucleus")
+
+
+# -- the ds4 law against ds4's own sampler ----------------------------------------------------------------------------
+
+DS4_MIRROR = Path("/work/.mirror/antirez+ds4/repo")
+
+
+@pytest.fixture(scope="module")
+def ds4_sampler(tmp_path_factory):
+    """ds4's sampler functions (sample_argmax .. sample_top_p_min_p) cut from ds4.c as published and compiled
+    with a call wrapper; skipped where ds4's repository is not mirrored or no C compiler is installed."""
+    if not DS4_MIRROR.is_dir() or shutil.which("gcc") is None:
+        pytest.skip("needs ds4's repository mirror and gcc")
+    source = subprocess.run(["git", "-C", str(DS4_MIRROR), "show", "HEAD:ds4.c"], check=True,
+                            capture_output=True, text=True).stdout
+    start = source.index("static int sample_argmax(const float *logits, uint32_t n_vocab) {")
+    end = source.index("static void print_top_logits(")
+    body = re.sub(r"static DS4_MAYBE_UNUSED void logits_top2\(.*?\n}\n", "", source[start:end], flags=re.S)
+    program = ("#include <math.h>\n#include <stdint.h>\n#include <stdlib.h>\n#define DS4_NEG_INF (-1.0e30f)\n"
+               "#define xmalloc malloc\n" + body +
+               "\nint call_sample(const float *l, uint32_t n, float t, int k, float p, float m, uint64_t *rng) {"
+               " return sample_top_p_min_p(l, n, t, k, p, m, rng); }\n")
+    folder = tmp_path_factory.mktemp("ds4-sampler")
+    (folder / "sampler.c").write_text(program)
+    subprocess.run(["gcc", "-O2", "-shared", "-fPIC", "-ffp-contract=off", "-o", str(folder / "sampler.so"),
+                    str(folder / "sampler.c"), "-lm"], check=True, capture_output=True)
+    lib = ctypes.CDLL(str(folder / "sampler.so"))
+    lib.call_sample.restype = ctypes.c_int
+    lib.call_sample.argtypes = [ctypes.POINTER(ctypes.c_float), ctypes.c_uint32, ctypes.c_float, ctypes.c_int,
+                                ctypes.c_float, ctypes.c_float, ctypes.POINTER(ctypes.c_uint64)]
+
+    def sample(row, temperature, top_k, top_p, min_p, state):
+        row = np.ascontiguousarray(row, np.float32)
+        rng = ctypes.c_uint64(state)
+        token = lib.call_sample(row.ctypes.data_as(ctypes.POINTER(ctypes.c_float)), len(row), temperature, top_k,
+                                top_p, min_p, ctypes.byref(rng))
+        return token, rng.value
+
+    return sample
+
+
+DS4_SETTINGS = [(0.6, 20, 0.95, 0.0), (1.0, 20, 0.95, 0.0), (0.5, 2, 1.0, 0.0), (1.0, 0, 1.0, 0.0),
+                (0.8, 0, 0.9, 0.0), (1.0, 0, 0.0, 0.05), (1.0, 5, 0.5, 0.2), (0.0, 20, 0.9, 0.0),
+                (1.3, 2000, 0.7, 0.0), (1.0, 2, 0.5, 0.0)]
+
+
+@pytest.mark.parametrize("settings", DS4_SETTINGS, ids=[str(s) for s in DS4_SETTINGS])
+def test_ds4_law_is_ds4s_sampler(ds4_sampler, settings):
+    """Token for token and generator state for state, over many rows (ties included) and seeds."""
+    temperature, top_k, top_p, min_p = settings
+    params = SamplingParams(temperature, top_k, top_p, min_p=min_p)
+    generator = np.random.default_rng(5)
+    for trial in range(40):
+        row = generator.normal(0, 3, 1500).astype(np.float32)
+        row[generator.integers(0, 1500, 30)] = row.max()            # ties at the top
+        seed = int(generator.integers(0, 2 ** 63)) if trial % 5 else 0
+        sampler = Sampler(params, seed, law="ds4")
+        state = seed
+        for _ in range(5):
+            token, state = ds4_sampler(row, temperature, top_k, top_p, min_p, state)
+            assert sampler.next(row) == token and sampler.state == state
+
+
+def test_ds4_law_on_the_receipt_is_the_faulty_one():
+    """ds4 with top-k measures top-p over the slice: on the receipt it keeps token 0 alone, as the faulty law."""
+    sampler = Sampler(RECEIPT, seed=1, law="ds4")
+    assert as_dict(sampler.distribution(RECEIPT_LOGITS)) == {0: 1.0}
+    assert {sampler.next(RECEIPT_LOGITS) for _ in range(128)} == {0}
+    with pytest.raises(ValidationError, match="penalties"):
+        Sampler(SamplingParams(presence_penalty=0.5), 0, law="ds4")
