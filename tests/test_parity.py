@@ -159,6 +159,15 @@ def test_sampled_streams(tiny, tmp_path, prompt_file):
                        "--json")
     report = json.loads(output)
     assert code == 1 and report["streams"][0]["first_divergence"]["position"] >= 1 and report["streams"][1]["passed"]
+    # a DeepSeek/GLM engine's stream follows the ds4 law and generator
+    ds4 = continuation(model, PROMPT, 16, Sampler(params, 7, law="ds4").next).tokens
+    ds4_file = write_json(tmp_path / "ds4.json", {"tokens": ds4, "seed": 7, "law": "ds4", **settings})
+    code, output = run(path, "--stream", ds4_file, "--tokens", prompt_file)
+    assert code == 0 and "the ds4 law replayed on the reference draws every token" in output
+    code, output = run(path, "--stream", write_json(tmp_path / "as_classic.json", {"tokens": ds4, "seed": 7,
+                                                                                    **settings}),
+                       "--tokens", prompt_file)
+    assert code == 1, output
 
 
 # -- (c) hidden states -------------------------------------------------------------------------------------------
@@ -200,6 +209,11 @@ def test_unusable_inputs_exit_2_with_one_line(tiny, tmp_path, prompt_file):
         (["--logits", write_json(tmp_path / "x.json", {"source": "other"}), "--tokens", prompt_file], "x.json"),
         (["--stream", write_json(tmp_path / "u.json", {"tokens": [1, 10 ** 6], "seed": 0}), "--tokens",
           prompt_file], "outside the reference's vocabulary"),
+        (["--stream", write_json(tmp_path / "l.json", {"tokens": [1], "seed": 0, "law": "nucleus"}), "--tokens",
+          prompt_file], "law: expected one of"),
+        (["--stream", write_json(tmp_path / "p.json", {"tokens": [1], "seed": 0, "law": "ds4",
+                                                         "presence_penalty": 1}), "--tokens", prompt_file],
+         "no presence or frequency penalties"),
         (["--logits", tmp_path / "ok.npy"], "--prompt or --tokens"),
         (["--logits", tmp_path / "ok.npy", "--tokens", write_json(tmp_path / "ids.json", ["a"])], "ids.json: [0]"),
         (["--logits", tmp_path / "ok.npy", "--tokens", tmp_path / "ok.npy"], "1-D integer array"),

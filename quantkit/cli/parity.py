@@ -21,7 +21,7 @@ _file = click.Path(exists=True, dir_okay=False, path_type=Path)
               help="the engine's logits: a llama-perplexity --kl-divergence-base file, ds4 --dump-logprobs JSON, "
                    "or .npy [positions, vocab]")
 @click.option("--stream", "streams", type=_file, multiple=True,
-              help="a sampled stream: JSON {tokens, seed, temperature, top_k, top_p, ...} (repeatable)")
+              help="a sampled stream: JSON {tokens, seed, temperature, top_k, top_p, ..., law} (repeatable)")
 @click.option("--hidden", type=_file, help="the engine's per-layer hidden states: .npy [layers, positions, ...] "
               "or .npz (one array per layer)")
 @click.option("--prompt", help="the prompt the engine ran (rendered with --rendering)")
@@ -84,8 +84,8 @@ def parity(model, logits_dump, streams, hidden, prompt, tokens_file, confident, 
                                                                                runtime.vocab_size, each))
             report["logits"] = result.to_json()
             lines += result.report_lines()
-        for (stream_tokens, params, seed), path in zip(stream_inputs, streams):
-            result = compare_stream(stream_tokens, params, seed, reference, tokens, runtime.vocab_size)
+        for (stream_tokens, params, seed, law), path in zip(stream_inputs, streams):
+            result = compare_stream(stream_tokens, params, seed, reference, tokens, runtime.vocab_size, law)
             report.setdefault("streams", []).append({"file": str(path), **result.to_json()})
             lines += result.report_lines()
         if hidden_dump is not None:

@@ -22,10 +22,11 @@ top-1 tokens agree, and the rule **a confident reference top-1 (probability >= `
 from the engine's top 8 is a bug**: any such position fails the comparison.
 
 **(b) sampled token streams** (:func:`read_stream`): a JSON object ``{"tokens": [...], "seed": int, "temperature",
-"top_k", "top_p", "presence_penalty", "frequency_penalty"}`` (settings default to :class:`~quantkit.sampling
-.SamplingParams`'), the continuation of the prompt.  The classic law is replayed with the seed on the reference's
-rows (:func:`quantkit.sampling.first_divergence`); the first position where it draws another token fails, and the
-report says whether the faulty top-k-renormalized law reproduces the stream instead.
+"top_k", "top_p", "presence_penalty", "frequency_penalty", "min_p", "law"}`` (settings default to
+:class:`~quantkit.sampling.SamplingParams`', ``law`` to ``"classic"``; ``"ds4"`` for DeepSeek and GLM engines), the
+continuation of the prompt.  The law is replayed with the seed on the reference's rows
+(:func:`quantkit.sampling.first_divergence`); the first position where it draws another token fails, and for the
+classic law the report says whether the faulty top-k-renormalized law reproduces the stream instead.
 
 **(c) per-layer hidden states** (:func:`read_hidden_dump`): a ``.npy`` array ``[layers, positions, ...]`` or an
 ``.npz`` of one array per layer (in key order, ``layer_2`` before ``layer_10``), compared with transformers'
@@ -50,7 +51,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from ..errors import FormatError, ValidationError
-from ..sampling import SamplingParams, first_divergence
+from ..sampling import LAW_NAMES, Sampler, SamplingParams, first_divergence
 from .kld import MAGIC, KldAccumulator, KldStats
 
 CONFIDENT = 0.5
@@ -241,25 +242,30 @@ def read_logits_dump(path: str | os.PathLike) -> tuple[str, Any]:
     return kind, path
 
 
-def read_stream(path: str | os.PathLike) -> tuple[list[int], SamplingParams, int]:
-    """``(tokens, settings, seed)`` of a sampled stream file (module doc, (b))."""
+def read_stream(path: str | os.PathLike) -> tuple[list[int], SamplingParams, int, str]:
+    """``(tokens, settings, seed, law)`` of a sampled stream file (module doc, (b))."""
     path = Path(path)
     data = _read_json(path)
-    known = {"tokens", "seed", "temperature", "top_k", "top_p", "presence_penalty", "frequency_penalty"}
+    known = {"tokens", "seed", "law", "temperature", "top_k", "top_p", "presence_penalty", "frequency_penalty",
+             "min_p"}
     if not isinstance(data, dict) or not isinstance(data.get("tokens"), list) or not data["tokens"] \
             or "seed" not in data or set(data) - known:
         raise FormatError(f"a stream file is a JSON object with a non-empty list 'tokens', an integer 'seed' and "
                           f"optional sampling settings (keys {sorted(known)})", path=path)
     tokens = [_int(t, f"tokens[{i}]", path) for i, t in enumerate(data["tokens"])]
-    settings = {k: data[k] for k in known - {"tokens", "seed"} if k in data}
+    law = data.get("law", "classic")
+    if law not in LAW_NAMES:
+        raise FormatError(f"law: expected one of {', '.join(LAW_NAMES)}, found {law!r}", path=path)
+    settings = {k: data[k] for k in known - {"tokens", "seed", "law"} if k in data}
     for key, value in settings.items():
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise FormatError(f"{key}: expected a number, found {value!r}", path=path)
     try:
         params = SamplingParams(**settings)
+        Sampler(params, 0, law)         # the law accepts the settings
     except (ValidationError, TypeError) as exc:
         raise FormatError(str(exc), path=path) from None
-    return tokens, params, _int(data["seed"], "seed", path)
+    return tokens, params, _int(data["seed"], "seed", path), law
 
 
 def read_token_ids(path: str | os.PathLike) -> list[int]:
@@ -369,6 +375,7 @@ class StreamParity:
     tokens: int
     seed: int
     params: SamplingParams
+    law: str
     divergence: Any
     faulty_law_matches: bool
 
@@ -377,16 +384,17 @@ class StreamParity:
         return self.divergence is None
 
     def to_json(self) -> dict[str, Any]:
-        return {"tokens": self.tokens, "seed": self.seed, "sampling": self.params.to_json(), "passed": self.passed,
+        return {"tokens": self.tokens, "seed": self.seed, "law": self.law, "sampling": self.params.to_json(),
+                "passed": self.passed,
                 "first_divergence": None if self.divergence is None else self.divergence.to_json(),
                 "top_k_renormalized_law_matches": self.faulty_law_matches}
 
     def report_lines(self) -> list[str]:
         head = f"stream: {self.tokens} tokens, seed {self.seed}"
         if self.divergence is None:
-            return [f"{head}: the classic law replayed on the reference draws every token: pass"]
+            return [f"{head}: the {self.law} law replayed on the reference draws every token: pass"]
         d = self.divergence
-        lines = [f"{head}: FAIL: first divergence at token {d.position}: the classic law draws {d.expected}, the "
+        lines = [f"{head}: FAIL: first divergence at token {d.position}: the {self.law} law draws {d.expected}, the "
                  f"stream has {d.found} (reference law probability {d.found_probability:.6g})"]
         if self.faulty_law_matches:
             lines.append("  the top-k-renormalized law reproduces the whole stream: the engine normalizes top-p "
@@ -395,13 +403,14 @@ class StreamParity:
 
 
 def compare_stream(tokens: Sequence[int], params: SamplingParams, seed: int, reference: Logits,
-                   prompt: Sequence[int], n_vocab: int) -> StreamParity:
-    """Replay the classic law on the reference's rows (module doc, (b))."""
+                   prompt: Sequence[int], n_vocab: int, law: str = "classic") -> StreamParity:
+    """Replay the law on the reference's rows (module doc, (b))."""
     _check_ids(tokens, n_vocab, "stream")
     rows = reference(list(prompt) + list(tokens)[:-1])[len(prompt) - 1:]
-    divergence = first_divergence(rows, tokens, params, seed)
-    faulty = divergence is not None and first_divergence(rows, tokens, params, seed, "top-k-renormalized") is None
-    return StreamParity(len(tokens), seed, params, divergence, faulty)
+    divergence = first_divergence(rows, tokens, params, seed, law)
+    faulty = law == "classic" and divergence is not None \
+        and first_divergence(rows, tokens, params, seed, "top-k-renormalized") is None
+    return StreamParity(len(tokens), seed, params, law, divergence, faulty)
 
 
 @dataclass(frozen=True)
