@@ -207,6 +207,8 @@ class Sampler:
     def __init__(self, params: SamplingParams, seed: int, law: str = "classic"):
         if law not in LAWS:
             raise ValidationError(f"unknown sampling law {law!r}; known: {', '.join(LAW_NAMES)}")
+        if params.min_p:
+            raise ValidationError(f"min_p belongs to the ds4 law; the {law} law has none")
         self.params, self.seed, self.law = params, seed, LAWS[law]
         self.rng = request_stream(seed)
         self.counts: Counter = Counter()

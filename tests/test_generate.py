@@ -138,6 +138,10 @@ def test_cli_generate_prints_the_sampled_continuation(tiny_checkpoints):
     assert out.exit_code == 0 and out.output == codec.decode(expected) + "\n"
     out = CliRunner().invoke(main, args + ["--temperature", "nan"])
     assert out.exit_code == 2 and out.output.startswith("error: ") and out.output.count("\n") == 1
+    out = CliRunner().invoke(main, args + ["--min-p", "0.1"])
+    assert out.exit_code == 2 and "min_p belongs to the ds4 law" in out.output
+    out = CliRunner().invoke(main, args + ["--law", "ds4", "--min-p", "0.1", "--json"])
+    assert out.exit_code == 0 and json.loads(out.output)["sampling"]["law"] == "ds4"
 
 
 def test_cli_sampled_capture_records_its_law(tmp_path, text_model):  # noqa: F811 - pytest fixture

@@ -251,6 +251,8 @@ def test_bad_settings_and_rows_are_refused():
         classic_distribution(np.array([0.0, 1.0, np.inf]), SamplingParams())
     with pytest.raises(ValidationError, match="law"):
         Sampler(SamplingParams(), 0, law="nucleus")
+    with pytest.raises(ValidationError, match="min_p belongs to the ds4 law"):
+        Sampler(SamplingParams(min_p=0.1), 0)
 
 
 # -- the ds4 law against ds4's own sampler ----------------------------------------------------------------------------

@@ -56,15 +56,19 @@ sampling_options = [
                  help="nucleus mass from the full softmax, the crossing token kept; 0 or >= 1 is off"),
     click.option("--presence-penalty", type=click.FloatRange(-2, 2), default=0.0, show_default=True),
     click.option("--frequency-penalty", type=click.FloatRange(-2, 2), default=0.0, show_default=True),
-    click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True,
-                 help="the request's PCG64 stream (numpy.random.default_rng(seed))"),
+    click.option("--min-p", type=click.FloatRange(0, 1), default=0.0, show_default=True, help="ds4 law only"),
+    click.option("--seed", type=click.IntRange(min=0, max=2 ** 64 - 1), default=0, show_default=True,
+                 help="the request's stream: PCG64 (numpy.random.default_rng(seed)); the ds4 law: its generator state"),
+    click.option("--law", type=click.Choice(["classic", "ds4", "top-k-renormalized"]), default="classic",
+                 show_default=True, help="classic (quantkit.sampling); ds4 (DeepSeek/GLM engines, ds4's generator); "
+                 "top-k-renormalized (the faulty law, for demonstrations)"),
 ]
 
 
-def sampling_params(temperature, top_k, top_p, presence_penalty, frequency_penalty):
+def sampling_params(temperature, top_k, top_p, presence_penalty, frequency_penalty, min_p):
     from ..sampling import SamplingParams
 
-    return SamplingParams(temperature, top_k, top_p, presence_penalty, frequency_penalty)
+    return SamplingParams(temperature, top_k, top_p, presence_penalty, frequency_penalty, min_p)
 
 
 @click.group("fixture")
@@ -86,15 +90,15 @@ def fixture():
 @click.option("--device", type=click.Choice(DEVICES), default="cpu", show_default=True)
 @click.option("--tokenizer", type=click.Path(exists=True), help="tokenizer directory (default: the source's)")
 @click.option("--force", is_flag=True, help="replace an existing output directory")
-@click.option("--sample", is_flag=True, help="sample the continuations by the classic law with the settings below "
-              "(each case its own request stream of --seed) instead of greedy")
+@click.option("--sample", is_flag=True, help="sample the continuations by --law with the settings below (each case "
+              "its own request stream of --seed) instead of greedy")
 @_with(sampling_options)
 def capture(source, prompts, tokens, top_logprobs, label, out, rendering, chat_template_kwargs, device, tokenizer,
-            force, sample, temperature, top_k, top_p, presence_penalty, frequency_penalty, seed):
+            force, sample, temperature, top_k, top_p, presence_penalty, frequency_penalty, min_p, seed, law):
     """Capture a fixture from SOURCE (safetensors checkpoint or GGUF): greedy (or --sample) continuations (the
     runtime with a KV cache) and top logprobs."""
     require_runtime("quantkit fixture capture")
-    sampling = (sampling_params(temperature, top_k, top_p, presence_penalty, frequency_penalty), seed) \
+    sampling = (sampling_params(temperature, top_k, top_p, presence_penalty, frequency_penalty, min_p), seed, law) \
         if sample else None
     from ..fixtures.capture import capture_fixture, read_prompts
     from ..fixtures.directory import check_label
