@@ -162,7 +162,7 @@ def main() -> None:
         rows = []
         for mode in ("sample", "full"):
             report_path = root / f"report-{mode}.json"
-            r = run_measured(quantkit + ["validate", str(art), "--source", str(src), "--payload", mode, "--json",
+            r = run_measured(quantkit + ["validate", str(art), "--source", str(src), "--payload", mode, "--report",
                                          str(report_path)], [art, *sorted(src.iterdir())], root / f"{mode}.log")
             report = json.loads(report_path.read_text())
             io = report["io"]

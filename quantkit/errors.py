@@ -95,3 +95,8 @@ class ConcurrentWriteError(QuantkitError, RuntimeError):
 
 class OutOfSpaceError(QuantkitError, OSError):
     """The filesystem of an output is full (ENOSPC) or its quota is exhausted (EDQUOT)."""
+
+
+class CorruptDataError(QuantkitError, ValueError):
+    """Bytes differ from the size or SHA-256 recorded for them (a transport part or a download that is corrupt,
+    truncated, or in another part's place): a check that ran and failed, exit code 1."""

@@ -169,3 +169,5 @@ def test_compare_cli(tmp_path):
     assert out.exit_code == 2 and out.output.count("\n") == 1 and "not a quantkit or ds4 score table" in out.output
     out = runner.invoke(main, ["compare", str(a), str(b), "--resamples", "100"])
     assert out.exit_code == 2
+    out = runner.invoke(main, ["compare", str(b), str(a)])         # swapped: new is worse, the NLL blocker fires
+    assert out.exit_code == 1 and "verdict=worse" in out.output and "gate=regression exit=1 (failed: nll" in out.output

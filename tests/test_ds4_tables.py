@@ -8,6 +8,7 @@ ds4's ``compare_scores.py`` does.
 from __future__ import annotations
 
 import csv
+import hashlib
 import json
 import re
 import shutil
@@ -176,10 +177,16 @@ def test_ds4_pair_compares_like_the_quantkit_pair(tmp_path, layout):
     bare = compare_tables(*map(read_table, _pair_tables(tmp_path, layout, layout, sidecars=False))).to_json()
     mixed = compare_tables(*map(read_table, _pair_tables(tmp_path, "quantkit", layout, sidecars=False))).to_json()
     api_rates = {"api_top1_rate", "api_topn_recall", "api_pair_rate", "api_target_mae"}
-    drop = api_rates if layout == "ds4-nll" else set()
-    assert with_sidecars == {k: v for k, v in reference.items() if k not in drop}
+    drop = api_rates | {"api_reference", "rules"} if layout == "ds4-nll" else set()
+    assert {k: v for k, v in with_sidecars.items() if k not in drop} == \
+        {k: v for k, v in reference.items() if k not in drop}
+    if layout == "ds4-nll":     # the NLL and greedy rules as with API columns; the API rules have no reference
+        rules = {r["rule"]: r for r in with_sidecars["rules"]}
+        assert [r for r in reference["rules"] if not r["rule"].startswith("api_")] == \
+            [r for name, r in rules.items() if not name.startswith("api_")]
+        assert all(r["status"] == "no API reference" for name, r in rules.items() if name.startswith("api_"))
     for result in (bare, mixed):
-        assert {k: v for k, v in result.items() if k not in ("fixture", "notes")} == \
+        assert {k: v for k, v in result.items() if k not in drop | {"fixture", "notes"}} == \
             {k: v for k, v in reference.items() if k not in drop | {"fixture", "notes"}}
         assert any("paired by case ids and target token counts only" in n for n in result["notes"])
     assert bare["fixture"] is None and mixed["fixture"] == reference["fixture"]
@@ -330,17 +337,28 @@ def test_example_model_ds4_tables_give_the_same_comparison(tmp_path, example_ggu
 
     def compare(old, new):
         result = runner.invoke(main, ["compare", str(old), str(new), "--json"])
-        assert result.exit_code == 0, result.output
-        return json.loads(result.output)
+        data = json.loads(result.output)
+        assert result.exit_code == data["gate"]["exit_code"], result.output      # 1: a blocker rule fired
+        return data
 
     reference = compare(tables["quantkit", "f16"], tables["quantkit", "q2"])
     assert reference["delta_new_minus_old"] > 0       # Q2 fits the fixture worse than F16
+    for name in ("f16", "q2"):      # two runs of one model (one table per layout): no regression, exit 0
+        again = runner.invoke(main, ["compare", str(tables["quantkit", name]), str(tables["ds4", name])])
+        assert again.exit_code == 0 and "gate=no regression exit=0" in again.output, again.output
+    record = read_table(tables["quantkit", "q2"]).header["evidence"]     # what produced the table
+    gguf = example_ggufs["q2"]
+    assert record["artifact"]["sha256"] == hashlib.sha256(gguf.read_bytes()).hexdigest()
+    assert record["artifact"]["size"] == gguf.stat().st_size and record["device"] == "cpu"
+    assert record["dtype"] == "float32" and record["threads_from"] == "torch" and "torch" in record["tools"]
+    assert record["fixture"]["content_sha256"] == read_table(tables["quantkit", "q2"]).fixture_sha256
     assert compare(tables["ds4", "f16"], tables["ds4", "q2"]) == reference
     assert compare(tables["ds4", "f16"], tables["quantkit", "q2"]) == reference
     for key in ("f16", "q2"):
         sidecar_path(tables["ds4", key]).unlink()
     bare = compare(tables["ds4", "f16"], tables["quantkit", "q2"])
-    for key in ("verdict", "delta_new_minus_old", "nll_delta_ci95", "case_wins_new_old_ties", "avg_nll"):
+    for key in ("verdict", "delta_new_minus_old", "nll_delta_ci95", "case_wins_new_old_ties", "avg_nll", "rules",
+                "gate"):
         assert bare[key] == reference[key]
 
 

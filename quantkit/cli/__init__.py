@@ -7,10 +7,14 @@ Exit codes, the same for every command (errors map through :data:`ERROR_TABLE`, 
 
 ====  ==========================================================================================================
 0     success
-1     a check ran and failed: ``validate`` found a difference, ``swapset status --record`` a missing sidecar
+1     a check ran and failed: ``validate`` found a difference, ``swapset status --record`` a missing sidecar,
+      ``compare`` a regression by a blocker rule of its release gate (:mod:`quantkit.scoring.compare`),
+      ``transport assemble``/``fetch`` bytes that differ from their manifest (a corrupt, truncated or reordered part),
+      ``parity`` an engine output that diverges from the reference (:mod:`quantkit.scoring.parity`)
 2     the input cannot be used: a missing, unreadable, truncated or malformed file (GGUF, safetensors, config.json,
-      recipe, imatrix, fixture, sidecar), inputs that do not belong together (an imatrix of another model, a
-      resume of other inputs, a fixture of another checkpoint), an output that exists, a bad option value
+      recipe, imatrix, fixture, sidecar, score table, compare policy or baseline), inputs that do not belong
+      together (an imatrix of another model, a resume of other inputs, a fixture of another checkpoint), an output
+      that exists, a bad option value
 3     not available here: a capability quantkit does not implement, or an optional dependency that is not
       installed (the message gives the ``pip install`` line)
 130   interrupted (Ctrl-C); ``convert`` keeps the partial output and its journal for ``--resume``
@@ -30,7 +34,7 @@ import sys
 import click
 
 from .. import __version__
-from ..errors import (FixtureError, FormatError, MissingDependencyError, OutputExistsError, QuantkitError,
+from ..errors import (CorruptDataError, FixtureError, FormatError, MissingDependencyError, OutputExistsError, QuantkitError,
                       RecipeError, SourceError, UnsupportedError, ValidationError)
 
 EXIT_OK = 0
@@ -44,6 +48,7 @@ EXIT_BROKEN_PIPE = 141     # 128 + SIGPIPE
 ERROR_TABLE: list[tuple[type[BaseException], int, str]] = [
     (OutputExistsError, EXIT_BAD_INPUT, "pass --force to overwrite"),
     (MissingDependencyError, EXIT_UNAVAILABLE, ""),
+    (CorruptDataError, EXIT_CHECK_FAILED, ""),
     (UnsupportedError, EXIT_UNAVAILABLE, ""),
     (ValidationError, EXIT_BAD_INPUT, ""),
     (FormatError, EXIT_BAD_INPUT, ""),
@@ -85,6 +90,15 @@ def error_line(exc: BaseException) -> str:
     else:
         text = f"internal error: {exc or type(exc).__name__} (QUANTKIT_DEBUG=1 shows the traceback; please report it)"
     return " ".join(text.split())
+
+
+def one_output(option: os.PathLike | None, argument: os.PathLike | None) -> os.PathLike:
+    """The output named by ``-o`` or by the positional argument (older scripts), exactly once."""
+    if option is not None and argument is not None and option != argument:
+        raise click.BadParameter(f"two outputs given ({argument} and -o {option})", param_hint="-o/--output")
+    if option is None and argument is None:
+        raise click.BadParameter("name the output with -o/--output", param_hint="-o/--output")
+    return option if option is not None else argument
 
 
 def _quiet_stdout() -> None:
@@ -141,7 +155,7 @@ def inspect(path, as_json, show_all):
 
 # Modules that define extra commands, each exporting ``COMMANDS`` (a list of click commands or groups).
 COMMAND_MODULES: tuple[str, ...] = ("recipes", "convert", "validate", "imatrix", "swapset", "score", "demo",
-                                    "redialect", "generate", "parity")
+                                    "redialect", "transport", "generate", "parity")
 
 
 def _attach_commands() -> None:

@@ -31,7 +31,7 @@ def demo(ctx, workdir, jobs):
     from .. import examples
     from ..extras import require_runtime
     from .convert import convert
-    from .score import compare, score
+    from .score import run_compare, score
     from .validate import validate
 
     require_runtime("quantkit demo")   # its scoring step; checked before the conversions, not after them
@@ -61,8 +61,9 @@ def demo(ctx, workdir, jobs):
                        out=str(tables[name]), ctx=SCORE_CTX, device="cpu", allow_cross_checkpoint=False,
                        kld_base=None, save_logits=None, tokenizer=None)
         _step("compare: F16 control (old) vs Q2 candidate (new)")
-        ctx.invoke(compare, old=str(tables["F16 control"]), new=str(tables["Q2 candidate"]), resamples=10000,
-                   seed=0, as_json=False)
+        if run_compare(tables["F16 control"], tables["Q2 candidate"]):
+            click.echo("(`quantkit compare` exits 1 on this pair: a 2-bit model regresses against its F16 control, "
+                       "and in CI that blocks the release)")
         if workdir:
             click.echo(f"\nartifacts kept in {out}")
 

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from pathlib import Path
 
 import click
 
 from ..extras import require_runtime
+from . import one_output
 
 DEVICES = ("cpu", "cuda")
 
@@ -197,7 +199,9 @@ def check(path):
 @click.command("score")
 @click.argument("model")
 @click.argument("fixture_dir", metavar="FIXTURE", type=click.Path(exists=True, file_okay=False, path_type=Path))
-@click.argument("out", type=click.Path(dir_okay=False, path_type=Path))
+@click.argument("out_arg", metavar="[OUT]", required=False, type=click.Path(dir_okay=False, path_type=Path))
+@click.option("-o", "--output", "out", type=click.Path(dir_okay=False, path_type=Path),
+              help="the score table to write (OUT.tsv; as a third argument too)")
 @click.option("--ctx", required=True, type=click.IntRange(min=2), help="context limit: prompt + continuation tokens "
               "per case; also the chunk length of --save-logits")
 @click.option("--device", type=click.Choice(DEVICES), default="cpu", show_default=True)
@@ -215,9 +219,13 @@ def check(path):
 @click.option("--format", "table_format", type=click.Choice(["quantkit", "ds4", "ds4-nll"]), default="quantkit",
               show_default=True, help="ds4: score_official's 26-column table (ds4-nll: its 7 NLL columns) with the "
               "identity record in OUT.tsv.json")
-def score(model, fixture_dir, out, ctx, device, allow_cross_checkpoint, kld_base, save_logits, tokenizer, sidecars,
-          label, table_format):
-    """Score MODEL (GGUF or checkpoint) on FIXTURE; write the per-case table OUT.tsv."""
+@click.option("--arithmetic", type=click.Choice(["float32", "ggml-cpu"]), default="float32", show_default=True,
+              help="ggml-cpu: round each product's activations as llama.cpp's CPU backend does (Q8_K/Q8_0/F16 by "
+              "weight type; MLA absorbed), for per-token parity with llama-perplexity -ctk f32 -ctv f32")
+def score(model, fixture_dir, out_arg, out, ctx, device, allow_cross_checkpoint, kld_base, save_logits, tokenizer, sidecars,
+          label, table_format, arithmetic):
+    """Score MODEL (GGUF or checkpoint) on FIXTURE; write the per-case table -o OUT.tsv."""
+    out = one_output(out, out_arg)
     require_runtime("quantkit score")
     from ..fixtures.directory import read_fixture
     from ..io.atomic import check_output, input_files
@@ -243,7 +251,7 @@ def score(model, fixture_dir, out, ctx, device, allow_cross_checkpoint, kld_base
     codec, identity = describe_model(model, tokenizer=tokenizer)
     identity = with_label(identity, label)
     plan = plan_scoring(fx, codec, identity, ctx=ctx, allow_cross_checkpoint=allow_cross_checkpoint)
-    source = load_source(identity, device=device, replace=replace)
+    source = load_source(identity, device=device, replace=replace, arithmetic=arithmetic)
 
     def progress(s):
         click.echo(f"{s.id} prompt={s.prompt_tokens} target={s.target_tokens} avg_nll={s.avg_nll:.6f} "
@@ -272,16 +280,37 @@ def score(model, fixture_dir, out, ctx, device, allow_cross_checkpoint, kld_base
 @click.option("--resamples", type=click.IntRange(min=10_000), default=10_000, show_default=True,
               help="bootstrap resamples")
 @click.option("--seed", type=int, default=0, show_default=True, help="bootstrap seed")
+@click.option("--policy", "policy_path", type=click.Path(dir_okay=False, path_type=Path),
+              help="the gate's thresholds (TOML; default: the shipped quantkit/scoring/policy.toml)")
+@click.option("--baseline", help="recorded release figures to place NEW in: a shipped name "
+              "(deepseek-v4.1-flash-general-100, glm-5.3-flash) or a .toml/.json file")
 @click.option("--json", "as_json", is_flag=True, help="print the comparison as JSON")
-def compare(old, new, resamples, seed, as_json):
-    """Compare score tables OLD.tsv and NEW.tsv of one fixture: deltas, case wins, bootstrap interval, verdict.
+def compare(old, new, resamples, seed, policy_path, baseline, as_json):
+    """Compare score tables OLD.tsv and NEW.tsv of one fixture: deltas, case wins, paired bootstrap intervals, and
+    the release gate's rules (NLL, first-token, greedy prefix, API top-1, pair order, top-token agreement).
 
-    Either may be a quantkit table or a ds4 score_official table (with or without quantkit's OUT.tsv.json)."""
+    Exit codes: 0 no regression, 1 a blocker rule fired, 2 unusable input (tables, policy or baseline).
+    Either table may be a quantkit table or a ds4 score_official table (with or without quantkit's OUT.tsv.json)."""
+    from . import EXIT_CHECK_FAILED, EXIT_OK
+
+    regression = run_compare(old, new, resamples=resamples, seed=seed, policy_path=policy_path, baseline=baseline,
+                             as_json=as_json)
+    sys.exit(EXIT_CHECK_FAILED if regression else EXIT_OK)
+
+
+def run_compare(old, new, *, resamples: int = 10_000, seed: int = 0, policy_path=None, baseline=None,
+                as_json: bool = False) -> bool:
+    """Print the comparison of OLD and NEW; return whether the gate found a regression (a blocker rule fired)."""
     from ..scoring.compare import compare_tables
+    from ..scoring.policy import load_baseline, load_policy
     from ..scoring.table import read_table
 
-    result = compare_tables(read_table(old), read_table(new), resamples=resamples, seed=seed)
+    policy = load_policy(policy_path)
+    recorded = load_baseline(baseline) if baseline is not None else None
+    result = compare_tables(read_table(old), read_table(new), resamples=resamples, seed=seed, policy=policy,
+                            baseline=recorded)
     click.echo(json.dumps(result.to_json(), indent=1) if as_json else "\n".join(result.report_lines()))
+    return bool(result.failed)
 
 
 COMMANDS = [fixture, score, compare]

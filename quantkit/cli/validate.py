@@ -1,7 +1,7 @@
 """``quantkit validate``: audit a GGUF artifact (or a swapset sidecar) against its format, plan and source.
 
 Exit codes: 0 valid; 1 a check failed (the report says which); 2 the artifact, source, recipe or imatrix cannot be
-read.  With ``--json REPORT`` the report is written there as JSON, also when the input cannot be read (then with
+read.  With ``--report FILE`` the report is written there as JSON, also when the input cannot be read (then with
 ``exit_code`` 2 and the error).  The work is :mod:`quantkit.validate`.
 """
 from __future__ import annotations
@@ -35,29 +35,41 @@ def _write_json(path: Path, data: dict, overwrite: bool) -> None:
               help="re-encode and compare no tensor, a sample (experts 0/middle/last, sampled table rows), or all")
 @click.option("--seed", type=int, default=0, show_default=True, help="seed of the sampled experts and rows")
 @click.option("--structure-only", is_flag=True, help="check the file alone: no source, no re-plan, no payload")
-@click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path),
-              help="write the full report (every check, every tensor) as JSON to this file")
-@click.option("--force", is_flag=True, help="replace an existing --json file")
-def validate(artifact, source, recipe, imatrix, payload, seed, structure_only, json_path, force):
+@click.option("--report", "json_path", type=click.Path(dir_okay=False, path_type=Path),
+              help="write the full report (every check, every tensor) as JSON to this file (as convert --report)")
+@click.option("--json", "json_alias", type=click.Path(dir_okay=False, path_type=Path), hidden=True,
+              help="the former name of --report")
+@click.option("--force", is_flag=True, help="replace an existing --report file")
+def validate(artifact, source, recipe, imatrix, payload, seed, structure_only, json_path, json_alias, force):
     """Validate ARTIFACT: structure, inventory against a re-plan, and payload bytes against the source.
 
     A GGUF quantkit did not write (llama.cpp's converter and llama-quantize, ...) is validated against --source with
     the plan read off the file (each tensor's stored type); the verdict counts the tensors proven and those that
-    could not be, with the reason. Without --source only its structure is checked."""
+    could not be, with the reason. Without --source only its structure is checked. A transport manifest
+    (<file>.transport.json) is proven part by part and as a whole without assembling; a split shard
+    (<stem>-00001-of-00003.gguf) checks its set: every shard present, split keys and tensor index consistent."""
     from ..errors import QuantkitError
     from ..io.atomic import check_output, input_files
     from ..validate import validate as run
 
+    if json_alias is not None:
+        if json_path is not None and json_path != json_alias:
+            raise click.BadParameter("give the report file once (--report; --json is its former name)",
+                                     param_hint="--report")
+        json_path = json_alias
     if json_path is not None:   # before the long work: never an input, never an existing file unless --force
         check_output(json_path, inputs=input_files([artifact, source, recipe, imatrix]), overwrite=force,
-                     what="--json report")
+                     what="--report file")
     try:
         report = run(artifact, source=source, recipe=recipe, imatrix=imatrix, payload=payload, seed=seed,
                      structure_only=structure_only)
     except (QuantkitError, OSError) as exc:
         if json_path is not None:
+            from ..evidence import evidence
+
             _write_json(json_path, {"format": "quantkit-validation", "artifact": str(artifact), "ok": False,
-                                    "exit_code": EXIT_BAD_INPUT, "error": " ".join(str(exc).split())}, force)
+                                    "exit_code": EXIT_BAD_INPUT, "error": " ".join(str(exc).split()),
+                                    "evidence": evidence()}, force)
         raise
     if json_path is not None:
         _write_json(json_path, report.to_json(), force)

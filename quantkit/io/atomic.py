@@ -14,7 +14,7 @@ import hashlib
 import os
 import socket
 import tempfile
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 from ..errors import ConcurrentWriteError, OutputExistsError, OutputPathError
@@ -157,10 +157,14 @@ def atomic_output(path: str | os.PathLike, *, overwrite: bool = False, suffix: s
         raise
 
 
-def sha256_file(path: str | os.PathLike, chunk: int = HASH_CHUNK_BYTES) -> str:
-    """Hex SHA-256 of a file, read in ``chunk``-byte pieces (memory bounded by ``chunk``)."""
+def sha256_file(path: str | os.PathLike, chunk: int = HASH_CHUNK_BYTES,
+                progress: Callable[[int], None] | None = None) -> str:
+    """Hex SHA-256 of a file, read in ``chunk``-byte pieces (memory bounded by ``chunk``); ``progress`` is called
+    with each piece's size."""
     digest = hashlib.sha256()
     with open(path, "rb") as f:
         while block := f.read(chunk):
             digest.update(block)
+            if progress is not None:
+                progress(len(block))
     return digest.hexdigest()

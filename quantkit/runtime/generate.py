@@ -109,7 +109,7 @@ def _cached_steps(model: RuntimeModel, prompt_ids: list[int]):
     while True:
         input_ids = torch.as_tensor(new, dtype=torch.int64, device=model.device)[None]
         # no_grad, not inference_mode: see loader.logits
-        with torch.no_grad():
+        with torch.no_grad(), model.forward_mode():
             out = model.module(input_ids=input_ids, past_key_values=past, use_cache=True)
         model.store.check()
         past = out.past_key_values

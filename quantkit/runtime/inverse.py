@@ -121,6 +121,15 @@ def _stored_shape(stored: Mapping[str, Shape], name: str, gguf_name: str) -> Sha
     return tuple(stored[gguf_name])
 
 
+def _significant(shape: Shape) -> Shape:
+    """``shape`` without its leading 1s (ggml's trailing ``ne`` of 1: llama-quantize writes a [256, 1, 4] conv
+    kernel that the converter wrote as [1, 256, 1, 4])."""
+    shape = tuple(shape)
+    while len(shape) > 1 and shape[0] == 1:
+        shape = shape[1:]
+    return shape
+
+
 def _parts(name: str, shape: Shape, mappings: Sequence[TensorMapping], hp: Mapping,
            stored: Mapping[str, Shape]) -> tuple[Part, ...]:
     parts, positions = [], []
@@ -128,6 +137,8 @@ def _parts(name: str, shape: Shape, mappings: Sequence[TensorMapping], hp: Mappi
         index, values = _split_steps(m)
         expected = _stored_shape(stored, name, m.gguf_name)
         p = _positions(name, index, shape, hp)
+        if tuple(p.shape) != tuple(expected) and _significant(p.shape) == _significant(expected):
+            p = p.reshape(expected)     # ggml's dimensions of size 1 past the last significant one carry nothing
         if tuple(p.shape) != tuple(expected):
             raise SourceError(f"its transform to {m.gguf_name!r} gives shape {tuple(p.shape)}, the file holds "
                               f"{tuple(expected)}", tensor=name)

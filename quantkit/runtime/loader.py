@@ -18,7 +18,9 @@
 
 :func:`logits` runs one sequence and returns float32 logits, raising on token ids outside the vocabulary, on
 weights that decode to NaN/inf (naming the GGUF tensor) and on non-finite logits (naming the first module whose
-output was not finite).  The compute dtype is float32 unless ``dtype=`` says otherwise.
+output was not finite).  The compute dtype is float32 unless ``dtype=`` says otherwise.  ``arithmetic="ggml-cpu"``
+rounds every product's activations as llama.cpp's CPU backend does (:mod:`.ggml_arithmetic`), to score a GGUF
+with the engine's own figures; the default, ``"float32"``, multiplies the decoded weights in float32.
 """
 from __future__ import annotations
 
@@ -40,6 +42,8 @@ from .weights import SOURCE_CONFIG_KEY, open_weights
 #: Metadata prefixes the consistency check skips: the writer's own keys and the tokenizer (not the forward pass).
 UNCHECKED_KEY_PREFIXES = ("general.", "tokenizer.", "quantkit.", "quantize.", "GGUF.")
 EXPERTS_IMPLEMENTATION = "eager"
+#: Values of ``load_model(arithmetic=)``.
+ARITHMETICS = ("float32", "ggml-cpu")
 
 
 @dataclass
@@ -55,6 +59,15 @@ class RuntimeModel:
     vocab_size: int
     packed: dict[str, TensorPlan] = field(default_factory=dict)
     """Model tensor name -> plan, for every weight kept packed."""
+    arithmetic: str = "float32"
+    """How products are computed: ``float32`` or ``ggml-cpu`` (see the module doc)."""
+
+    def forward_mode(self):
+        """The context every forward pass of this model runs in (its :attr:`arithmetic`)."""
+        if self.arithmetic == "ggml-cpu":
+            from .ggml_arithmetic import ggml_activations
+            return ggml_activations(self.module)
+        return contextlib.nullcontext()
 
     @property
     def path(self):
@@ -169,24 +182,29 @@ def _check_metadata(weights, amap: ArchMap, model) -> None:
 def load_model(path: str | os.PathLike, device: str | torch.device = "cpu", *,
                config: Mapping[str, Any] | None = None, dtype: torch.dtype = torch.float32,
                stream: bool = False, cache_bytes: int | None = None, keep_bytes: int = 0,
-               replace: Mapping[str, Callable[[], np.ndarray]] | None = None) -> RuntimeModel:
+               replace: Mapping[str, Callable[[], np.ndarray]] | None = None,
+               arithmetic: str = "float32") -> RuntimeModel:
     """A GGUF file (made by quantkit) or a safetensors checkpoint as a runnable transformers model.
 
     ``config``: the source ``config.json`` as a dict, overriding the file's.  ``stream=True`` (CUDA) keeps the
     payloads in host memory (the mapped file) and copies each to the device per use, for models larger than the
     device.  ``cache_bytes`` and ``replace`` apply to a checkpoint (:class:`.weights.CheckpointWeights`).
     ``keep_bytes``: packed weights decoded on use are kept, up to this many bytes (:class:`.packed.Assembler`),
-    for a model run many times (a calibration run).
+    for a model run many times (a calibration run).  ``arithmetic``: ``float32`` or ``ggml-cpu`` (module doc).
     """
+    if arithmetic not in ARITHMETICS:
+        raise UnsupportedError(f"unknown arithmetic {arithmetic!r} (one of {', '.join(ARITHMETICS)})")
     device = torch.device(device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise UnsupportedError("device cuda requested but torch sees no CUDA device")
     weights = open_weights(path, config, cache_bytes=cache_bytes, replace=replace)
     try:
-        return _load(weights, device, dtype, stream, keep_bytes)
+        model = _load(weights, device, dtype, stream, keep_bytes)
     except BaseException:
         weights.close()
         raise
+    model.arithmetic = arithmetic
+    return model
 
 
 def _load(weights, device: torch.device, dtype: torch.dtype, stream: bool, keep_bytes: int) -> RuntimeModel:
@@ -283,7 +301,7 @@ def logits(model: RuntimeModel, token_ids: Sequence[int]) -> np.ndarray:
     input_ids = torch.as_tensor(ids.astype(np.int64), device=model.device)[None]
     # no_grad, not inference_mode: packed weights answer view operations (weight[expert]) with fresh tensors,
     # which inference mode refuses to register as views
-    with torch.no_grad():
+    with torch.no_grad(), model.forward_mode():
         out = model.module(input_ids=input_ids, use_cache=False).logits[0]
     model.store.check()
     result = out.float().cpu().numpy()

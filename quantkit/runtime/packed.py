@@ -33,9 +33,10 @@ import numpy as np
 import torch
 from torch.utils._pytree import tree_map
 
-from ..errors import FormatError
+from ..errors import FormatError, UnsupportedError
 from ..formats.api import decode as cpu_decode
 from ..formats.registry import GGMLType, layout
+from .ggml_arithmetic import ACTIVATION_ATTR, activation_type
 from .inverse import VALUE_INVERSES, Part, TensorPlan
 from .weights import PayloadCache
 
@@ -289,6 +290,21 @@ class PackedTensor(torch.Tensor):
     def materialize(self) -> torch.Tensor:
         return self.assembler.weight(self.plan, self.dtype)
 
+    @property
+    def activation_type(self) -> str:
+        """The form ggml's CPU backend converts activations to before multiplying by this weight
+        (:mod:`.ggml_arithmetic`); one per weight, so every GGUF tensor it comes from must agree."""
+        found = self.__dict__.get("_activation_type")
+        if found is None:
+            tensors = self.assembler.store.weights.tensors
+            kinds = {activation_type(tensors[name].qtype) for name in self.plan.gguf_names}
+            if len(kinds) != 1:
+                raise UnsupportedError(f"its GGUF tensors {', '.join(self.plan.gguf_names)} take activations as "
+                                       f"{' and '.join(sorted(kinds))}: ggml's arithmetic differs across its rows",
+                                       tensor=self.plan.name)
+            found = self.__dict__["_activation_type"] = kinds.pop()
+        return found
+
     __torch_function__ = torch._C._disabled_torch_function_impl
 
     @classmethod
@@ -296,7 +312,9 @@ class PackedTensor(torch.Tensor):
         kwargs = kwargs or {}
         if func is _aten.select.int and isinstance(args[0], PackedTensor) and args[1] == 0 \
                     and args[0].plan.sliced:
-            return args[0].assembler.weight(args[0].plan, args[0].dtype, _index(args[2], args[0].shape[0]))
+            matrix = args[0].assembler.weight(args[0].plan, args[0].dtype, _index(args[2], args[0].shape[0]))
+            setattr(matrix, ACTIVATION_ATTR, args[0])
+            return matrix
         if func is _aten.embedding.default and isinstance(args[0], PackedTensor):
             picked = args[0].assembler.rows(args[0].plan, args[1], args[0].dtype)
             if picked is not None:
@@ -304,7 +322,10 @@ class PackedTensor(torch.Tensor):
         if func in (_aten.detach.default, _aten.alias.default) and isinstance(args[0], PackedTensor):
             return args[0]
         unpacked = tree_map(lambda a: a.materialize() if isinstance(a, PackedTensor) else a, (args, kwargs))
-        return func(*unpacked[0], **unpacked[1])
+        out = func(*unpacked[0], **unpacked[1])
+        if func.is_view and isinstance(args[0], PackedTensor) and isinstance(out, torch.Tensor):
+            setattr(out, ACTIVATION_ATTR, args[0])     # weight.t(), weight.view(...)
+        return out
 
 
 def _index(i, size: int) -> int:

@@ -38,6 +38,24 @@ class RuntimeSource:
     def identity(self) -> ModelIdentity:
         return self._identity
 
+    @property
+    def arithmetic(self) -> str:
+        return self.model.arithmetic
+
+    @property
+    def device(self) -> str:
+        """Where the model runs, for evidence records (``cuda:0 (NVIDIA H200)``, ``cpu``)."""
+        device = self.model.device
+        if device.type == "cuda":
+            import torch
+
+            return f"{device} ({torch.cuda.get_device_name(device)})"
+        return str(device)
+
+    @property
+    def dtype(self) -> str:
+        return str(self.model.dtype).removeprefix("torch.")
+
     def logits(self, token_ids: Sequence[int]) -> np.ndarray:
         from ..runtime import logits
 
@@ -181,9 +199,11 @@ def open_sidecars(path: str | os.PathLike, names: Sequence[str]) -> dict[str, Ca
 
 
 def load_source(identity: ModelIdentity, *, device: str = "cpu",
-                replace: Mapping[str, Callable[[], np.ndarray]] | None = None) -> RuntimeSource:
+                replace: Mapping[str, Callable[[], np.ndarray]] | None = None,
+                arithmetic: str = "float32") -> RuntimeSource:
     """The model :func:`describe_model` described, loaded through :func:`quantkit.runtime.load_model`;
-    ``replace`` (from :func:`open_sidecars`) substitutes checkpoint tensors."""
+    ``replace`` (from :func:`open_sidecars`) substitutes checkpoint tensors; ``arithmetic``: ``float32`` or
+    ``ggml-cpu`` (llama.cpp's CPU activation rounding, :mod:`quantkit.runtime.ggml_arithmetic`)."""
     from ..runtime import load_model
 
-    return RuntimeSource(load_model(identity.path, device=device, replace=replace), identity)
+    return RuntimeSource(load_model(identity.path, device=device, replace=replace, arithmetic=arithmetic), identity)

@@ -25,6 +25,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from ..errors import FixtureError, ValidationError
+from ..evidence import evidence
 from ..fixtures.directory import Fixture
 from ..fixtures.tokens import TextCodec
 from .kld import KldAccumulator, KldStats, LogitsFile, chunk_inputs, scored_per_chunk, write_logits_file
@@ -224,17 +225,23 @@ def plan_scoring(fixture: Fixture, codec: TextCodec, identity: ModelIdentity, *,
 
 def run_scoring(source: LogitSource, codec: TextCodec, plan: ScoringPlan, *,
                 kld_base: str | os.PathLike | None = None, save_logits_to: str | os.PathLike | None = None,
-                progress: Callable[[CaseScore], None] | None = None) -> ScoreResult:
-    """Steps 3-4 of the module doc.  Raises before any output exists when a check fails."""
+                progress: Callable[[CaseScore], None] | None = None,
+                command: Sequence[str] | None = None) -> ScoreResult:
+    """Steps 3-4 of the module doc, and the table's evidence record (:func:`quantkit.evidence.evidence`: the
+    scored file's SHA-256, the source's ``device``/``dtype`` when it has them, ``command`` or ``sys.argv``).
+    Raises before any output exists when a check fails."""
     scores, n_vocab = run_cases(source, plan.cases, progress)
     kld = kld_against(source, codec, kld_base, n_vocab) if kld_base is not None else None
     if save_logits_to is not None:
         save_logits(source, codec, plan.cases, plan.ctx, save_logits_to, n_vocab)
     fixture = plan.fixture
-    header = {"version": TABLE_VERSION,
-              "fixture": {"content_sha256": fixture.content_sha256, "label": fixture.label,
-                          "cases": len(fixture.cases), "path": str(fixture.path)},
-              "model": plan.identity.to_json(), "ctx": plan.ctx, "cross_checkpoint": plan.cross_checkpoint}
+    fixture_record = {"content_sha256": fixture.content_sha256, "label": fixture.label,
+                      "cases": len(fixture.cases), "path": str(fixture.path)}
+    record = evidence(artifact=plan.identity.path, source_digest=plan.identity.source, fixture=fixture_record,
+                      device=getattr(source, "device", None), dtype=getattr(source, "dtype", None), command=command)
+    header = {"version": TABLE_VERSION, "fixture": fixture_record, "model": plan.identity.to_json(), "ctx": plan.ctx,
+              "cross_checkpoint": plan.cross_checkpoint, "evidence": record,
+              "arithmetic": getattr(source, "arithmetic", "float32")}
     return ScoreResult(header, scores, list(plan.warnings), kld)
 
 

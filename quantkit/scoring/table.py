@@ -3,7 +3,8 @@ layout or in ds4's.
 
 quantkit layout (``--format quantkit``; UTF-8, ``\\n`` line ends)::
 
-    # quantkit-score {"version": 1, "fixture": {...}, "model": {...}, "ctx": 4096, "cross_checkpoint": [...]}
+    # quantkit-score {"version": 1, "fixture": {...}, "model": {...}, "ctx": 4096, "cross_checkpoint": [...],
+                      "evidence": {...}}      (one line)
     id<TAB>prompt_tokens<TAB>...            the columns of :data:`.metrics.COLUMNS`
     case_0001<TAB>...                       one row per fixture case, in manifest order
     # summary cases=... tokens=...          the lines of :class:`.metrics.Totals`
@@ -13,8 +14,10 @@ quantkit layout (``--format quantkit``; UTF-8, ``\\n`` line ends)::
 The header's ``fixture`` object is ``{"content_sha256", "label", "cases", "path"}`` (the fixture's identity:
 two tables are comparable only when their ``content_sha256`` is equal), ``model`` is the scored model's
 :class:`.source.ModelIdentity`, ``cross_checkpoint`` lists the identity problems that
-``--allow-cross-checkpoint`` let through (empty normally).  Readers skip nothing silently: the header line, the
-column line and one row per recorded case must all be there, and the ``summary`` line's counts must agree with
+``--allow-cross-checkpoint`` let through (empty normally), and ``evidence`` (optional: tables written before
+it existed lack it) what produced the table: tool versions, device, dtype, threads, the scored file's SHA-256 and
+size, the fixture and the command line (:mod:`quantkit.evidence`).  Readers skip nothing silently: the header
+line, the column line and one row per recorded case must all be there, and the ``summary`` line's counts must agree with
 the rows.
 
 ds4 layouts (what ds4's ``gguf-tools/quality-testing/score_official`` writes; facts and their source lines in
@@ -48,6 +51,8 @@ from .metrics import COLUMNS, NLL_COLUMNS, CaseScore, Totals, case_row, parse_ro
 HEADER_PREFIX = "# quantkit-score "
 TABLE_VERSION = 1
 HEADER_KEYS = ("version", "fixture", "model", "ctx", "cross_checkpoint")
+#: Header keys a table may lack (tables written before quantkit recorded them stay readable).
+OPTIONAL_HEADER_KEYS = ("evidence", "arithmetic")
 FIXTURE_KEYS = ("content_sha256", "label", "cases", "path")
 #: Table layouts by ``--format`` name -> columns.
 LAYOUTS = {"quantkit": COLUMNS, "ds4": COLUMNS, "ds4-nll": NLL_COLUMNS}
@@ -129,8 +134,11 @@ def _check_header(header: Any, where: str) -> dict[str, Any]:
     if not isinstance(header, dict) or header.get("version") != TABLE_VERSION:
         found = header.get("version") if isinstance(header, dict) else header
         raise FixtureError(f"{where}: header version is {found!r}, expected {TABLE_VERSION}")
-    if set(header) != set(HEADER_KEYS):
-        raise FixtureError(f"{where}: header keys {sorted(header)}, expected {sorted(HEADER_KEYS)}")
+    if not set(HEADER_KEYS) <= set(header) <= set(HEADER_KEYS + OPTIONAL_HEADER_KEYS):
+        raise FixtureError(f"{where}: header keys {sorted(header)}, expected {sorted(HEADER_KEYS)} and optionally "
+                           f"{list(OPTIONAL_HEADER_KEYS)}")
+    if "evidence" in header and not isinstance(header["evidence"], dict):
+        raise FixtureError(f"{where}: header evidence must be an object, found {header['evidence']!r}")
     fixture = header["fixture"]
     if not isinstance(fixture, dict) or set(fixture) != set(FIXTURE_KEYS) \
             or not isinstance(fixture["content_sha256"], str) or not isinstance(fixture["cases"], int):

@@ -90,3 +90,38 @@ def _c_name(qtype: GGMLType) -> str:
     # ggml spells K-quants with a capital K (dequantize_row_q4_K) and everything else lower case.
     name = qtype.name.lower()
     return name[:-2] + "_K" if name.endswith("_k") else name
+
+
+Q8_1_BLOCK_BYTES = 36
+
+
+@functools.lru_cache(maxsize=1)
+def cpu_library() -> ctypes.CDLL:
+    """``libggml-cpu.so``: the CPU backend, with the SIMD activation quantizers its matrix products run."""
+    library()
+    import llama_cpp
+
+    root = Path(llama_cpp.__file__).resolve().parent
+    candidates = sorted(root.rglob("libggml-cpu.so*")) + sorted(root.rglob("libggml-cpu.dylib"))
+    if not candidates:
+        raise GGMLUnavailable(f"no libggml-cpu shared library under {root}")
+    return ctypes.CDLL(str(candidates[0]))
+
+
+def cpu_activations(vec_dot_type: str, x: np.ndarray) -> np.ndarray:
+    """float32 ``x[n]`` as ggml's CPU backend holds it before a product: converted by libggml-cpu's own
+    ``quantize_row_<vec_dot_type>`` (the build's SIMD version) and decoded by libggml-base's ``dequantize_row_*``."""
+    fmt = get_format(vec_dot_type)
+    x = np.ascontiguousarray(x, dtype=np.float32).reshape(-1)
+    # Q8_1 blocks are 36 bytes in ggml (fp16 d and sum); gguf-py's table still says 40 (float32 d and sum)
+    row_bytes = x.size // 32 * Q8_1_BLOCK_BYTES if fmt.name == "Q8_1" else fmt.row_bytes(x.size)
+    packed = np.zeros(row_bytes, dtype=np.uint8)
+    fn = getattr(cpu_library(), f"quantize_row_{_c_name(fmt.qtype)}")
+    fn.restype = None
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
+    fn(x.ctypes.data, packed.ctypes.data, x.size)
+    if fmt.name == "Q8_1":      # no dequantize_row_q8_1 in ggml: its blocks are fp16 d, fp16 sum, int8[32]
+        blocks = packed.reshape(-1, Q8_1_BLOCK_BYTES)
+        scale = blocks[:, :2].copy().view(np.float16).astype(np.float32)
+        return (blocks[:, 4:].view(np.int8).astype(np.float32) * scale).reshape(-1)
+    return dequantize_row(fmt.qtype, packed, x.size)

@@ -19,7 +19,10 @@ without a source only the structure is checked, and the report says so.
 Input that cannot be read (not GGUF, truncated, malformed header, missing source or recipe) raises a
 :class:`~quantkit.errors.QuantkitError`; everything else is a check in the report.  ``structure_only`` skips 2
 and 3 (no source needed).  A path ending ``.json`` or ``.safetensors`` is a sidecar: it is handed to
-:func:`quantkit.swapset.validate_sidecar` and its checks are reported as ``sidecar.<check>``.
+:func:`quantkit.swapset.validate_sidecar` and its checks are reported as ``sidecar.<check>``.  A transport
+manifest (``<file>.transport.json``) or a llama.cpp split shard (``<stem>-00001-of-00003.gguf``) is validated as
+transport parts by :mod:`.transport`: the parts' sizes and hashes and the whole file's hash without assembling it,
+or the shard set's split keys and tensor index.
 
 Bytes read: ``none`` and ``full`` read every payload byte of the artifact once; ``sample`` reads the header and the
 sampled regions only (the report's ``io`` section counts them).
@@ -28,8 +31,10 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Sequence
 
 from ..errors import UnsupportedError
+from ..evidence import evidence
 from ..io.gguf_reader import GGUFFile
 from .foreign import foreign_plan, is_foreign, proof_check, source_hash_check, unverified_checks
 from .foreign import metadata_check as foreign_metadata_check
@@ -37,6 +42,8 @@ from .foreign import tensors_check as foreign_tensors_check
 from .payload import PAYLOAD_MODES, audit
 from .replan import describe_inputs, inventory_checks, replan, source_check
 from .report import FAILED, PASSED, Check, Report, skipped
+from ..transport.manifest import is_manifest
+from .transport import is_shard_name, validate_manifest, validate_shards
 from .structure import (ArtifactReader, ScaleScan, header_check, layout_checks, metadata_check, padding_check,
                         provenance_check, scan_tensor)
 
@@ -46,18 +53,28 @@ INVENTORY_CHECKS = ("inventory.tensors", "inventory.metadata", "inventory.file_s
 
 
 def validate(artifact: str | os.PathLike, *, source: str | None = None, recipe: str | None = None,
-             imatrix: str | None = None, payload: str = "sample", seed: int = 0, structure_only: bool = False
-             ) -> Report:
-    """Validate ``artifact`` (see the module docstring)."""
+             imatrix: str | None = None, payload: str = "sample", seed: int = 0, structure_only: bool = False,
+             command: Sequence[str] | None = None) -> Report:
+    """Validate ``artifact`` (see the module docstring).  The report's evidence record
+    (:func:`quantkit.evidence.evidence`) gives the artifact's SHA-256 and size and ``command`` (default
+    ``sys.argv``)."""
     if payload not in PAYLOAD_MODES:
         raise UnsupportedError(f"payload mode {payload!r} is not one of {PAYLOAD_MODES}")
     path = Path(artifact)
+    if is_manifest(path):
+        return validate_manifest(path, payload)
+    if is_shard_name(path):
+        return validate_shards(path)
     if path.suffix in SIDECAR_SUFFIXES:
-        return _sidecar(path, payload, seed)
-    sequential = structure_only or payload != "sample"
-    with GGUFFile(path) as f, ArtifactReader(path, f.file_size, sequential=sequential) as reader:
-        return _gguf(f, reader, source=source, recipe=recipe, imatrix=imatrix, payload=payload, seed=seed,
-                     structure_only=structure_only)
+        report = _sidecar(path, payload, seed)
+    else:
+        sequential = structure_only or payload != "sample"
+        with GGUFFile(path) as f, ArtifactReader(path, f.file_size, sequential=sequential) as reader:
+            report = _gguf(f, reader, source=source, recipe=recipe, imatrix=imatrix, payload=payload, seed=seed,
+                           structure_only=structure_only)
+    # the CPU re-encodes payloads in the converter's own types: no model runs, so no dtype
+    report.evidence = evidence(artifact=path, device="cpu", command=command)
+    return report
 
 
 def _gguf(f: GGUFFile, reader: ArtifactReader, *, source, recipe, imatrix, payload: str, seed: int,

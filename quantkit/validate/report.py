@@ -14,11 +14,13 @@ JSON layout (:meth:`Report.to_json`, format version :data:`REPORT_VERSION`)::
                   "bytes_compared", "match", "differing_rows", "differing_experts", "differences" (the first few:
                   expert, row, block and file offset), "rel_rmse", "max_abs", "bound", "error_ok", "note"}],
      "io": {"artifact_bytes", "header_bytes", "artifact_bytes_read", "source_files_hashed_bytes"},
-     "sampled_bytes": [payload bytes compared, payload bytes in the file] (``sample``) | null}
+     "sampled_bytes": [payload bytes compared, payload bytes in the file] (``sample``) | null,
+     "evidence": what produced the report: tool versions, threads, the artifact's SHA-256 and size, the command
+                 line (:mod:`quantkit.evidence`) | null}
 
 A report is valid (exit code 0) when no check failed; skipped checks say why they did not run.  When the input
 cannot be read at all, ``quantkit validate --json`` writes ``{"format", "artifact", "ok": false, "exit_code": 2,
-"error"}`` instead.
+"error", "evidence"}`` instead (the evidence without the artifact's hash).
 """
 from __future__ import annotations
 
@@ -87,6 +89,8 @@ class Report:
     """(payload bytes compared, payload bytes in the file) of a ``sample`` audit."""
     scope: str = ""
     """What the verdict covers, when not everything was proven (a foreign file: tensors proven of all)."""
+    evidence: dict | None = None
+    """:func:`quantkit.evidence.evidence` of the run."""
 
     @property
     def ok(self) -> bool:
@@ -101,7 +105,7 @@ class Report:
                 "kind": self.kind, "payload": self.payload, "seed": self.seed, "ok": self.ok,
                 "exit_code": self.exit_code, "source": self.source, "recipe": self.recipe, "imatrix": self.imatrix,
                 "checks": [c.to_json() for c in self.checks], "notes": self.notes, "scope": self.scope,
-                "tensors": self.tensors, "io": self.io, "sampled_bytes": self.sampled_bytes}
+                "tensors": self.tensors, "io": self.io, "sampled_bytes": self.sampled_bytes, "evidence": self.evidence}
 
     def render(self) -> str:
         """One line per check, the first few items of failed checks, and a verdict."""

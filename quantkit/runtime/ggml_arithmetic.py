@@ -1,0 +1,158 @@
+"""llama.cpp's CPU arithmetic for matrix products: activations rounded to the weight's ``vec_dot_type``.
+
+The runtime multiplies float32 activations by decoded float32 weights.  ggml's CPU backend does not: before a
+product with a weight of type T it converts the activations to T's ``vec_dot_type`` (``type_traits_cpu`` in
+ggml-cpu.c) and multiplies in that form: K-quants and most i-quants with Q8_K (256-value blocks, float32 scale),
+the legacy types, MXFP4, NVFP4 and IQ4_NL with Q8_0 or Q8_1 (32-value blocks, float16 scale), F16 and BF16 with
+their own type.  On a Q4_K_M file that moves single tokens' NLL by up to ~0.2 nat against the float32 product.
+
+:func:`ggml_activations` reproduces that rounding while it is active: every ``F.linear`` / ``matmul`` / ``bmm``
+whose weight operand is a packed weight (or one expert's matrix of one) gets its activations rounded as ggml rounds
+them, then multiplies in float32.  The integer dot products ggml then runs are exact, so what remains between the
+two is float32 summation order.  Rounding per ``vec_dot_type`` (x86, the backend these figures come from):
+
+* Q8_K (``quantize_row_q8_K_ref``, which x86 uses): per 256 values, ``max`` is the first value of largest
+  magnitude, ``iscale = -127/max``, ``q = min(127, nearest(iscale*x))``, value ``q * (1/iscale)``.
+* Q8_0 / Q8_1 (x86 AVX ``quantize_row_q8_0/1``): per 32 values, ``amax``, ``id = 127/amax``,
+  ``q = round-half-even(x*id)``, value ``q * fp16(amax/127)``.  (Q8_1's float16 block sum, which Q4_1/Q5_1 dot
+  products use for the minimum term, is not reproduced.)
+* F16, BF16: round to nearest even; F32: unchanged.
+
+Attention products (Q·Kᵀ, P·V) are untouched: with an F32 KV cache llama.cpp multiplies them in float32 too.
+MLA attention as llama.cpp runs it (``attn_k_b`` / ``attn_v_b`` absorbed into the query and the output) is
+reproduced by :mod:`.mla` when this mode is on.
+"""
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+
+from ..errors import UnsupportedError
+from ..formats.registry import GGMLType
+
+Q8_K, Q8_0, F16, BF16, F32 = "Q8_K", "Q8_0", "F16", "BF16", "F32"
+
+#: ggml-cpu's ``type_traits_cpu[type].vec_dot_type`` (Q8_1 rounds its values as Q8_0 does).
+_BY_TYPE = {"F32": F32, "F16": F16, "BF16": BF16, "Q1_0": Q8_0, "Q2_0": Q8_0,
+            "Q4_0": Q8_0, "Q4_1": Q8_0, "Q5_0": Q8_0, "Q5_1": Q8_0, "Q8_0": Q8_0, "MXFP4": Q8_0, "NVFP4": Q8_0,
+            "IQ4_NL": Q8_0, "IQ4_XS": Q8_K, "Q2_K": Q8_K, "Q3_K": Q8_K, "Q4_K": Q8_K, "Q5_K": Q8_K, "Q6_K": Q8_K,
+            "IQ2_XXS": Q8_K, "IQ2_XS": Q8_K, "IQ2_S": Q8_K, "IQ3_XXS": Q8_K, "IQ3_S": Q8_K, "IQ1_S": Q8_K,
+            "IQ1_M": Q8_K, "TQ1_0": Q8_K, "TQ2_0": Q8_K}
+_BLOCK = {Q8_K: 256, Q8_0: 32}
+
+
+def activation_type(qtype: GGMLType) -> str:
+    """The form ggml's CPU backend converts activations to before a product with a ``qtype`` weight."""
+    found = _BY_TYPE.get(qtype.name)
+    if found is None:
+        raise UnsupportedError(f"no ggml CPU activation type known for {qtype.name} weights")
+    return found
+
+
+def round_activations(x: torch.Tensor, kind: str) -> torch.Tensor:
+    """``x`` (float32, products along its last axis) as ggml's CPU backend holds it for a ``kind`` product."""
+    if kind == F32:
+        return x
+    if kind == F16:
+        return x.half().float()
+    if kind == BF16:
+        return x.bfloat16().float()
+    block = _BLOCK[kind]
+    if x.shape[-1] % block:
+        raise UnsupportedError(f"activations of length {x.shape[-1]} do not split into {kind} blocks of {block}")
+    blocks = x.float().reshape(*x.shape[:-1], x.shape[-1] // block, block)
+    magnitude = blocks.abs()
+    if kind == Q8_K:
+        signed_max = blocks.gather(-1, magnitude.argmax(dim=-1, keepdim=True))   # argmax: first of equal maxima
+        iscale = torch.where(signed_max != 0, _divide(-127.0, signed_max), torch.zeros_like(signed_max))
+        q = torch.round(blocks * iscale).clamp(max=127)
+        scale = torch.where(iscale != 0, _divide(1.0, iscale), torch.zeros_like(iscale))
+    else:
+        amax = magnitude.amax(dim=-1, keepdim=True)
+        inverse = torch.where(amax != 0, _divide(127.0, amax), torch.zeros_like(amax))
+        q = torch.round(blocks * inverse)
+        scale = (amax / 127.0).half().float()
+    # q + 0.0: ggml multiplies an integer, whose zero is +0 (its sign then comes from the scale, as in ggml)
+    return ((q + 0.0) * scale).reshape(x.shape)
+
+
+def _divide(numerator: float, x: torch.Tensor) -> torch.Tensor:
+    """``numerator / x`` correctly rounded (``float / tensor`` is ``x.reciprocal() * float`` in torch: two
+    roundings, one ulp off ggml's single division)."""
+    return torch.full_like(x, numerator) / x
+
+
+class _ActivationMode(TorchFunctionMode):
+    """Rounds the activation operand of every product with a packed weight (see the module doc)."""
+
+    #: product -> positions of its (activations, weight) operands
+    PRODUCTS = {F.linear: (0, 1), torch.matmul: (0, 1), torch.Tensor.matmul: (0, 1), torch.Tensor.__matmul__: (0, 1),
+                torch.bmm: (0, 1), torch.Tensor.bmm: (0, 1)}
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        operands = self.PRODUCTS.get(func)
+        if operands is not None and len(args) >= 2:
+            kind = weight_activation_type(args[operands[1]])
+            if kind is not None and kind != F32:
+                args = list(args)
+                args[operands[0]] = round_activations(args[operands[0]], kind)
+        return func(*args, **kwargs)
+
+
+def weight_activation_type(w) -> str | None:
+    """The activation type of a packed weight, or of a matrix taken from one (``ACTIVATION_ATTR``); None for any
+    other tensor."""
+    from .packed import PackedTensor
+
+    if not isinstance(w, PackedTensor):
+        w = getattr(w, ACTIVATION_ATTR, None)
+    return w.activation_type if w is not None else None
+
+
+#: Attribute naming the packed weight a matrix was taken from (``weight[e]``, ``weight.t()``).
+ACTIVATION_ATTR = "_ggml_activation_type"
+
+
+#: transformers RMSNorm classes computing ``weight * x / sqrt(mean(x²) + eps)`` (the form ggml's ``rms_norm``
+#: followed by ``mul`` computes; other architectures' norms keep transformers' arithmetic).
+PLAIN_RMS_NORMS = ("Qwen3MoeRMSNorm", "DeepseekV3RMSNorm")
+
+
+def _rms_norm_forward(module):
+    """ggml's ``rms_norm`` arithmetic: Σ of float32 squares accumulated in double, the mean rounded to float32,
+    ``scale = 1/sqrtf(mean + eps)``, then ``x * scale`` and ``* weight``.  (transformers sums in float32 and uses
+    ``rsqrt``: a one-ulp difference there can flip a later Q8_K rounding, which moves a tiny model's NLL by
+    ~0.01.)"""
+    def forward(hidden_states):
+        x = hidden_states.float()
+        mean = ((x * x).double().sum(-1, keepdim=True) / x.shape[-1]).float()
+        scale = _divide(1.0, torch.sqrt(mean + module.variance_epsilon))
+        return module.weight * (x * scale)
+    return forward
+
+
+@contextmanager
+def ggml_activations(module=None):
+    """While active, products with packed weights round their activations as ggml's CPU backend does; the MLA
+    attention modules of ``module`` (a transformers model), if given, attend as llama.cpp does (:mod:`.mla`)."""
+    from .mla import absorbed_forward, is_latent_attention
+
+    patched = []
+    for m in module.modules() if module is not None else ():
+        if is_latent_attention(m):
+            m.forward = absorbed_forward(m)
+        elif type(m).__name__ in PLAIN_RMS_NORMS:
+            m.forward = _rms_norm_forward(m)
+        else:
+            continue
+        patched.append(m)
+    try:
+        with _ActivationMode():
+            yield
+    finally:
+        for m in patched:
+            del m.forward

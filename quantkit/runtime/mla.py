@@ -1,0 +1,85 @@
+"""Multi-head latent attention as llama.cpp runs it: ``attn_k_b`` absorbed into the query, ``attn_v_b`` applied to
+the attention output (llama.cpp's ``deepseek2`` graph when the file has both tensors).
+
+transformers expands the latent into per-head keys and values (``kv_b_proj``), then attends; llama.cpp attends in
+the latent space (one key/value head: the normalized latent, with the shared rotary key) and multiplies each head's
+query by its ``attn_k_b`` matrix first and its output by ``attn_v_b`` after.  In exact arithmetic the two are equal;
+with ggml's activation rounding (:mod:`.ggml_arithmetic`) they differ, because the rounded operands differ (the
+per-head no-position query and the per-head latent output, not the latent itself).  :func:`absorbed_forward`
+replaces the attention module's forward while :func:`~.ggml_arithmetic.ggml_activations` is active.
+"""
+from __future__ import annotations
+
+import torch
+
+from .ggml_arithmetic import activation_type, round_activations, weight_activation_type
+
+
+#: transformers MLA classes whose forward :func:`absorbed_forward` reproduces (others keep their own forward).
+LATENT_ATTENTIONS = ("DeepseekV3Attention",)
+
+
+def is_latent_attention(module) -> bool:
+    """An MLA module :func:`absorbed_forward` can stand in for."""
+    return type(module).__name__ in LATENT_ATTENTIONS
+
+
+def _part_activation_types(weight) -> tuple[str, str]:
+    """Activation types of ``kv_b_proj``'s key half (``attn_k_b``) and value half (``attn_v_b``)."""
+    from .packed import PackedTensor
+
+    if not isinstance(weight, PackedTensor):
+        kind = weight_activation_type(weight) or "F32"
+        return kind, kind
+    tensors = weight.assembler.store.weights.tensors
+    by_suffix = {name.rsplit(".", 2)[-2]: activation_type(tensors[name].qtype) for name in weight.plan.gguf_names}
+    whole = by_suffix.get("attn_kv_b")
+    return by_suffix.get("attn_k_b", whole), by_suffix.get("attn_v_b", whole)
+
+
+def absorbed_forward(module):
+    """A forward for ``module`` (see :func:`is_latent_attention`) that attends in the latent space."""
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import apply_rotary_pos_emb, \
+        apply_rotary_pos_emb_interleave
+
+    key_kind, value_kind = _part_activation_types(module.kv_b_proj.weight)
+    heads, nope, v_dim, rank = module.num_heads, module.qk_nope_head_dim, module.v_head_dim, module.kv_lora_rank
+
+    def forward(hidden_states, position_embeddings, attention_mask, past_key_values=None, **kwargs):
+        batch, length = hidden_states.shape[:-1]
+        if module.q_lora_rank is None:
+            q = module.q_proj(hidden_states)
+        else:
+            q = module.q_b_proj(module.q_a_layernorm(module.q_a_proj(hidden_states)))
+        q = q.view(batch, length, heads, module.qk_head_dim).transpose(1, 2)
+        q_nope, q_rot = torch.split(q, [nope, module.qk_rope_head_dim], dim=-1)
+        compressed = module.kv_a_proj_with_mqa(hidden_states)
+        latent, k_rot = torch.split(compressed, [rank, module.qk_rope_head_dim], dim=-1)
+        latent = module.kv_a_layernorm(latent).view(batch, 1, length, rank)
+        k_rot = k_rot.view(batch, 1, length, module.qk_rope_head_dim)
+        cos, sin = position_embeddings
+        rotate = apply_rotary_pos_emb_interleave if module.config.rope_interleave else apply_rotary_pos_emb
+        q_rot, k_rot = rotate(q_rot, k_rot, cos, sin)
+        if past_key_values is not None:
+            latent, k_rot = past_key_values.update(latent, k_rot, module.layer_idx)
+
+        kv_b = module.kv_b_proj.weight.float().view(heads, nope + v_dim, rank)
+        # [batch, heads, length, nope] x [heads, nope, rank]: each head's query in the latent space (attn_k_b)
+        q_latent = torch.einsum("bhsn,hnr->bhsr", round_activations(q_nope, key_kind), kv_b[:, :nope])
+        query = torch.cat((q_latent, q_rot), dim=-1)
+        key = torch.cat((latent, k_rot), dim=-1)
+        scores = torch.matmul(query, key.transpose(2, 3)) * module.scaling
+        if attention_mask is not None:
+            scores = scores + attention_mask[:, :, :, : key.shape[-2]]
+        elif length > 1:        # no mask given: causal over this call's positions (the last `length` keys)
+            offset = key.shape[-2] - length
+            future = torch.ones(length, key.shape[-2], dtype=torch.bool, device=scores.device).triu(offset + 1)
+            scores = scores.masked_fill(future, float("-inf"))
+        weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+        out_latent = torch.matmul(weights, latent)                     # [batch, heads, length, rank]
+        # each head's latent output through its attn_v_b matrix [v, rank]
+        out = torch.einsum("bhsr,hvr->bhsv", round_activations(out_latent, value_kind), kv_b[:, nope:])
+        out = out.transpose(1, 2).reshape(batch, length, heads * v_dim)
+        return module.o_proj(out), weights
+
+    return forward

@@ -1,0 +1,186 @@
+"""Split a file into transport parts: byte ranges, or llama.cpp split shards of a GGUF file.
+
+Both write each part under a temporary name and rename it when complete (:func:`quantkit.io.atomic.atomic_output`),
+hash while copying (the part's and the whole file's SHA-256, in worker threads), and write the manifest last, so
+a manifest on disk always describes complete parts.
+
+GGUF shards follow llama.cpp's ``gguf-split`` (``tools/gguf-split/gguf-split.cpp``): shard ``k`` of ``N`` is named
+``<stem>-%05d-of-%05d.gguf`` (``k`` from 1); the first carries every metadata key of the file followed by
+``split.no`` (UINT16, from 0), ``split.tensors.count`` (INT32, all shards' tensors) and ``split.count`` (UINT16), the
+others only those three keys; tensors keep their order, each shard holding a run of whole tensors whose padded
+payload bytes fit ``part_size`` (a larger tensor gets a shard of its own), payloads padded to 32 bytes.  The shards
+are byte-identical to ``llama-gguf-split --split --split-max-size`` of the same size (tests/test_transport.py).
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+from pathlib import Path
+
+from gguf.constants import GGUFValueType
+
+from ..errors import FormatError, OutOfSpaceError, UnsupportedError
+from ..io.atomic import atomic_output, check_output, is_out_of_space
+from ..io.gguf import KV, align
+from ..io.gguf_reader import GGUFFile
+from ..io.gguf_writer import plan_layout
+from .manifest import Entry, Manifest, manifest_name
+from .stream import copy_range, progress_bar
+
+SPLIT_NO, SPLIT_COUNT, SPLIT_TENSORS_COUNT = "split.no", "split.count", "split.tensors.count"
+#: In llama.cpp's order: gguf-split sets ``split.count`` last (a placeholder replaced once the shards are counted,
+#: and ggml's ``gguf_set_val`` moves a replaced key to the end).
+SPLIT_KEYS = (SPLIT_NO, SPLIT_TENSORS_COUNT, SPLIT_COUNT)
+#: llama.cpp pads shard payloads to GGUF_DEFAULT_ALIGNMENT whatever the file declares.
+SPLIT_ALIGNMENT = 32
+#: ``split.no`` and ``split.count`` are UINT16.
+MAX_SHARDS = 0xFFFF
+
+
+def shard_name(stem: str, index: int, count: int) -> str:
+    """llama.cpp's ``llama_split_path``: ``<stem>-%05d-of-%05d.gguf``, ``index`` from 0."""
+    return f"{stem}-{index + 1:05d}-of-{count:05d}.gguf"
+
+
+def byte_part_name(file_name: str, index: int, count: int) -> str:
+    return f"{file_name}.part-{index + 1:05d}-of-{count:05d}"
+
+
+def _check_outputs(out_dir: Path, names: list[str], source: Path, force: bool) -> None:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for name in names:
+        check_output(out_dir / name, inputs=[source], overwrite=force, what="transport part")
+
+
+def _check_space(out_dir: Path, need: int) -> None:
+    free = shutil.disk_usage(out_dir).free
+    if free < need:
+        raise OutOfSpaceError(f"needs {need:,} bytes free for the parts, {free:,} available", path=out_dir)
+
+
+def _write_manifest(out_dir: Path, manifest: Manifest, force: bool) -> Manifest:
+    path = out_dir / manifest_name(manifest.file.name)
+    with atomic_output(path, overwrite=force) as tmp:
+        tmp.write_text(manifest.dumps())
+    return Manifest(manifest.kind, manifest.file, manifest.part_size, manifest.parts, path)
+
+
+def split_file(source: str | os.PathLike, out_dir: str | os.PathLike, part_size: int, *, gguf: bool | None = None,
+               force: bool = False, progress: bool = False) -> Manifest:
+    """Split ``source`` into ``out_dir``; ``gguf`` None: shards for a ``.gguf`` file, byte parts otherwise."""
+    source, out_dir = Path(source), Path(out_dir)
+    if gguf is None:
+        gguf = source.suffix == ".gguf"
+    try:
+        return (split_gguf if gguf else split_bytes)(source, out_dir, part_size, force=force, progress=progress)
+    except OSError as exc:
+        if is_out_of_space(exc):
+            raise OutOfSpaceError(f"filesystem full while writing parts: {exc.strerror}", path=out_dir) from None
+        raise
+
+
+def split_bytes(source: Path, out_dir: Path, part_size: int, *, force: bool = False,
+                progress: bool = False) -> Manifest:
+    size = source.stat().st_size
+    count = max(1, -(-size // part_size))
+    names = [byte_part_name(source.name, i, count) for i in range(count)]
+    _check_outputs(out_dir, [*names, manifest_name(source.name)], source, force)
+    _check_space(out_dir, size)
+    whole = hashlib.sha256()
+    parts = []
+    with open(source, "rb") as src, progress_bar(size, progress, source.name) as bar:
+        for i, name in enumerate(names):
+            offset = i * part_size
+            length = min(part_size, size - offset)
+            digest = hashlib.sha256()
+            with atomic_output(out_dir / name, overwrite=force) as tmp, open(tmp, "wb") as dst:
+                copy_range(src.fileno(), offset, length, dst.fileno(), 0, [digest, whole], src_path=source,
+                           advance=bar.update)
+            parts.append(Entry(name, length, digest.hexdigest()))
+    manifest = Manifest("bytes", Entry(source.name, size, whole.hexdigest()), part_size, tuple(parts))
+    return _write_manifest(out_dir, manifest, force)
+
+
+def canonical_layout_problem(f: GGUFFile) -> str | None:
+    """Why merging shards of ``f`` would not give back ``f`` byte for byte (None: it would): the header must be
+    the one quantkit's writer plans for its metadata and tensors, payloads contiguous in declaration order with
+    the last one padded, and the bytes between header and data zero."""
+    problem = f.ggml_layout_problem()
+    if problem:
+        return problem
+    planned = plan_layout(f.metadata, f.tensors.values())
+    if planned.file_size != f.file_size:
+        return f"the file has {f.file_size} bytes, ggml's layout of its tensors {planned.file_size}"
+    with open(f.path, "rb") as raw:
+        head = raw.read(f.data_offset)
+    if head[:len(planned.header)] != planned.header or planned.data_offset != f.data_offset:
+        return "its header is not encoded the way ggml and quantkit encode it"
+    if head[len(planned.header):].strip(b"\0"):
+        return "the padding after its header is not zero"
+    return None
+
+
+def _shard_runs(f: GGUFFile, part_size: int) -> list[list]:
+    runs: list[list] = [[]]
+    used = 0
+    for t in f.tensors.values():
+        padded = align(t.nbytes, SPLIT_ALIGNMENT)
+        if runs[-1] and used + padded > part_size:
+            runs.append([])
+            used = 0
+        runs[-1].append(t)
+        used += padded
+    return runs
+
+
+def split_gguf(source: Path, out_dir: Path, part_size: int, *, force: bool = False,
+               progress: bool = False) -> Manifest:
+    with GGUFFile(source) as f:
+        if SPLIT_COUNT in f.metadata:
+            raise UnsupportedError(f"already a split shard ({SPLIT_COUNT} = {f.metadata[SPLIT_COUNT].value}); split "
+                                   f"the merged file", path=source)
+        if f.alignment != SPLIT_ALIGNMENT:
+            raise UnsupportedError(f"alignment {f.alignment}: llama.cpp's split shards pad to {SPLIT_ALIGNMENT}; "
+                                   f"split it as bytes (--bytes)", path=source)
+        if not f.tensors:
+            raise UnsupportedError("no tensors to split at; split it as bytes (--bytes)", path=source)
+        problem = canonical_layout_problem(f)
+        if problem:
+            raise UnsupportedError(f"merging shards would not give back this file ({problem}); split it as bytes "
+                                   f"(--bytes)", path=source)
+        runs = _shard_runs(f, part_size)
+        if len(runs) > MAX_SHARDS:
+            raise UnsupportedError(f"{len(runs)} shards, more than llama.cpp's {MAX_SHARDS}; use a larger part size",
+                                   path=source)
+        stem = source.name[:-len(".gguf")] if source.name.endswith(".gguf") else source.name
+        names = [shard_name(stem, i, len(runs)) for i in range(len(runs))]
+        _check_outputs(out_dir, [*names, manifest_name(source.name)], source, force)
+        _check_space(out_dir, f.file_size + len(runs) * f.data_offset)
+        whole = hashlib.sha256()
+        parts = []
+        with open(source, "rb") as src, progress_bar(f.file_size, progress, source.name) as bar:
+            copy_range(src.fileno(), 0, f.data_offset, None, 0, [whole], src_path=source, advance=bar.update)
+            for i, (name, run) in enumerate(zip(names, runs)):
+                split_keys = {SPLIT_NO: KV(i, GGUFValueType.UINT16),
+                              SPLIT_TENSORS_COUNT: KV(len(f.tensors), GGUFValueType.INT32),
+                              SPLIT_COUNT: KV(len(runs), GGUFValueType.UINT16)}
+                layout = plan_layout({**f.metadata, **split_keys} if i == 0 else split_keys, run)
+                start = f.data_offset + run[0].offset
+                length = run[-1].offset + align(run[-1].nbytes, SPLIT_ALIGNMENT) - run[0].offset
+                if layout.file_size != layout.data_offset + length:
+                    raise FormatError(f"shard {name} plans {layout.file_size} bytes, its tensors span {length} bytes "
+                                      f"after a {layout.data_offset}-byte header", path=source)
+                head = layout.header + bytes(layout.data_offset - len(layout.header))
+                digest = hashlib.sha256(head)
+                with atomic_output(out_dir / name, overwrite=force) as tmp, open(tmp, "wb") as dst:
+                    dst.write(head)
+                    dst.flush()
+                    copy_range(src.fileno(), start, length, dst.fileno(), len(head), [digest, whole],
+                               src_path=source, advance=bar.update)
+                parts.append(Entry(name, layout.file_size, digest.hexdigest()))
+        manifest = Manifest("gguf-split", Entry(source.name, f.file_size, whole.hexdigest()), part_size, tuple(parts))
+    return _write_manifest(out_dir, manifest, force)
+
+
+__all__ = ["split_file", "split_bytes", "split_gguf", "shard_name", "byte_part_name"]
