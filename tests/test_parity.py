@@ -233,10 +233,12 @@ LLAMA_PERPLEXITY = os.environ.get("QUANTKIT_LLAMA_PERPLEXITY")
 @pytest.mark.interop
 @pytest.mark.skipif(not LLAMA_PERPLEXITY, reason="set QUANTKIT_LLAMA_PERPLEXITY to a llama-perplexity binary")
 def test_parity_on_llama_perplexity_base_file(tiny_checkpoints, tmp_path):
-    """llama-perplexity writes the base file of a quantkit GGUF (Q4_K experts, Q8_0 matrices) and scores the F32
-    GGUF against it; ``quantkit parity F32.gguf --logits base`` scores quantkit's runtime on the F32 GGUF against
-    the same file.  The same-top rate is equal to the printed digit; the KLD figures differ only by the two
-    runtimes' float32 arithmetic on the same weights (within 5e-6: measured 0.000160 vs 0.000162)."""
+    """llama-perplexity writes the base file of the F32 GGUF and scores a quantkit GGUF (Q4_K experts, Q8_0
+    matrices) against it; ``quantkit parity MIXED.gguf --logits base --arithmetic ggml-cpu`` scores quantkit's
+    runtime on the same GGUF against the same file.  Measured (qwen3_moe tiny, -c 64, F32 KV, no flash attention):
+    mean KLD 0.000175 vs llama-perplexity's 0.000174 (float32 arithmetic: 0.000137), same top 95.455% vs 95.601%
+    (one token of 680: the tiny random model's near-ties flip on last-ulp differences of attention's float
+    order); the assertions keep those margins."""
     import re
     import subprocess
 
@@ -247,15 +249,18 @@ def test_parity_on_llama_perplexity_base_file(tiny_checkpoints, tmp_path):
                   for k, t in (("f32", f32_types), ("mixed", mixed_types)))
     (tmp_path / "text.txt").write_text(TEXT * 12)
     base = tmp_path / "base.kld"
-    common = [LLAMA_PERPLEXITY, "-c", "64", "-t", "2", "--kl-divergence-base", str(base)]
-    subprocess.run([*common, "-m", str(mixed), "-f", str(tmp_path / "text.txt")], check=True, capture_output=True)
-    theirs = subprocess.run([*common, "-m", str(f32), "--kl-divergence"], check=True, capture_output=True,
+    common = [LLAMA_PERPLEXITY, "-c", "64", "-t", "2", "-fa", "off", "-ctk", "f32", "-ctv", "f32",
+              "--kl-divergence-base", str(base)]
+    subprocess.run([*common, "-m", str(f32), "-f", str(tmp_path / "text.txt")], check=True, capture_output=True)
+    theirs = subprocess.run([*common, "-m", str(mixed), "--kl-divergence"], check=True, capture_output=True,
                             text=True).stdout
-    code, ours = run(f32, "--logits", base)
+    code, ours = run(mixed, "--logits", base, "--arithmetic", "ggml-cpu")
     assert code == 0, ours
 
     def figure(text, name):
-        return re.search(re.escape(name) + r"\s*:\s*(-?[\d.]+)", text).group(1)
+        return float(re.search(re.escape(name) + r"\s*:\s*(-?[\d.]+)", text).group(1))
 
-    assert figure(ours, "Same top p") == figure(theirs, "Same top p")
-    assert abs(float(figure(ours, "Mean    KLD")) - float(figure(theirs, "Mean    KLD"))) <= 5e-6
+    print(f"same top {figure(ours, 'Same top p')} vs {figure(theirs, 'Same top p')}, mean KLD "
+          f"{figure(ours, 'Mean    KLD')} vs {figure(theirs, 'Mean    KLD')}")
+    assert abs(figure(ours, "Same top p") - figure(theirs, "Same top p")) <= 0.3
+    assert abs(figure(ours, "Mean    KLD") - figure(theirs, "Mean    KLD")) <= 2e-6

@@ -10,7 +10,7 @@ import click
 
 from ..extras import require_runtime
 from . import EXIT_CHECK_FAILED
-from .score import DEVICES, _rendering, _rendering_options, _with
+from .score import ARITHMETIC_OPTION, DEVICES, _rendering, _rendering_options, _with
 
 _file = click.Path(exists=True, dir_okay=False, path_type=Path)
 
@@ -34,9 +34,10 @@ _file = click.Path(exists=True, dir_okay=False, path_type=Path)
 @_with(_rendering_options)
 @click.option("--device", type=click.Choice(DEVICES), default="cpu", show_default=True)
 @click.option("--tokenizer", type=click.Path(exists=True), help="tokenizer directory (default: the model's)")
+@ARITHMETIC_OPTION
 @click.option("--json", "as_json", is_flag=True, help="print the report as JSON")
 def parity(model, logits_dump, streams, hidden, prompt, tokens_file, confident, cosine_bar, rendering,
-           chat_template_kwargs, device, tokenizer, as_json):
+           chat_template_kwargs, device, tokenizer, arithmetic, as_json):
     """Compare an engine's output on MODEL (GGUF or checkpoint) with quantkit's reference: exit 0 when every
     check passes, 1 on a divergence, 2 when an input cannot be used."""
     from ..scoring.parity import (compare_hidden, compare_logits, compare_stream, read_hidden_dump,
@@ -67,7 +68,7 @@ def parity(model, logits_dump, streams, hidden, prompt, tokens_file, confident, 
         codec = TextCodec(load_tokenizer(model, tokenizer))
     if prompt is not None:
         tokens = codec.render(prompt, _rendering(rendering, chat_template_kwargs))
-    runtime = load_model(model, device=device)
+    runtime = load_model(model, device=device, arithmetic=arithmetic)
     report: dict = {"model": str(model), "passed": True}
     lines: list[str] = []
     try:

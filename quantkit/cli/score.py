@@ -13,6 +13,11 @@ from ..extras import require_runtime
 from . import one_output
 
 DEVICES = ("cpu", "cuda")
+#: ``--arithmetic`` of the commands that run a model for parity with an engine (score, parity).
+ARITHMETIC_OPTION = click.option(
+    "--arithmetic", type=click.Choice(["float32", "ggml-cpu"]), default="float32", show_default=True,
+    help="ggml-cpu: round each product's activations as llama.cpp's CPU backend does (Q8_K/Q8_0/F16 by weight "
+         "type; MLA absorbed), for per-token parity with llama-perplexity -ctk f32 -ctv f32 -fa off")
 
 
 def _template_kwargs(text: str | None) -> dict:
@@ -219,9 +224,7 @@ def check(path):
 @click.option("--format", "table_format", type=click.Choice(["quantkit", "ds4", "ds4-nll"]), default="quantkit",
               show_default=True, help="ds4: score_official's 26-column table (ds4-nll: its 7 NLL columns) with the "
               "identity record in OUT.tsv.json")
-@click.option("--arithmetic", type=click.Choice(["float32", "ggml-cpu"]), default="float32", show_default=True,
-              help="ggml-cpu: round each product's activations as llama.cpp's CPU backend does (Q8_K/Q8_0/F16 by "
-              "weight type; MLA absorbed), for per-token parity with llama-perplexity -ctk f32 -ctv f32")
+@ARITHMETIC_OPTION
 def score(model, fixture_dir, out_arg, out, ctx, device, allow_cross_checkpoint, kld_base, save_logits, tokenizer, sidecars,
           label, table_format, arithmetic):
     """Score MODEL (GGUF or checkpoint) on FIXTURE; write the per-case table -o OUT.tsv."""
