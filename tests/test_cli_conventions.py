@@ -15,8 +15,8 @@ from click.testing import CliRunner
 from quantkit.cli import main
 
 #: Commands whose main product is a file or directory they write.
-WRITERS = {"convert", "score", "redialect", "fixture capture", "fixture import", "imatrix collect", "imatrix convert",
-           "imatrix merge", "transport split", "transport assemble", "fetch"}
+WRITERS = {"convert", "score", "redialect", "fixture capture", "fixture import", "fixture import-vectors",
+           "imatrix collect", "imatrix convert", "imatrix merge", "transport split", "transport assemble", "fetch"}
 
 
 def commands(group: click.Group = main, path: tuple[str, ...] = ()):

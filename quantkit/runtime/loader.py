@@ -324,3 +324,18 @@ def logits(model: RuntimeModel, token_ids: Sequence[int]) -> np.ndarray:
         raise ValidationError(f"non-finite logits at position {position}; first non-finite output: module "
                               f"{_first_non_finite(model.module, input_ids)!r}", path=model.path)
     return result
+
+
+def hidden_states(model: RuntimeModel, token_ids: Sequence[int]) -> list[np.ndarray]:
+    """float32 hidden states of one sequence, transformers' ``output_hidden_states``: the embeddings, then each
+    decoder layer's output (the last one after the final norm, where the model's forward puts it), each
+    ``[len(token_ids), ...]`` (``[len, hidden]``, or ``[len, streams, hidden]`` with hyper-connections)."""
+    ids = check_token_ids(model, token_ids)
+    input_ids = torch.as_tensor(ids.astype(np.int64), device=model.device)[None]
+    with torch.no_grad():        # no_grad, not inference_mode: see logits
+        out = model.module(input_ids=input_ids, use_cache=False, output_hidden_states=True)
+    model.store.check()
+    if not out.hidden_states:
+        raise UnsupportedError(f"the {model.config.get('model_type')} model returns no hidden states",
+                               path=model.path)
+    return [h[0].float().cpu().numpy() for h in out.hidden_states]
