@@ -224,3 +224,23 @@ def test_fused_cuda_search_equals_eager_search(n, nmax, use_mad):
         bad = (a != b).nonzero()
         assert bad.numel() == 0, (f"{what}: {bad.shape[0]} lanes differ, first {bad[0].tolist()}: fused "
                                   f"{a[tuple(bad[0])].item()} eager {b[tuple(bad[0])].item()}")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+@pytest.mark.parametrize("n, nmax", [(8, 63), (16, 15)])
+def test_fused_cuda_qp_quants_equals_eager(n, nmax):
+    """kq_search.cu's make_qp_quants (the imatrix paths' sub-block scale quantization) against the eager one."""
+    assert gpu_encode.search_extension("cuda") is not None, "kq_search.cu did not build with this CUDA toolkit"
+    rng = np.random.default_rng(n)
+    x = np.abs(corpus.family("mixed_blocks", 64, 4096, 1)).reshape(n, -1)
+    x[:, :500] = rng.gamma(0.5, 1.0, (n, 500))
+    x[:, 500:520] = 0.0
+    w = rng.gamma(0.7, 1.0, x.shape).astype(np.float32)
+    w[:, 600:650] = 0.0
+    xt, wt = torch.from_numpy(np.ascontiguousarray(x, np.float32)).cuda(), torch.from_numpy(w).cuda()
+    fused = gpu_encode.qp_quants(xt, nmax, wt)
+    eager = gpu_encode.make_qp_quants(xt, nmax, wt)
+    assert torch.equal(fused[0], eager[0].to(torch.int32))
+    canon = [torch.where(torch.isnan(s), torch.full_like(s, float("nan")), s).view(torch.int32) for s in
+             (fused[1], eager[1])]
+    assert torch.equal(*canon)

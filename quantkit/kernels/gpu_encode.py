@@ -299,7 +299,9 @@ def make_qkx_quants(xt: torch.Tensor, wt: torch.Tensor, nmax: int, rmin: float, 
 #: :func:`make_qkx_quants`; both give the same bytes (tests/test_gpu_encoders.py runs each where it is used).
 FUSED_SEARCH_ON = {"cuda"}
 _SEARCH_DECL = ("std::vector<torch::Tensor> qkx_search_lanes(torch::Tensor xt, torch::Tensor wt, int64_t nmax, "
-                "double rmin, double rdelta, int64_t nstep, bool use_mad);")
+                "double rmin, double rdelta, int64_t nstep, bool use_mad);\n"
+                "std::vector<torch::Tensor> qp_quants_lanes(torch::Tensor xt, torch::Tensor wt, int64_t nmax);")
+_SEARCH_FUNCTIONS = ["qkx_search_lanes", "qp_quants_lanes"]
 
 
 _EXTENSIONS: dict[str, object] = {}
@@ -315,9 +317,9 @@ def search_extension(device_type: str):
         try:
             if device_type == "cuda":
                 ext = load_inline("quantkit_kq_search_cuda", cpp_sources=[_SEARCH_DECL], cuda_sources=[source],
-                                  functions=["qkx_search_lanes"], extra_cuda_cflags=["-O3", "-fmad=false"])
+                                  functions=_SEARCH_FUNCTIONS, extra_cuda_cflags=["-O3", "-fmad=false"])
             else:
-                ext = load_inline("quantkit_kq_search_cpu", cpp_sources=[source], functions=["qkx_search_lanes"],
+                ext = load_inline("quantkit_kq_search_cpu", cpp_sources=[source], functions=_SEARCH_FUNCTIONS,
                                   extra_cflags=["-O2", "-ffp-contract=off", "-fno-fast-math"])
         except Exception:  # noqa: BLE001  (a missing toolkit shows up as OSError, RuntimeError, CalledProcessError…)
             ext = None
@@ -334,6 +336,15 @@ def qkx_search(xt: torch.Tensor, wt: torch.Tensor, nmax: int, rmin: float, rdelt
                                                  float(F32(rdelta)), nstep, use_mad)
         return L, scale, the_min
     return make_qkx_quants(xt, wt, nmax, rmin, rdelta, nstep, use_mad)
+
+
+def qp_quants(x: torch.Tensor, nmax: int, qw: torch.Tensor):
+    """make_qp_quants on lanes, fused where :data:`FUSED_SEARCH_ON` says so and the kernel builds."""
+    ext = search_extension(x.device.type) if x.device.type in FUSED_SEARCH_ON else None
+    if ext is not None:
+        L, scale = ext.qp_quants_lanes(x.contiguous(), qw.contiguous(), nmax)
+        return L, scale
+    return make_qp_quants(x, nmax, qw)
 
 
 def make_qp_quants(x: torch.Tensor, nmax: int, qw: torch.Tensor):
@@ -458,8 +469,8 @@ def _q2_k(x: torch.Tensor, imatrix) -> torch.Tensor:
                          (sc | (nearest_int(_div(15.0, max_min)[:, None] * mins) << 4)) & 0xFF, sc)
         dmin = torch.where(max_min > 0, _div(max_min, 15.0), zero)
     else:                                                 # quantize_row_q2_K_impl
-        Ls, d = make_qp_quants(scales.t(), 15, sw.t())
-        Lm, dmin = make_qp_quants(mins.t(), 15, sw.t())
+        Ls, d = qp_quants(scales.t(), 15, sw.t())
+        Lm, dmin = qp_quants(mins.t(), 15, sw.t())
         sc = ((Ls | (Lm << 4)) & 0xFF).t()
     dd, dmm = f16_round(d), f16_round(dmin)
     L = _requantize(b, dd[:, None] * (sc & 0xF).to(torch.float32), dmm[:, None] * (sc >> 4).to(torch.float32),
@@ -491,8 +502,8 @@ def _q4_k(x: torch.Tensor, imatrix) -> torch.Tensor:
         lm = torch.clamp(nearest_int(inv_min[:, None] * mins) & 0xFF, max=63)
         d, dmin = _div(max_scale, 63.0), _div(max_min, 63.0)
     else:                                                 # quantize_row_q4_K_impl (no clamp, unlike Q5_K)
-        ls, d = make_qp_quants(scales.t(), 63, sw.t())
-        lm, dmin = make_qp_quants(mins.t(), 63, sw.t())
+        ls, d = qp_quants(scales.t(), 63, sw.t())
+        lm, dmin = qp_quants(mins.t(), 63, sw.t())
         ls, lm = ls.t(), lm.t()
     packed = torch.cat([(ls[:, :4] | ((ls[:, 4:] >> 4) << 6)) & 0xFF,
                         (lm[:, :4] | ((lm[:, 4:] >> 4) << 6)) & 0xFF,

@@ -1,5 +1,5 @@
 // make_qkx2_quants / make_qkx3_quants (ggml's K-quant sub-block scale search) fused into one CUDA thread per
-// sub-block: the same float32 operation sequence as quantkit.kernels.kq_primitives.make_qkx_quants_lanes, with
+// sub-block, and make_qp_quants (the imatrix paths' quantization of the sub-block scales) one thread per super-block: the same float32 operation sequence as quantkit.kernels.kq_primitives.make_qkx_quants_lanes, with
 // every multiply, add and divide an explicitly rounded intrinsic (no FMA contraction; built with -fmad=false
 // too).  Lanes layout: sub-block k is column k of xt[n, K].  Compiled by quantkit.kernels.gpu_encode with nvcc,
 // or with a C++ compiler (-ffp-contract=off) for the CPU check of the same source.
@@ -158,4 +158,122 @@ std::vector<torch::Tensor> qkx_search_lanes(torch::Tensor xt, torch::Tensor wt, 
     }
 #endif
     return {Lt, scale, mins};
+}
+
+// make_qp_quants on one lane of n (8 or 16) non-negative values x (the sub-block scales or mins) weighted by qw:
+// quants L (stored as uint8 by ggml: kept in 0..255 here) and the returned scale.
+template <int N>
+QK_DEV float qp_search(const float* x, const float* qw, int nmax, int* L) {
+    float mx = 0.0f;
+    for (int i = 0; i < N; ++i) mx = mx > x[i] ? mx : x[i];
+    if (mx < 1e-15f) {
+        for (int i = 0; i < N; ++i) L[i] = 0;
+        return 0.0f;
+    }
+    const float fnmax = (float)nmax;
+    float iscale = FDIV(fnmax, mx);
+    for (int i = 0; i < N; ++i) L[i] = nearest_int(FMUL(iscale, x[i])) & 0xFF;
+    float scale = FDIV(1.0f, iscale);
+    float best_mse = 0.0f;
+    for (int i = 0; i < N; ++i) {
+        float diff = FSUB(x[i], FMUL(scale, (float)L[i]));
+        best_mse = FADD(best_mse, FMUL(FMUL(qw[i], diff), diff));
+    }
+    for (int step = -4; step <= 4; ++step) {
+        if (step == 0) continue;
+        float iscale_is = FDIV(FADD(FMUL(0.1f, (float)step), fnmax), mx);
+        float scale_is = FDIV(1.0f, iscale_is);
+        float mse = 0.0f;
+        for (int i = 0; i < N; ++i) {
+            int l = nearest_int(FMUL(iscale_is, x[i]));
+            l = l < nmax ? l : nmax;
+            float diff = FSUB(x[i], FMUL(scale_is, (float)l));
+            mse = FADD(mse, FMUL(FMUL(qw[i], diff), diff));
+        }
+        if (mse < best_mse) { best_mse = mse; iscale = iscale_is; }
+    }
+    float sumlx = 0.0f, suml2 = 0.0f;
+    for (int i = 0; i < N; ++i) {
+        int l = nearest_int(FMUL(iscale, x[i]));
+        l = l < nmax ? l : nmax;
+        L[i] = l & 0xFF;
+        float fl = (float)l;
+        sumlx = FADD(sumlx, FMUL(FMUL(qw[i], x[i]), fl));
+        suml2 = FADD(suml2, FMUL(FMUL(qw[i], fl), fl));
+    }
+    for (int pass = 0; pass < 5; ++pass) {
+        int changed = 0;
+        for (int i = 0; i < N; ++i) {
+            float w = qw[i], fli = (float)L[i];
+            float slx = FSUB(sumlx, FMUL(FMUL(w, x[i]), fli));
+            float sl2 = FSUB(suml2, FMUL(FMUL(w, fli), fli));
+            if (slx > 0.0f && sl2 > 0.0f) {
+                int new_l = nearest_int(FDIV(FMUL(x[i], sl2), slx));
+                new_l = new_l < nmax ? new_l : nmax;
+                if (new_l != L[i]) {
+                    float fnl = (float)new_l;
+                    slx = FADD(slx, FMUL(FMUL(w, x[i]), fnl));
+                    sl2 = FADD(sl2, FMUL(FMUL(w, fnl), fnl));
+                    if (FMUL(FMUL(slx, slx), suml2) > FMUL(FMUL(sumlx, sumlx), sl2)) {
+                        L[i] = new_l & 0xFF;
+                        sumlx = slx;
+                        suml2 = sl2;
+                        ++changed;
+                    }
+                }
+            }
+        }
+        if (!changed) break;
+    }
+    return suml2 > 0.0f ? FDIV(sumlx, suml2) : 0.0f;
+}
+
+template <int N>
+QK_DEV void qp_lane(const float* xt, const float* wt, int64_t K, int64_t k, int nmax, int32_t* Lt, float* scale) {
+    float x[N], w[N];
+    int L[N];
+    for (int i = 0; i < N; ++i) { x[i] = xt[i * K + k]; w[i] = wt[i * K + k]; }
+    scale[k] = qp_search<N>(x, w, nmax, L);
+    for (int i = 0; i < N; ++i) Lt[i * K + k] = L[i];
+}
+
+#ifdef __CUDACC__
+template <int N>
+__global__ void qp_kernel(const float* xt, const float* wt, int64_t K, int nmax, int32_t* Lt, float* scale) {
+    int64_t k = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (k < K) qp_lane<N>(xt, wt, K, k, nmax, Lt, scale);
+}
+#endif
+
+std::vector<torch::Tensor> qp_quants_lanes(torch::Tensor xt, torch::Tensor wt, int64_t nmax) {
+    TORCH_CHECK(xt.dtype() == torch::kFloat32 && wt.dtype() == torch::kFloat32, "float32 lanes expected");
+    TORCH_CHECK(xt.is_contiguous() && wt.is_contiguous() && xt.sizes() == wt.sizes(), "contiguous [n, K] lanes");
+    const int64_t n = xt.size(0), K = xt.size(1);
+    TORCH_CHECK(n == 8 || n == 16, "8 or 16 sub-block scales");
+    auto Lt = torch::empty({n, K}, xt.options().dtype(torch::kInt32));
+    auto scale = torch::empty({K}, xt.options());
+    const float* x = xt.data_ptr<float>();
+    const float* w = wt.data_ptr<float>();
+#ifdef __CUDACC__
+    TORCH_CHECK(xt.is_cuda(), "CUDA lanes expected");
+    const int threads = 128;
+    const int64_t blocks = (K + threads - 1) / threads;
+    auto stream = c10::cuda::getCurrentCUDAStream();
+    if (K > 0) {
+        if (n == 8)
+            qp_kernel<8><<<blocks, threads, 0, stream>>>(x, w, K, (int)nmax, Lt.data_ptr<int32_t>(),
+                                                         scale.data_ptr<float>());
+        else
+            qp_kernel<16><<<blocks, threads, 0, stream>>>(x, w, K, (int)nmax, Lt.data_ptr<int32_t>(),
+                                                          scale.data_ptr<float>());
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
+    }
+#else
+    TORCH_CHECK(!xt.is_cuda(), "CPU lanes expected");
+    for (int64_t k = 0; k < K; ++k) {
+        if (n == 8) qp_lane<8>(x, w, K, k, (int)nmax, Lt.data_ptr<int32_t>(), scale.data_ptr<float>());
+        else qp_lane<16>(x, w, K, k, (int)nmax, Lt.data_ptr<int32_t>(), scale.data_ptr<float>());
+    }
+#endif
+    return {Lt, scale};
 }
