@@ -6,7 +6,8 @@ reference's float32 operation sequence, written so that torch cannot reorder or 
 
 * eager torch (no ``torch.compile``/Triton: Triton contracts ``a*b + c`` into FMA by default and divides
   approximately; ggml's x86-64 baseline build has no FMA), one torch op per C operation, in C's order; the one
-  hand-written kernel, ``kq_search.cu`` (the K-quant sub-block search on CUDA), uses round-to-nearest
+  hand-written kernel, ``kq_search.cu`` (the K-quant searches on CUDA: make_qkx2/qkx3_quants per sub-block,
+  make_qp_quants per super-block), uses round-to-nearest
   intrinsics for every operation and is built with ``-fmad=false``;
 * divisions are tensor / tensor: torch rewrites ``t / scalar`` as ``t * (1/scalar)`` on CUDA (two roundings)
   and ``scalar / t`` as ``reciprocal(t) * scalar``;
@@ -294,9 +295,10 @@ def make_qkx_quants(xt: torch.Tensor, wt: torch.Tensor, nmax: int, rmin: float, 
     return L, scale, -mn
 
 
-#: Device types on which the K-quant sub-block search runs as the fused kernel of ``kq_search.cu`` (one thread per
-#: sub-block, compiled at first use with -fmad=false and round-to-nearest intrinsics) instead of the eager torch
-#: :func:`make_qkx_quants`; both give the same bytes (tests/test_gpu_encoders.py runs each where it is used).
+#: Device types on which the K-quant searches run as the fused kernels of ``kq_search.cu`` (one thread per
+#: sub-block / super-block, compiled at first use with -fmad=false and round-to-nearest intrinsics; ~1 minute on
+#: a fresh machine, then torch's extension cache) instead of the eager :func:`make_qkx_quants` /
+#: :func:`make_qp_quants`; both give the same bytes (tests/test_gpu_encoders.py compares them on CUDA).
 FUSED_SEARCH_ON = {"cuda"}
 _SEARCH_DECL = ("std::vector<torch::Tensor> qkx_search_lanes(torch::Tensor xt, torch::Tensor wt, int64_t nmax, "
                 "double rmin, double rdelta, int64_t nstep, bool use_mad);\n"
