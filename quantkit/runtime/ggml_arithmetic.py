@@ -130,7 +130,10 @@ def _rms_norm_forward(module):
     def forward(hidden_states):
         x = hidden_states.float()
         mean = ((x * x).double().sum(-1, keepdim=True) / x.shape[-1]).float()
-        scale = _divide(1.0, torch.sqrt(mean + module.variance_epsilon))
+        # sqrtf is correctly rounded; torch's float32 sqrt on the CPU is not always (an ulp off), the float64
+        # root rounded to float32 is
+        root = torch.sqrt((mean + module.variance_epsilon).double()).float()
+        scale = _divide(1.0, root)
         return module.weight * (x * scale)
     return forward
 
