@@ -44,16 +44,31 @@ def _default_jobs() -> int:
               help="GGUF dialect: llama.cpp's tensor names and keys, or ds4's  [default: the recipe's dialect, "
                    "else llama.cpp]")
 @click.option("--progress/--no-progress", default=True, show_default=True, help="show a progress bar")
+@click.option("--executor", type=click.Choice(["process", "ray"]), default="process", show_default=True,
+              help="worker processes on this machine, or Ray tasks on a cluster (the ray extra)")
+@click.option("--address", metavar="HOST:PORT",
+              help="with --executor ray: the cluster to join [default: a local cluster of --jobs CPUs, started "
+                   "and stopped by this run]")
+@click.option("--ray-transfer", "transfer", type=click.Choice(["auto", "write", "return"]), default="auto",
+              show_default=True,
+              help="with --executor ray: tasks write into the partial output (a shared filesystem), return bytes "
+                   "to this process, or write where the partial is visible and return bytes elsewhere")
 def convert(source, out, recipe, imatrix, bootstrap, allow_synthetic_imatrix, jobs, resume, force, label, dry_run,
-            pre_tokenizer, report, reserve, dialect, progress):
+            pre_tokenizer, report, reserve, dialect, progress, executor, address, transfer):
     """Convert checkpoint SOURCE (a directory or a Hugging Face repo id) to a GGUF laid out by a recipe."""
     from ..convert.execute import ConvertRequest, check_outputs, execute, prepare
     from ..io.atomic import atomic_output
 
+    if address is not None and executor != "ray":
+        raise click.UsageError("--address needs --executor ray")
+    if executor == "ray" and not dry_run:
+        from ..extras import require_ray
+
+        require_ray("quantkit convert --executor ray")
     request = ConvertRequest(source=source, out=out, recipe=recipe, imatrix=imatrix, bootstrap=bootstrap,
                              allow_synthetic_imatrix=allow_synthetic_imatrix, jobs=jobs, resume=resume, force=force,
                              label=label, pre_tokenizer=pre_tokenizer, reserve_bytes=reserve, dialect=dialect,
-                             progress=progress)
+                             progress=progress, executor=executor, address=address, transfer=transfer)
     prepared = prepare(request)
     click.echo(prepared.plan.summary())
     if prepared.workers_note:
