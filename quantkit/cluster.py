@@ -30,14 +30,17 @@ def ray_session(address: str | None, workers: int, what: str) -> Iterator[object
                    configure_logging=True)
     try:
         if address is None:
-            ray.init(num_cpus=max(1, workers), **options)
+            # "local": a new cluster, never one a `ray start` left on this machine
+            ray.init(address="local", num_cpus=max(1, workers), **options)
         else:
             ray.init(address=address, **options)
     except (ConnectionError, RuntimeError, ValueError, TimeoutError) as exc:
         ray.shutdown()
         where = f"the Ray cluster at {address!r}" if address else "a local Ray cluster"
+        hint = ("; a cluster with token authentication (Ray's default) needs RAY_AUTH_MODE=token and its token "
+                "(~/.ray/auth_token or RAY_AUTH_TOKEN) in this environment" if address else "")
         raise ClusterError(f"cannot {'connect to' if address else 'start'} {where}: "
-                           f"{' '.join(str(exc).split())[:300]}") from None
+                           f"{' '.join(str(exc).split())[:300]}{hint}") from None
     try:
         yield ray
     finally:
