@@ -59,8 +59,10 @@ def layer_bytes() -> int:
 
 
 def config(layers: int, ids: dict[str, int]) -> dict:
+    # intermediate_size (the dense FFN's, unused: every layer is MoE) no wider than the largest tensor dimension,
+    # which quantkit.io.config checks
     return {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "vocab_size": MODEL_VOCAB_SIZE,
-            "hidden_size": HIDDEN, "intermediate_size": 4 * HIDDEN, "moe_intermediate_size": EXPERT_WIDTH,
+            "hidden_size": HIDDEN, "intermediate_size": HIDDEN, "moe_intermediate_size": EXPERT_WIDTH,
             "num_hidden_layers": layers, "num_attention_heads": HEADS, "num_key_value_heads": KV_HEADS,
             "head_dim": HEAD_DIM, "num_experts": EXPERTS, "num_local_experts": EXPERTS, "num_experts_per_tok": 8,
             "norm_topk_prob": True, "max_position_embeddings": 32768, "rms_norm_eps": 1e-6,
