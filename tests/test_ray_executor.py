@@ -1,5 +1,6 @@
 """``--executor ray`` on a real Ray cluster: ``ray start --head`` on the loopback with 2 worker CPUs, started once
-per session by a fixture and stopped (``ray stop --force``) when the session ends.
+per session by a fixture in a process session of its own, whose every process is stopped when the test session
+ends (not ``ray stop``, which stops every Ray cluster of the machine).
 
 The reference of every comparison is the process pool's output of the same plan (``--executor process -j 2``):
 a Ray conversion (tasks writing into the partial, or returning their bytes), one whose worker process is killed
@@ -7,6 +8,7 @@ mid-tensor, and one resumed after its driver was killed, each equal byte for byt
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -56,15 +58,44 @@ def ray_cluster():
     env = {**os.environ, KILL_ONCE_ENV: str(kill_dir), "RAY_USAGE_STATS_ENABLED": "0",
            "PYTHONPATH": os.pathsep.join(p for p in [str(Path(__file__).parents[1]), os.environ.get("PYTHONPATH")]
                                          if p)}
-    ray = _ray_command()
-    start = [ray, "start", "--head", "--node-ip-address", "127.0.0.1", "--port", str(port), "--num-cpus", "2",
-             "--num-gpus", "0", "--include-dashboard", "false", "--disable-usage-stats", "--temp-dir", str(temp)]
+    start = [_ray_command(), "start", "--head", "--node-ip-address", "127.0.0.1", "--port", str(port), "--num-cpus",
+             "2", "--num-gpus", "0", "--include-dashboard", "false", "--disable-usage-stats", "--temp-dir", str(temp)]
+    # a session of its own: every process of this cluster (and no other Ray on the machine) is stopped at the end
+    starter = subprocess.Popen(start, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                               start_new_session=True)
     try:
-        subprocess.run(start, env=env, check=True, capture_output=True, timeout=CLUSTER_START_TIMEOUT)
+        output, _ = starter.communicate(timeout=CLUSTER_START_TIMEOUT)
+        if starter.returncode != 0:
+            pytest.fail(f"ray start failed: {output.decode(errors='replace')[-2000:]}")
         yield f"127.0.0.1:{port}", kill_dir
     finally:
-        subprocess.run([ray, "stop", "--force"], env=env, capture_output=True, timeout=120)
+        _stop_session(starter.pid)
         shutil.rmtree(temp, ignore_errors=True)
+
+
+def _session_members(sid: int) -> list[int]:
+    members = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                if os.getsid(int(entry)) == sid:
+                    members.append(int(entry))
+            except OSError:   # gone meanwhile
+                pass
+    return members
+
+
+def _stop_session(sid: int, grace: float = 10.0) -> None:
+    """SIGTERM every process of session ``sid``, then SIGKILL what is left after ``grace`` seconds."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for pid in _session_members(sid):
+            with contextlib.suppress(OSError):
+                os.kill(pid, sig)
+        deadline = time.monotonic() + grace
+        while _session_members(sid) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        if not _session_members(sid):
+            return
 
 
 def convert(*args) -> object:
@@ -165,6 +196,51 @@ def test_without_an_address_a_local_cluster_is_started_and_stopped(qwen_args, qw
     convert(*qwen_args, "-o", out, "--executor", "ray", "-j", 2)
     assert out.read_bytes() == qwen_pool
     assert not ray.is_initialized()
+
+
+#: Cases of the example fixture the scoring tests use (its first ones): enough for each worker to score several.
+SCORE_CASES = 6
+
+
+@pytest.fixture(scope="module")
+def small_fixture(tmp_path_factory) -> Path:
+    """The example fixture's first :data:`SCORE_CASES` cases, written as a fixture of their own."""
+    from quantkit.fixtures.directory import read_fixture, write_fixture
+
+    fx = read_fixture(examples.example_fixture_dir())
+    out = tmp_path_factory.mktemp("ray-fixture") / "fx"
+    write_fixture(out, fx.cases[:SCORE_CASES], label=fx.label, source=fx.info.source, rendering=fx.rendering,
+                  capture=fx.info.capture)
+    return out
+
+
+def table_rows(path: Path) -> list:
+    """The table's lines, its header record without the evidence (the command line and thread count differ)."""
+    import json
+
+    lines = path.read_text().splitlines()
+    tag, _, record = lines[0].partition(" {")
+    header = json.loads("{" + record)
+    del header["evidence"]
+    return [tag, header, *lines[1:]]
+
+
+@pytest.mark.ray
+def test_score_on_ray_equals_a_single_process_run(ray_cluster, small_fixture, tmp_path):
+    address, _ = ray_cluster
+    model = examples.example_model_dir()
+    runner = CliRunner()
+    single = runner.invoke(main, ["score", str(model), str(small_fixture), str(tmp_path / "one.tsv"), "--ctx", "512"])
+    assert single.exit_code == 0, single.output
+    spread = runner.invoke(main, ["score", str(model), str(small_fixture), str(tmp_path / "ray.tsv"), "--ctx", "512",
+                                  "--executor", "ray", "--address", address])
+    assert spread.exit_code == 0, spread.output
+    rows = table_rows(tmp_path / "ray.tsv")
+    assert rows == table_rows(tmp_path / "one.tsv")
+    from quantkit.fixtures.directory import read_fixture
+
+    ids = [r.split("\t")[0] for r in rows[3:] if not r.startswith("#")]
+    assert ids == [c.id for c in read_fixture(small_fixture).cases]   # every case, in the fixture's order
 
 
 def test_without_ray_the_cli_says_how_to_install_it(monkeypatch, tmp_path):

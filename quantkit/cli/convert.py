@@ -8,12 +8,7 @@ from pathlib import Path
 import click
 
 from . import EXIT_INTERRUPTED
-
-
-def _default_jobs() -> int:
-    from ..convert.pool import available_cpus
-
-    return available_cpus()
+from .executors import check_executor, default_jobs
 
 
 @click.command("convert")
@@ -27,7 +22,7 @@ def _default_jobs() -> int:
 @click.option("--bootstrap-importance", "bootstrap", is_flag=True,
               help="weight-energy importance (sum of w^2 per column) for tensors without imatrix data")
 @click.option("--allow-synthetic-imatrix", is_flag=True, help="accept an imatrix made from synthetic or fixture data")
-@click.option("-j", "--jobs", type=click.IntRange(min=1), default=_default_jobs, show_default="CPUs available",
+@click.option("-j", "--jobs", type=click.IntRange(min=1), default=default_jobs, show_default="CPUs available",
               help="worker processes (1: encode in this process); lowered to the CPUs available and to what the "
                    "memory holds, with a note")
 @click.option("--resume", is_flag=True, help="continue an interrupted conversion of the same plan")
@@ -59,12 +54,8 @@ def convert(source, out, recipe, imatrix, bootstrap, allow_synthetic_imatrix, jo
     from ..convert.execute import ConvertRequest, check_outputs, execute, prepare
     from ..io.atomic import atomic_output
 
-    if address is not None and executor != "ray":
-        raise click.UsageError("--address needs --executor ray")
-    if executor == "ray" and not dry_run:
-        from ..extras import require_ray
-
-        require_ray("quantkit convert --executor ray")
+    if not dry_run:
+        check_executor("quantkit convert", executor, address)
     request = ConvertRequest(source=source, out=out, recipe=recipe, imatrix=imatrix, bootstrap=bootstrap,
                              allow_synthetic_imatrix=allow_synthetic_imatrix, jobs=jobs, resume=resume, force=force,
                              label=label, pre_tokenizer=pre_tokenizer, reserve_bytes=reserve, dialect=dialect,

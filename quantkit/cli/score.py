@@ -10,6 +10,7 @@ from pathlib import Path
 import click
 
 from ..extras import require_runtime
+from .executors import check_executor, executor_options
 
 DEVICES = ("cpu", "cuda")
 
@@ -157,10 +158,15 @@ def check(path):
 @click.option("--arithmetic", type=click.Choice(["float32", "ggml-cpu"]), default="float32", show_default=True,
               help="ggml-cpu: round each product's activations as llama.cpp's CPU backend does (Q8_K/Q8_0/F16 by "
               "weight type; MLA absorbed), for per-token parity with llama-perplexity -ctk f32 -ctv f32")
+@_with(executor_options)
 def score(model, fixture_dir, out, ctx, device, allow_cross_checkpoint, kld_base, save_logits, tokenizer, sidecars,
-          label, table_format, arithmetic):
+          label, table_format, arithmetic, executor, address, jobs):
     """Score MODEL (GGUF or checkpoint) on FIXTURE; write the per-case table OUT.tsv."""
     require_runtime("quantkit score")
+    check_executor("quantkit score", executor, address)
+    if executor == "ray" and (kld_base is not None or save_logits is not None):
+        raise click.UsageError("--kld-base and --save-logits evaluate one token stream in order: not with "
+                               "--executor ray")
     from ..fixtures.directory import read_fixture
     from ..io.atomic import check_output, input_files
     from ..scoring.loading import describe_model, load_source, open_sidecars
@@ -185,16 +191,25 @@ def score(model, fixture_dir, out, ctx, device, allow_cross_checkpoint, kld_base
     codec, identity = describe_model(model, tokenizer=tokenizer)
     identity = with_label(identity, label)
     plan = plan_scoring(fx, codec, identity, ctx=ctx, allow_cross_checkpoint=allow_cross_checkpoint)
-    source = load_source(identity, device=device, replace=replace, arithmetic=arithmetic)
 
     def progress(s):
         click.echo(f"{s.id} prompt={s.prompt_tokens} target={s.target_tokens} avg_nll={s.avg_nll:.6f} "
                    f"lcp={s.greedy_lcp}", err=True)
 
-    try:
-        result = run_scoring(source, codec, plan, kld_base=kld_base, save_logits_to=save_logits, progress=progress)
-    finally:
-        source.close()
+    if executor == "ray":
+        from ..scoring.rayscore import score_on_ray
+
+        scores, width, loaded = score_on_ray(identity, plan.cases, device=device, sidecars=sidecars,
+                                             arithmetic=arithmetic, address=address, workers=jobs,
+                                             progress=progress)
+        result = run_scoring(loaded, codec, plan, scored=(scores, width))
+    else:
+        source = load_source(identity, device=device, replace=replace, arithmetic=arithmetic)
+        try:
+            result = run_scoring(source, codec, plan, kld_base=kld_base, save_logits_to=save_logits,
+                                 progress=progress)
+        finally:
+            source.close()
     for warning in result.warnings:
         click.echo(f"warning: {warning}", err=True)
     result.notes += applied
