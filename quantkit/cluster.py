@@ -58,4 +58,19 @@ def lost_worker_errors(ray) -> tuple[type[BaseException], ...]:
     return tuple(getattr(ray.exceptions, n) for n in names if hasattr(ray.exceptions, n))
 
 
-__all__ = ["TASK_RETRIES", "cluster_cpus", "lost_worker_errors", "ray_session"]
+def task_result(ray, ref, what: str, tensor: str | None = None):
+    """``ray.get(ref)``: a task's own error re-raised as it was raised; a lost worker or actor, after Ray's
+    retries, as a :class:`ClusterError` naming ``what`` (e.g. ``"scoring actor"``)."""
+    try:
+        return ray.get(ref)
+    except ray.exceptions.RayTaskError as exc:
+        raise (exc.cause if exc.cause is not None else ClusterError(str(exc), tensor=tensor)) from None
+    except ray.exceptions.RayActorError as exc:
+        cause = getattr(exc, "error_msg", "") or str(exc)
+        raise ClusterError(f"a Ray {what} failed: {' '.join(str(cause).split())[:300]}", tensor=tensor) from None
+    except lost_worker_errors(ray) as exc:
+        raise ClusterError(f"the Ray worker running this {what} was lost {TASK_RETRIES + 1} times "
+                           f"({type(exc).__name__})", tensor=tensor) from None
+
+
+__all__ = ["TASK_RETRIES", "cluster_cpus", "lost_worker_errors", "ray_session", "task_result"]

@@ -243,6 +243,28 @@ def test_score_on_ray_equals_a_single_process_run(ray_cluster, small_fixture, tm
     assert ids == [c.id for c in read_fixture(small_fixture).cases]   # every case, in the fixture's order
 
 
+@pytest.mark.ray
+def test_imatrix_collected_on_ray_equals_a_single_process_collection(ray_cluster, tmp_path):
+    """Chunks run on two actors and arrive in any order; the driver folds them in chunk order, as one process adds
+    them: the same bits, file included."""
+    address, _ = ray_cluster
+    args = ["imatrix", "collect", str(examples.example_model_dir()), "--text", str(examples.example_calibration_text()),
+            "--ctx", "64", "--chunks", "6", "--no-progress"]
+    runner = CliRunner()
+    single = runner.invoke(main, [*args, "-o", str(tmp_path / "one.gguf")])
+    assert single.exit_code == 0, single.output
+    spread = runner.invoke(main, [*args, "-o", str(tmp_path / "ray.gguf"), "--executor", "ray", "--address", address])
+    assert spread.exit_code == 0, spread.output
+    from quantkit.imatrix import load_imatrix
+
+    one, ray = load_imatrix(tmp_path / "one.gguf"), load_imatrix(tmp_path / "ray.gguf")
+    assert one.chunk_count == ray.chunk_count == 6 and sorted(one.entries) == sorted(ray.entries)
+    for name, entry in one.entries.items():
+        assert entry.in_sum2.tobytes() == ray.entries[name].in_sum2.tobytes(), name
+        assert entry.counts.tobytes() == ray.entries[name].counts.tobytes(), name
+    assert (tmp_path / "ray.gguf").read_bytes() == (tmp_path / "one.gguf").read_bytes()
+
+
 def test_without_ray_the_cli_says_how_to_install_it(monkeypatch, tmp_path):
     monkeypatch.setitem(sys.modules, "ray", None)   # import ray raises ImportError
     result = CliRunner().invoke(main, ["convert", str(examples.example_model_dir()), "-o", str(tmp_path / "x.gguf"),

@@ -10,7 +10,7 @@ def default_jobs() -> int:
     return available_cpus()
 
 
-executor_options = [
+_OPTIONS = [
     click.option("--executor", type=click.Choice(["process", "ray"]), default="process", show_default=True,
                  help="this process, or Ray workers on a cluster (the ray extra) sharing the work"),
     click.option("--address", metavar="HOST:PORT",
@@ -19,6 +19,13 @@ executor_options = [
     click.option("-j", "--jobs", type=click.IntRange(min=1), default=default_jobs, show_default="CPUs available",
                  help="with --executor ray and no --address: the local cluster's workers"),
 ]
+
+
+def executor_options(func):
+    """Add ``--executor``, ``--address`` and ``-j/--jobs`` to a command."""
+    for option in reversed(_OPTIONS):
+        func = option(func)
+    return func
 
 
 def check_executor(what: str, executor: str, address: str | None) -> None:

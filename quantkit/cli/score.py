@@ -158,7 +158,7 @@ def check(path):
 @click.option("--arithmetic", type=click.Choice(["float32", "ggml-cpu"]), default="float32", show_default=True,
               help="ggml-cpu: round each product's activations as llama.cpp's CPU backend does (Q8_K/Q8_0/F16 by "
               "weight type; MLA absorbed), for per-token parity with llama-perplexity -ctk f32 -ctv f32")
-@_with(executor_options)
+@executor_options
 def score(model, fixture_dir, out, ctx, device, allow_cross_checkpoint, kld_base, save_logits, tokenizer, sidecars,
           label, table_format, arithmetic, executor, address, jobs):
     """Score MODEL (GGUF or checkpoint) on FIXTURE; write the per-case table OUT.tsv."""

@@ -32,7 +32,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Iterable, Iterator
 
-from ..cluster import TASK_RETRIES, cluster_cpus, lost_worker_errors, ray_session
+from ..cluster import TASK_RETRIES, cluster_cpus, ray_session, task_result
 from ..errors import ClusterError, ConcurrentWriteError
 from ..formats.warm import encoder_kinds
 from ..io.gguf_writer import pwrite_all
@@ -177,7 +177,6 @@ class RayPool:
         run = RayRun(uuid.uuid4().hex, self.transfer, ray.get_runtime_context().get_node_id(),
                      os.stat(setup.partial_path).st_size)
         setup_ref = ray.put(setup)
-        lost = lost_worker_errors(ray)
         fd = os.open(setup.partial_path, os.O_RDWR)
         try:
             st = os.fstat(fd)
@@ -191,13 +190,10 @@ class RayPool:
                 for ref in ready:
                     name = self._pending.pop(ref)
                     try:
-                        done, payload = ray.get(ref)
-                    except ray.exceptions.RayTaskError as exc:
-                        raise exc.cause if exc.cause is not None else ClusterError(str(exc), tensor=name) from None
-                    except lost as exc:
-                        raise ClusterError(f"the Ray worker producing this tensor was lost {TASK_RETRIES + 1} "
-                                           f"times ({type(exc).__name__}); the partial output and its journal are "
-                                           f"kept: run again with --resume", tensor=name) from None
+                        done, payload = task_result(ray, ref, "tensor task", tensor=name)
+                    except ClusterError as exc:
+                        raise ClusterError(f"{exc.detail}; the partial output and its journal are kept: run again "
+                                           f"with --resume", tensor=name) from None
                     if payload is not None:
                         yield self._write(fd, setup, done, payload)
                     else:

@@ -15,8 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
-from ..cluster import TASK_RETRIES, cluster_cpus, lost_worker_errors, ray_session
-from ..errors import ClusterError
+from ..cluster import TASK_RETRIES, cluster_cpus, ray_session, task_result
 from .metrics import CaseScore
 from .score import PreparedCase, _check_vocab
 
@@ -65,10 +64,10 @@ def score_on_ray(identity, cases: Sequence[PreparedCase], *, device: str = "cpu"
         actor = ray.remote(max_restarts=TASK_RETRIES, max_task_retries=TASK_RETRIES, **resources)(ScoreWorker)
         actors = [actor.remote(identity, device, tuple(sidecars), arithmetic) for _ in range(min(slots, len(cases)))]
         try:
-            width = _get(ray, actors[0].width.remote(cases[0]))
+            width = task_result(ray, actors[0].width.remote(cases[0]), "scoring actor")
             for case in cases:
                 _check_vocab(case, width)
-            loaded = _get(ray, actors[0].describe.remote())
+            loaded = task_result(ray, actors[0].describe.remote(), "scoring actor")
             scores: list[CaseScore | None] = [None] * len(cases)
             queue = list(enumerate(cases))[::-1]
             pending = {}
@@ -81,7 +80,7 @@ def score_on_ray(identity, cases: Sequence[PreparedCase], *, device: str = "cpu"
                 ready, _ = ray.wait(list(pending), num_returns=1)
                 for ref in ready:
                     idle.append(pending.pop(ref))
-                    index, score = _get(ray, ref)
+                    index, score = task_result(ray, ref, "scoring actor")
                     scores[index] = score
                     if progress is not None:
                         progress(score)
@@ -89,18 +88,6 @@ def score_on_ray(identity, cases: Sequence[PreparedCase], *, device: str = "cpu"
             for worker in actors:
                 ray.kill(worker)
     return scores, width, loaded
-
-
-def _get(ray, ref):
-    try:
-        return ray.get(ref)
-    except ray.exceptions.RayTaskError as exc:
-        raise exc.cause if exc.cause is not None else ClusterError(str(exc)) from None
-    except ray.exceptions.RayActorError as exc:
-        cause = getattr(exc, "error_msg", "") or str(exc)
-        raise ClusterError(f"a Ray scoring actor failed: {' '.join(str(cause).split())[:300]}") from None
-    except lost_worker_errors(ray) as exc:
-        raise ClusterError(f"a Ray worker was lost {TASK_RETRIES + 1} times ({type(exc).__name__})") from None
 
 
 __all__ = ["Loaded", "ScoreWorker", "score_on_ray"]
