@@ -140,7 +140,8 @@ class Accumulators:
         import torch
 
         for name in sorted(chunk):
-            sums, counts = (torch.as_tensor(v, dtype=torch.float64).to(self.device) for v in chunk[name])
+            sums, counts = (v.to(self.device) if isinstance(v, torch.Tensor)
+                            else torch.from_numpy(np.array(v, np.float64)).to(self.device) for v in chunk[name])
             if name not in self.sums:
                 self.sums[name] = torch.zeros_like(sums)
                 self.counts[name] = torch.zeros_like(counts)
