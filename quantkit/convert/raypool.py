@@ -29,7 +29,6 @@ import os
 import uuid
 from collections import deque
 from dataclasses import dataclass, replace
-from pathlib import Path
 from typing import Iterable, Iterator
 
 from ..cluster import TASK_RETRIES, cluster_cpus, ray_session, task_result

@@ -610,8 +610,6 @@ def _read_config(source: Path) -> dict:
 def collect_imatrix(source: str | os.PathLike, text_path: str | os.PathLike, out: str | os.PathLike,
                     options: CollectOptions | None = None) -> Imatrix:
     """Run ``source`` over the text, write the imatrix to ``out`` (atomically), and return it."""
-    import torch
-
     opts = options or CollectOptions()
     source, out = Path(source), Path(out)
     if out.exists() and not opts.overwrite:
