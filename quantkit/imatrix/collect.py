@@ -152,6 +152,9 @@ class Accumulators:
             self.counts[name] += counts
 
     def entries(self) -> dict[str, Entry]:
+        """The totals as float32 entries (products recorded since the last fold first end their chunk)."""
+        if self._chunk:
+            self.fold(self.take_chunk())
         out = {}
         for name in sorted(self.sums):
             sums = self.sums[name].cpu().numpy()
