@@ -273,3 +273,11 @@ def test_without_ray_the_cli_says_how_to_install_it(monkeypatch, tmp_path):
     assert result.output.strip().splitlines() == [
         "error: quantkit convert --executor ray needs the ray extra: pip install 'quantkit[ray]'"]
     assert list(tmp_path.iterdir()) == []
+
+
+def test_an_address_needs_the_ray_executor(tmp_path):
+    result = CliRunner().invoke(main, ["convert", str(examples.example_model_dir()), "-o", str(tmp_path / "x.gguf"),
+                                       "--recipe", str(examples.example_recipe("tiny-moe-f16")), "--address",
+                                       "127.0.0.1:6379"])
+    assert result.exit_code == 2 and "--address needs --executor ray" in result.output
+    assert list(tmp_path.iterdir()) == []
