@@ -59,8 +59,8 @@ def layer_bytes() -> int:
 
 
 def config(layers: int, ids: dict[str, int]) -> dict:
-    # intermediate_size (the dense FFN's, unused: every layer is MoE) no wider than the largest tensor dimension,
-    # which quantkit.io.config checks
+    # every layer is MoE, so intermediate_size (dense layers) sizes nothing; it stays within the tensors' widths,
+    # which quantkit checks a config against (a 512-token vocabulary makes hidden the widest dimension)
     return {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "vocab_size": MODEL_VOCAB_SIZE,
             "hidden_size": HIDDEN, "intermediate_size": HIDDEN, "moe_intermediate_size": EXPERT_WIDTH,
             "num_hidden_layers": layers, "num_attention_heads": HEADS, "num_key_value_heads": KV_HEADS,

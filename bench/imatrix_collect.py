@@ -171,23 +171,24 @@ print(json.dumps({"import_s": imported - start, "load_s": marks[0] - imported, "
 """
 
 
-def f32_gguf(root: Path) -> Path:
-    """The bundled example model as an F32 GGUF (llama-imatrix's input; the same weights as the checkpoint)."""
-    from quantkit.examples import PRE_TOKENIZER
+def f32_gguf(root: Path, model: Path, pre_tokenizer: str) -> Path:
+    """``model`` as an F32 GGUF (llama-imatrix's input; the same weights as the checkpoint)."""
     from quantkit.testing.recipe_texts import F32_RECIPE
 
-    recipe, out = root / "f32.toml", root / "tiny-moe-f32.gguf"
+    recipe, out = root / "f32.toml", root / "model-f32.gguf"
     recipe.write_text(F32_RECIPE)
-    subprocess.run([sys.executable, "-m", "quantkit.cli", "convert", str(example_model_dir()), "-o", str(out),
-                    "--recipe", str(recipe), "--pre-tokenizer", PRE_TOKENIZER, "--no-progress"], check=True,
-                   capture_output=True)
+    proc = subprocess.run([sys.executable, "-m", "quantkit.cli", "convert", str(model), "-o", str(out),
+                           "--recipe", str(recipe), "--pre-tokenizer", pre_tokenizer, "--no-progress"],
+                          capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise SystemExit(f"convert to F32 failed:\n{proc.stdout[-2000:]}{proc.stderr[-2000:]}")
     return out
 
 
-def run_quantkit(out: Path, ctx: int, chunks: int, threads: int, numba_cache: Path) -> dict:
+def run_quantkit(model: Path, out: Path, ctx: int, chunks: int, threads: int, numba_cache: Path) -> dict:
     env = {**os.environ, "NUMBA_CACHE_DIR": str(numba_cache)}
     start = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-c", SPEED_DRIVER, str(example_model_dir()), str(TEXT), str(out),
+    proc = subprocess.run([sys.executable, "-c", SPEED_DRIVER, str(model), str(TEXT), str(out),
                            str(ctx), str(chunks), str(threads)], capture_output=True, text=True, env=env)
     wall = time.perf_counter() - start
     if proc.returncode != 0:
@@ -218,9 +219,16 @@ def versus_llama(args) -> None:
     tokens = args.ctx * args.chunks
     root = Path(tempfile.mkdtemp(prefix="quantkit-bench-imatrix-speed-", dir=args.workdir))
     try:
-        gguf = f32_gguf(root)
+        if args.synthetic_layers:
+            model, _ = synthetic_checkpoint(root, args.synthetic_layers, "imatrix collect speed")
+            gguf = f32_gguf(root, model, "qwen2")
+        else:
+            from quantkit.examples import PRE_TOKENIZER
+
+            model = example_model_dir()
+            gguf = f32_gguf(root, model, PRE_TOKENIZER)
         warm_cache = root / "numba-warm"
-        run_quantkit(root / "warmup.gguf", args.ctx, args.chunks, args.threads, warm_cache)   # fills the cache
+        run_quantkit(model, root / "warmup.gguf", args.ctx, args.chunks, args.threads, warm_cache)   # fills the cache
         runs: dict[str, list[dict]] = {}
         configs = [("llama-imatrix", None), (f"quantkit -t {args.threads}", args.threads),
                    ("quantkit default -t", 0)]
@@ -235,7 +243,7 @@ def versus_llama(args) -> None:
                                              args.threads)
                     else:
                         cache = warm_cache if state == "warm" else root / f"numba-cold-{repeat}-{threads}"
-                        measured = run_quantkit(root / "quantkit.gguf", args.ctx, args.chunks, threads, cache)
+                        measured = run_quantkit(model, root / "quantkit.gguf", args.ctx, args.chunks, threads, cache)
                     runs.setdefault(key, []).append(measured)
         records = []
         for key, measured in runs.items():
@@ -279,6 +287,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3, help="interleaved runs of each (--vs-llama)")
     parser.add_argument("--gib", type=float, default=6.0, help="checkpoint size at least this many GiB")
     parser.add_argument("--budget", default="1G", help="--max-memory of the streaming run (e.g. 1G)")
+    parser.add_argument("--synthetic-layers", type=int, default=0,
+                        help="--vs-llama on the synthetic qwen3_moe of bench/convert.py (hidden 2048, 64 experts of "
+                             "768, top-8) with this many layers instead of the bundled example")
     parser.add_argument("--ctx", type=int, default=128)
     parser.add_argument("--chunks", type=int, default=4)
     parser.add_argument("--workdir", default="/tmp")

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import numpy as np
 
-from _common import emit
+from _common import emit, evict
 
 SEED = 20261202
 
@@ -57,16 +57,6 @@ def make_file(path: Path, size: int, gguf: bool) -> None:
         for name in layout.tensors:
             w.write_tensor(name, rng.integers(0, 256, 64 << 20, dtype=np.uint8))
         w.finish()
-
-
-def evict(paths) -> None:
-    for p in paths:
-        fd = os.open(p, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
 
 
 def main() -> None:

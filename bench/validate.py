@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from _common import emit
+from _common import emit, evict
 
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, EXPERT_WIDTH, VOCAB = 2048, 16, 4, 128, 512, 512
 SEED = 20261130
@@ -94,17 +94,6 @@ def resident(paths: list[Path]) -> int:
     return sum(int(line) for line in out.split())
 
 
-def evict(paths: list[Path]) -> None:
-    """Drop these files' pages from the page cache, so the next reads come from disk."""
-    for path in paths:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
-
-
 def run_measured(args: list[str], evict_paths: list[Path], log: Path) -> dict:
     """Run ``args`` in a child after evicting ``evict_paths``; wall time, bytes read from disk, peak RSS.  The
     child's output goes to ``log`` (a pipe could fill while we wait).  Peak RSS comes from ``/usr/bin/time``: a
@@ -162,7 +151,7 @@ def main() -> None:
         rows = []
         for mode in ("sample", "full"):
             report_path = root / f"report-{mode}.json"
-            r = run_measured(quantkit + ["validate", str(art), "--source", str(src), "--payload", mode, "--json",
+            r = run_measured(quantkit + ["validate", str(art), "--source", str(src), "--payload", mode, "--report",
                                          str(report_path)], [art, *sorted(src.iterdir())], root / f"{mode}.log")
             report = json.loads(report_path.read_text())
             io = report["io"]

@@ -10,7 +10,9 @@ and bits per count, overall and ``by_type``).  For GGUF the count is ``weights``
 for safetensors it is ``elements`` (stored elements: packed formats hold several weights per element).
 GGUF reports add ``version``, ``alignment``, ``data_offset``, ``file_size`` and ``ggml_layout`` ("contiguous"
 or where payload placement departs from what ggml's loader accepts); safetensors reports add ``quantization``,
-``files`` and ``config``.
+``files`` and ``config``.  A file or checkpoint holding row tables (DeepSeek V4.1 Engram tables, n-gram PLE
+tables) adds ``row_tables``: each table (name, kind, layer, type, rows, bytes), their bytes apart from the
+resident weights' bytes (engines keep them on disk and read rows), and for a GGUF the Engram hash spec summary.
 """
 from __future__ import annotations
 
@@ -55,11 +57,55 @@ def _json_value(kv: KV) -> Any:
     return kv.value.tolist() if isinstance(kv.value, np.ndarray) else kv.value
 
 
+def _row_tables(tensors: list[dict], names: dict[str, tuple[str, int | None]], spec) -> dict | None:
+    """The ``row_tables`` section: disk-only tables (name -> (kind, layer)) apart from the resident weights."""
+    found = [dict(t, kind=names[t["name"]][0], layer=names[t["name"]][1], rows=t["shape"][0] if len(t["shape"]) > 1
+                  else 1) for t in tensors if t["name"] in names]
+    if not found:
+        return None
+    tables = [{k: t[k] for k in ("name", "kind", "layer", "type", "rows", "nbytes")} for t in found]
+    table_bytes = sum(t["nbytes"] for t in tables)
+    hash_spec = None if spec is None else {
+        "layer_ids": list(spec.layer_ids), "rows": list(spec.rows), "max_ngram_size": spec.max_ngram_size,
+        "heads": spec.n_heads, "key_length": spec.head_dim, "buckets": int(spec.primes.size),
+        "compressed_vocab_size": spec.compressed_vocab_size, "pad_id": spec.pad_id,
+        "token_map_size": int(spec.token_map.size)}
+    return {"tables": tables, "bytes": table_bytes, "resident_bytes": sum(t["nbytes"] for t in tensors) - table_bytes,
+            "hash_spec": hash_spec}
+
+
+def _gguf_row_tables(f: GGUFFile, tensors: list[dict]) -> dict | None:
+    from .engram import EngramSpec
+    from .errors import ValidationError
+
+    arch = f.metadata.get("general.architecture")
+    spec = None
+    if arch is not None and isinstance(arch.value, str):
+        try:
+            spec = EngramSpec.from_gguf({k: kv.value for k, kv in f.metadata.items()}, arch.value)
+        except ValidationError:
+            spec = None
+    names = {t["name"]: ("engram", int(t["name"].split(".")[1])) for t in tensors
+             if t["name"].startswith("blk.") and t["name"].endswith(".engram_embd.weight")}
+    names.update({n: ("ngram", None) for n in (t["name"] for t in tensors) if n == "per_layer_token_embd.weight"})
+    return _row_tables(tensors, names, spec)
+
+
+def _checkpoint_row_tables(ck, tensors: list[dict]) -> dict | None:
+    layers = (ck.config.get("text_config") or ck.config).get("engram_layer_ids") or []
+    names = {}
+    for layer in layers if isinstance(layers, list) else []:
+        for suffix in ("weight", "scale"):
+            names[f"layers.{layer}.engram.embed.{suffix}"] = ("engram", layer)
+    names.update({t["name"]: ("ngram", None) for t in tensors if ".ngram_embedding." in t["name"]})
+    return _row_tables(tensors, names, None)
+
+
 def _describe_gguf(path: Path) -> dict:
     with GGUFFile(path) as f:
         tensors = [{"name": t.name, "type": t.type.name, "shape": list(t.shape), "n_elements": t.n_elements,
                     "nbytes": t.nbytes, "offset": f.data_offset + t.offset} for t in f.tensors.values()]
-        return {
+        report = {
             "path": str(path), "format": "gguf", "version": f.version, "file_size": f.file_size,
             "alignment": f.alignment, "data_offset": f.data_offset,
             "ggml_layout": f.ggml_layout_problem() or "contiguous",
@@ -68,13 +114,15 @@ def _describe_gguf(path: Path) -> dict:
             "tensors": tensors,
             "totals": _totals(tensors, "weights"),
         }
+        tables = _gguf_row_tables(f, tensors)
+        return report if tables is None else {**report, "row_tables": tables}
 
 
 def _describe_checkpoint(path: Path) -> dict:
     with open_checkpoint(path) as ck:
         tensors = [{"name": t.name, "type": t.dtype, "shape": list(t.shape), "n_elements": math.prod(t.shape),
                     "nbytes": t.nbytes, "file": t.file.name} for t in ck.tensor_infos()]
-        return {
+        report = {
             "path": str(path), "format": "safetensors", "quantization": ck.quantization,
             "files": sorted({t["file"] for t in tensors}),
             "config": ck.config,
@@ -82,6 +130,8 @@ def _describe_checkpoint(path: Path) -> dict:
             "tensors": tensors,
             "totals": _totals(tensors, "elements"),
         }
+        tables = _checkpoint_row_tables(ck, tensors)
+        return report if tables is None else {**report, "row_tables": tables}
 
 
 def _totals(tensors: list[dict], count: str) -> dict:
@@ -118,6 +168,18 @@ def render(report: dict, show_all: bool = False) -> str:
     lines += _table([[r["type"], f"{r['tensors']:,}", f"{r['bytes']:,}", f"{r[count]:,}",
                       "-" if r[bits] is None else f"{r[bits]:.4f}"] for r in totals],
                     ["type", "tensors", "bytes", count, f"bits/{count[:-1]}"], "lrrrr", show_all=True)
+    if "row_tables" in report:
+        rt = report["row_tables"]
+        lines += ["", f"disk-only row tables ({_count(len(rt['tables']), 'tensor')}, {rt['bytes']:,} bytes, read by "
+                      f"row; resident weights {rt['resident_bytes']:,} bytes):"]
+        lines += _table([[_printable(t["name"]), t["kind"], t["type"], f"{t['rows']:,}", f"{t['nbytes']:,}"]
+                         for t in rt["tables"]], ["name", "kind", "type", "rows", "bytes"], "lllrr", show_all=True)
+        spec = rt["hash_spec"]
+        if spec is not None:
+            lines.append(f"hash spec: layers {spec['layer_ids']}, rows {[f'{r:,}' for r in spec['rows']]}, n-grams "
+                         f"2..{spec['max_ngram_size']} x {spec['heads']} heads ({spec['buckets']} prime buckets), key "
+                         f"length {spec['key_length']}, compressed vocabulary {spec['compressed_vocab_size']:,} "
+                         f"(token map of {spec['token_map_size']:,}), pad id {spec['pad_id']}")
     return "\n".join(lines)
 
 

@@ -457,7 +457,7 @@ def test_outputs_in_unwritable_places_are_refused_before_work(qwen, recipe, refe
     line = one_line_error(run(*args_for(qwen, blocked / "q.gguf", recipe)))
     assert "does not exist" in line
     runner = CliRunner()
-    result = runner.invoke(main, ["validate", str(reference), "--structure-only", "--json",
+    result = runner.invoke(main, ["validate", str(reference), "--structure-only", "--report",
                                   str(tmp_path / "missing" / "v.json")])
     assert "does not exist" in one_line_error(result)
 
@@ -465,15 +465,15 @@ def test_outputs_in_unwritable_places_are_refused_before_work(qwen, recipe, refe
 def test_validate_json_never_replaces_inputs_or_files(reference, tmp_path):
     runner = CliRunner()
     before = sha256_file(reference)
-    line = one_line_error(runner.invoke(main, ["validate", str(reference), "--structure-only", "--json",
+    line = one_line_error(runner.invoke(main, ["validate", str(reference), "--structure-only", "--report",
                                                str(reference), "--force"]))
     assert "would overwrite an input" in line and sha256_file(reference) == before
     existing = tmp_path / "v.json"
     existing.write_text("keep")
     assert "exists" in one_line_error(runner.invoke(main, ["validate", str(reference), "--structure-only",
-                                                           "--json", str(existing)]))
+                                                           "--report", str(existing)]))
     assert existing.read_text() == "keep"
-    result = runner.invoke(main, ["validate", str(reference), "--structure-only", "--json", str(existing), "--force"])
+    result = runner.invoke(main, ["validate", str(reference), "--structure-only", "--report", str(existing), "--force"])
     assert result.exit_code == 0, result.output
     assert json.loads(existing.read_text())["ok"] is True
 

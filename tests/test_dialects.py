@@ -546,3 +546,33 @@ def test_qwen4exp_ds4_refuses_an_imatrix_for_kda_output(tiny_checkpoints):
         build_plan(source, recipe, imatrix=imatrix, pre_tokenizer=pre, dialect=DS4)
     ds4 = build_plan(source, recipe, bootstrap=True, pre_tokenizer=pre, dialect=DS4)   # own weight energy: fine
     assert {t.name: t.importance for t in ds4.tensors}["blk.0.kda_output.weight"] == "bootstrap"
+
+
+@pytest.mark.parametrize("recipe", ["f32", "q8_0"])
+def test_runtime_reads_qwen38_next(qwen_converted, recipe):
+    """A ds4-layout Qwen3.8 file (``qwen38-next``: split GDN q/k/v, split query and gate, kept PLE table) runs
+    through the architecture map redirected to its own tensors (:func:`quantkit.arch.dialects.relaid_mappings`):
+    the same logits as its llama.cpp-dialect twin, bit for bit (Q8_0 blocks lie inside the split rows and the
+    column groups llama.cpp tiles, so both files hold the same values)."""
+    from quantkit.runtime import load_model, logits
+
+    ids = list(range(1, 40))
+    twin = logits(load_model(qwen_converted[recipe, LLAMA_CPP]), ids)
+    assert np.array_equal(logits(load_model(qwen_converted[recipe, DS4]), ids), twin)
+
+
+def test_validate_reads_qwen38_next(qwen_converted, tiny_checkpoints):
+    source = tiny_checkpoints.get("qwen4_exp")
+    result = CliRunner().invoke(main, ["validate", str(qwen_converted["q8_0", DS4]), "--source", str(source),
+                                       "--payload", "full"])
+    assert result.exit_code == 0, result.output
+
+
+@pytest.mark.parametrize("arch", ["glm5-next", "deepseek4"])
+def test_validate_reads_ds4_files(converted, tiny_checkpoints, glm_checkpoint, arch):
+    """quantkit's own ds4-dialect files re-plan in their recorded dialect and validate in full (ds4's key
+    types, names and order)."""
+    source = glm_checkpoint if arch == "glm5-next" else tiny_checkpoints.get("deepseek_v4")
+    result = CliRunner().invoke(main, ["validate", str(converted[arch, DS4]), "--source", str(source),
+                                       "--payload", "full"])
+    assert result.exit_code == 0, result.output

@@ -186,7 +186,7 @@ def _tiny_gguf(path):
 def test_validate_report_records_evidence(tmp_path):
     art = _tiny_gguf(tmp_path / "tiny.gguf")
     report_path = tmp_path / "r.json"
-    out = CliRunner().invoke(main, ["validate", str(art), "--structure-only", "--json", str(report_path)])
+    out = CliRunner().invoke(main, ["validate", str(art), "--structure-only", "--report", str(report_path)])
     assert out.exit_code in (0, 1), out.output
     record = json.loads(report_path.read_text())["evidence"]
     assert record["artifact"] == {"path": str(art), "kind": "file", "size": art.stat().st_size,
@@ -195,6 +195,6 @@ def test_validate_report_records_evidence(tmp_path):
     assert record["tools"]["quantkit"] == __version__ and record["device"] == "cpu" and record["threads"] >= 1
     # unreadable input: the error record carries evidence too (no hash)
     bad = _file(tmp_path / "bad.gguf", b"GGUF\x03\x00")
-    out = CliRunner().invoke(main, ["validate", str(bad), "--structure-only", "--json", str(tmp_path / "e.json")])
+    out = CliRunner().invoke(main, ["validate", str(bad), "--structure-only", "--report", str(tmp_path / "e.json")])
     error = json.loads((tmp_path / "e.json").read_text())
     assert out.exit_code == 2 and error["exit_code"] == 2 and error["evidence"]["artifact"] is None

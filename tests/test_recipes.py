@@ -51,6 +51,7 @@ DERIVED = {
     "glm-5.3-flash-q2": "IQ2XXS-w2Q2K-KDAqkQ4K-KDAQ8-MLAQ8-SExpQ8-DenseQ8-EmbdQ8-OutQ8",
     "glm-5.3-flash-q4k": "Q4KExperts-KDAqkQ4K-KDAQ8-MLAQ8-SExpQ8-DenseQ8-EmbdQ8-OutQ8",
     "qwen3.8-flash-next-q2": "IQ2XXS-w2Q2K-AProjQ8-SExpQ8-OutQ8",
+    "deepseek-v4.1-flash-q2": "IQ2XXS-w2Q2K-AProjQ8-SExpQ8-OutQ8",
     "qwen3.8-flash-next-q4": "Q4KExperts-AProjQ8-SExpQ8-OutQ8",
     "q8_0": "Q8",
     "q4_k_m-control": "Q4K-w2Q6K-FFNDownQ6K-AttnVQ6K-OutQ6K",

@@ -59,7 +59,7 @@ def artifact(tiny_checkpoints, tmp_path_factory):
 
 def validate(*args, json_path: Path | None = None):
     """(CliRunner result, JSON report or None)."""
-    extra = ["--json", str(json_path)] if json_path is not None else []
+    extra = ["--report", str(json_path)] if json_path is not None else []
     result = CliRunner().invoke(main, ["validate", *map(str, args), *extra])
     report = json.loads(json_path.read_text()) if json_path is not None and json_path.exists() else None
     return result, report

@@ -19,13 +19,13 @@ from __future__ import annotations
 from typing import Mapping
 
 from ..errors import UnsupportedError
-from . import deepseek_v3, deepseek_v4, glm5_next, qwen3_moe, qwen4_exp
-from .base import (CLASS_GROUPS, TENSOR_CLASSES, Arch, ArchMap, OutputTensor, TensorMapping)
+from . import deepseek_v3, deepseek_v4, deepseek_v41, glm5_next, qwen3_moe, qwen4_exp
+from .base import (CLASS_GROUPS, ROW_TABLE_CLASSES, TENSOR_CLASSES, Arch, ArchMap, OutputTensor, TensorMapping)
 
 #: model_type -> architecture, for every architecture quantkit converts.
 ARCHITECTURES: Mapping[str, Arch] = {
     module.ARCH.model_type: module.ARCH
-    for module in (deepseek_v4, glm5_next, qwen4_exp, qwen3_moe, deepseek_v3)
+    for module in (deepseek_v4, deepseek_v41, glm5_next, qwen4_exp, qwen3_moe, deepseek_v3)
 }
 
 
@@ -38,5 +38,6 @@ def get_arch(model_type: str) -> Arch:
                                f"{', '.join(sorted(ARCHITECTURES))}", field="model_type") from None
 
 
-__all__ = ["ARCHITECTURES", "CLASS_GROUPS", "TENSOR_CLASSES", "Arch", "ArchMap", "OutputTensor", "TensorMapping",
+__all__ = ["ARCHITECTURES", "CLASS_GROUPS", "ROW_TABLE_CLASSES", "TENSOR_CLASSES", "Arch", "ArchMap", "OutputTensor",
+           "TensorMapping",
            "get_arch"]

@@ -76,6 +76,8 @@ TENSOR_CLASSES: Mapping[str, str] = {
     "hc": "hyper-connection (mHC) mixing weights, biases, scales and norms",
     "ple": "per-layer n-gram embedding key/value projections",
     "ngram_table": "per-layer n-gram (PLE) embedding table",
+    "engram": "Engram hashed n-gram table (DeepSeek V4.1): FP8 E4M3 rows with E8M0 scales, a native row store",
+    "engram_proj": "Engram value/key projection (wkv)",
     "mtp": "multi-token-prediction (NextN) block tensors",
     "vision": "vision tower and projector (not part of the text GGUF)",
     "metadata": "tensors whose values are written as GGUF metadata",
@@ -93,6 +95,10 @@ CLASS_GROUPS: Mapping[str, frozenset[str]] = {
     "ffn": frozenset({"dense_ffn", "shared_expert", "routed_gate", "routed_up", "routed_down"}),
 }
 
+#: Row tables: looked up by row (hashed n-grams -> rows), never multiplied whole; engines keep them on disk and read
+#: the rows a token needs, so plans and reports count them apart from the resident weights.
+ROW_TABLE_CLASSES = frozenset({"ngram_table", "engram"})
+
 #: Quantization companions: (suffix, suffix of the weight it belongs to, role).  Tried only for names no rule
 #: claims, longest suffix first.  The two NVFP4 global-scale conventions get different roles on purpose: ModelOpt's
 #: ``weight_scale_2`` multiplies, compressed-tensors' ``weight_global_scale`` divides.
@@ -108,8 +114,9 @@ COMPANIONS: tuple[tuple[str, str, str], ...] = (
     (".scale", ".weight", "block_scale"),
 )
 
-_PLACEHOLDERS = {"{L}": r"(?P<layer>\d+)", "{E}": r"(?P<expert>\d+)", "{S}": r"(?P<shard>\d+)", "{*}": r".+"}
-_PLACEHOLDER_SPLIT = re.compile(r"(\{L\}|\{E\}|\{S\}|\{\*\})")
+_PLACEHOLDERS = {"{L}": r"(?P<layer>\d+)", "{E}": r"(?P<expert>\d+)", "{S}": r"(?P<shard>\d+)",
+                 "{M}": r"(?P<mtp>\d+)", "{*}": r".+"}
+_PLACEHOLDER_SPLIT = re.compile(r"(\{L\}|\{E\}|\{S\}|\{M\}|\{\*\})")
 
 
 def compile_pattern(pattern: str) -> re.Pattern:
@@ -125,6 +132,8 @@ class Target:
     gguf: str
     tensor_class: str
     steps: tuple[str, ...] = ()
+    part: int | None = None
+    """Column part: sources with parts 0, 1, ... of one GGUF tensor are concatenated along the row (columns)."""
 
 
 @dataclass(frozen=True)
@@ -157,6 +166,12 @@ def rule(pattern: str, gguf: str, tensor_class: str, *steps: str, when: str | No
     return Rule(pattern, (Target(gguf, tensor_class, tuple(steps)),), tensor_class, when)
 
 
+def column_part(pattern: str, gguf: str, tensor_class: str, part: int) -> Rule:
+    """One source -> columns ``part`` of a GGUF tensor built from several sources side by side (DeepSeek V4's MTP
+    ``e_proj`` and ``h_proj`` -> ``nextn.eh_proj``, as llama.cpp's converter concatenates them)."""
+    return Rule(pattern, (Target(gguf, tensor_class, (), part),), tensor_class)
+
+
 def split(pattern: str, *targets: Target, when: str | None = None) -> Rule:
     """One source -> several GGUF tensors, each with its own transform."""
     return Rule(pattern, tuple(targets), targets[0].tensor_class, when)
@@ -187,6 +202,8 @@ class TensorMapping:
     expert: int | None
     shard: int | None
     transform: tuple[str, ...]
+    part: int | None = None
+    """Column part of a GGUF tensor assembled side by side (:func:`column_part`)."""
     role: str = "weight"
     """``weight``, or the companion role (``block_scale``, ``global_scale``, ...) decoded together with it."""
     dropped: str | None = None
@@ -203,9 +220,9 @@ class OutputTensor:
     shape: Shape
     dtype: str
     sources: tuple[TensorMapping, ...]
-    """One mapping, or one per expert (expert order), or one per shard (shard order)."""
+    """One mapping, or one per expert (expert order), or one per shard (shard order), or one per column part."""
     assembly: str
-    """``single``, ``stack_experts`` or ``concat_shards``."""
+    """``single``, ``stack_experts``, ``concat_shards`` or ``concat_columns``."""
 
 
 Condition = Callable[[Hparams, Mapping[str, int]], bool]
@@ -258,6 +275,10 @@ class Arch:
     none (None: it writes none)."""
     input_groups: tuple[InputGroups, ...] = ()
     """Weights llama.cpp multiplies as several matrices of input slices (see :class:`InputGroups`)."""
+    support_rules: Mapping[str, tuple[Rule, ...]] = field(default_factory=dict)
+    """Support file kind (``mtp``) -> rules tried before the others when writing that file, for a map whose main
+    file drops those blocks: their blocks (placeholder ``{M}``) follow the main ones, and the file's metadata
+    counts them (block count, ``nextn_predict_layers``), as llama.cpp's converter writes its ``--mtp`` export."""
 
     def group_counts(self, names: Iterable[str], count: Callable[[InputGroups], int]) -> dict[str, int]:
         """Number of input groups of each of ``names`` that has more than one; ``count`` reads a declaration's
@@ -270,15 +291,16 @@ class Arch:
                 out.update(dict.fromkeys(matched, groups))
         return out
 
-    def bind(self, config: Mapping[str, Any]) -> "ArchMap":
-        """Normalize and check ``config``; the result resolves names and derives metadata."""
+    def bind(self, config: Mapping[str, Any], support: str | None = None) -> "ArchMap":
+        """Normalize and check ``config``; the result resolves names and derives metadata (of the ``support``
+        file of that kind, when given: :attr:`support_rules`)."""
         model_type = config.get("model_type")
         if model_type != self.model_type:
             raise SourceError(f"config is for model_type {model_type!r}, this map is for {self.model_type!r}",
                               field="model_type")
         hp = self.normalize(config)
         self.check(hp)
-        return ArchMap(self, hp, config)
+        return ArchMap(self, hp, config, support)
 
 
 @dataclass(frozen=True)
@@ -289,6 +311,8 @@ class MetadataInputs:
     """Reads a source tensor by HF name (values some architectures store as metadata)."""
     tensor_shapes: Mapping[str, Shape] | None = None
     """Source tensor shapes by HF name (decoded, numpy order)."""
+    tokenizer_dir: Path | None = None
+    """The checkpoint directory holding the tokenizer files (metadata derived from the tokenizer: Engram)."""
 
 
 class MetadataBuilder:
@@ -338,11 +362,17 @@ def _as_int(value: Any, key: str) -> int:
 class ArchMap:
     """An :class:`Arch` bound to one normalized config."""
 
-    def __init__(self, arch: Arch, hp: Hparams, config: Mapping[str, Any]):
+    def __init__(self, arch: Arch, hp: Hparams, config: Mapping[str, Any], support: str | None = None):
         self.arch = arch
         self.hp = hp
         self.config = config
         self.block_count = arch.block_count(hp)
+        self.support_blocks = 0
+        self.rules = arch.rules
+        if support in arch.support_rules:
+            self.rules = arch.support_rules[support] + arch.rules
+            self.support_blocks = int(hp.get("num_nextn_predict_layers") or 0)
+            self.block_count += self.support_blocks
         self.expert_count = arch.expert_count(hp)
         self._aliases = tuple((re.compile(p), r) for p, r in arch.aliases)
 
@@ -355,11 +385,13 @@ class ArchMap:
         return name
 
     def _match(self, name: str, hf_name: str) -> tuple[TensorMapping, ...] | None:
-        for r in self.arch.rules + COMMON_DROPS:
+        for r in self.rules + COMMON_DROPS:
             m = r.regex.fullmatch(name)
             if m is None:
                 continue
             groups = {k: int(v) for k, v in m.groupdict().items() if v is not None}
+            if "mtp" in groups:   # MTP block K of a support file is block num_hidden_layers + K
+                groups["layer"] = self.hp["num_hidden_layers"] + groups.pop("mtp")
             if r.when is not None and not self.arch.conditions[r.when](self.hp, groups):
                 continue
             layer, expert, shard = groups.get("layer"), groups.get("expert"), groups.get("shard")
@@ -368,7 +400,7 @@ class ArchMap:
                 return (TensorMapping(hf_name, None, r.tensor_class, layer, expert, shard, (), dropped=r.dropped),)
             # a GGUF tensor without a block index (e.g. the PLE table) belongs to no layer
             return tuple(TensorMapping(hf_name, t.gguf.format(layer=layer), t.tensor_class,
-                                       layer if "{layer}" in t.gguf else None, expert, shard, t.steps)
+                                       layer if "{layer}" in t.gguf else None, expert, shard, t.steps, t.part)
                          for t in r.targets)
         return None
 
@@ -425,6 +457,8 @@ class ArchMap:
                 raise SourceError(f"sources {first.hf_name!r} and {m.hf_name!r} both map to {gguf_name!r} with "
                                   f"different classes, layers or transforms")
         dtype = "int32" if "to_int32" in first.transform else "float32"
+        if first.part is not None:
+            return self._columns(gguf_name, members, dtype)
         if first.expert is not None:
             return self._stacked(gguf_name, members, dtype)
         if first.shard is not None:
@@ -475,6 +509,15 @@ class ArchMap:
         return OutputTensor(gguf_name, m0.tensor_class, m0.layer, (sum(s[0] for s in shapes), *tails.pop()), dtype,
                             tuple(m for m, _ in ordered), "concat_shards")
 
+    def _columns(self, gguf_name: str, members, dtype: str) -> OutputTensor:
+        ordered = self._slots(gguf_name, members, "part", None)
+        shapes = [transforms.output_shape(m.transform, s, self.hp) for m, s in ordered]
+        if len({s[:-1] for s in shapes}) != 1 or any(len(s) != 2 for s in shapes):
+            raise SourceError(f"the column parts of {gguf_name!r} are not matrices of one row count: {shapes}")
+        m0 = ordered[0][0]
+        return OutputTensor(gguf_name, m0.tensor_class, m0.layer, (shapes[0][0], sum(s[1] for s in shapes)), dtype,
+                            tuple(m for m, _ in ordered), "concat_columns")
+
     def _check_blocks(self, outputs: Iterable[OutputTensor]) -> None:
         seen = {o.layer for o in outputs if o.layer is not None}
         missing = sorted(set(range(self.block_count)) - seen)
@@ -502,6 +545,12 @@ class ArchMap:
         start = 0
         for i, m in enumerate(output.sources):
             part = transforms.apply(m.transform, load(m.hf_name), self.hp)
+            if output.assembly == "concat_columns":
+                slot = out[:, start:start + part.shape[-1]]
+                self._check_part(output, m, part, slot.shape)
+                slot[...] = part
+                start += part.shape[-1]
+                continue
             if output.assembly == "stack_experts":
                 slot = out[i]
             elif output.assembly == "concat_shards":
@@ -535,7 +584,11 @@ class ArchMap:
 
         meta = MetadataBuilder(self.arch.gguf_arch)
         meta.string("general.architecture", self.arch.gguf_arch)
-        self.arch.metadata(meta, self.hp, MetadataInputs(tensor_values, tensor_shapes))
+        hp = dict(self.hp, num_hidden_layers=self.block_count) if self.support_blocks else self.hp
+        self.arch.metadata(meta, hp, MetadataInputs(tensor_values, tensor_shapes,
+                                                    Path(tokenizer_dir) if tokenizer_dir is not None else None))
+        if self.support_blocks:
+            meta.u32("{arch}.nextn_predict_layers", self.support_blocks)
         if tokenizer_dir is not None:
             if chat_template is None and self.arch.default_chat_template is not None:
                 chat_template = self.arch.default_chat_template(Path(tokenizer_dir).absolute().name)

@@ -14,7 +14,8 @@ Three source layouts are read, all onto the same GGUF names:
 * transformers' internal names (``save_original_format=False``): ``self_attn.{q_a_proj, kv_proj, o_a_proj, sinks,
   compressor.{kv_proj, position_bias, indexer.*}}``, ``attn_hc.fn``, ``mlp.experts.gate_up_proj`` [E, 2*ff, embd] ...
 
-The MTP block (``mtp.*``) is left out, as llama.cpp's converter does for the main model file.  Hash-routed layers
+The MTP block (``mtp.*``) is left out, as llama.cpp's converter does for the main model file; ``convert --support
+mtp`` writes it as llama.cpp's ``--mtp`` export does (:data:`MTP_SUPPORT_RULES`).  Hash-routed layers
 (the first ``num_hash_layers``) route through ``tid2eid`` (written as I32); their unused ``gate.bias`` is dropped.
 
 Metadata: the converter's ``DeepseekV4Model``.  transformers saves neither ``compress_ratios`` nor
@@ -27,14 +28,15 @@ hyper-connection streams, compression ratios in {0, 4, 128} and an indexer head 
 """
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any, Mapping
 
 from gguf.constants import GGUFValueType
 
 from ..errors import SourceError
-from .base import (Arch, Hparams, InputGroups, MetadataBuilder, MetadataInputs, drop, expert_rules, require,
-                   rope_parameters, rule, text_hparams, text_model_metadata)
+from .base import (Arch, Hparams, InputGroups, MetadataBuilder, MetadataInputs, column_part, drop, expert_rules,
+                   require, rope_parameters, rule, text_hparams, text_model_metadata)
 
 # transformers' DeepseekV4Config field defaults (those the conversion reads)
 DEFAULTS: Mapping[str, Any] = {
@@ -124,6 +126,21 @@ RULES = (
       for prefix, name in zip(("ffn.shared_experts", "mlp.shared_experts"), names)),
     *expert_rules(f"{L}.ffn.experts", gate="w1", up="w3", down="w2"),
     *expert_rules(f"{L}.mlp.experts"),
+)
+
+M = "mtp.{M}"
+#: The ``--support mtp`` file (llama.cpp's ``--mtp`` export): MTP block K becomes block ``num_hidden_layers + K``
+#: with the block rules; ``e_proj`` and ``h_proj`` side by side are ``nextn.eh_proj``; ``enorm``/``hnorm``/``norm``
+#: are the NextN norms; the block's own ``hc_head_*`` replace the model's as the output hyper-connection.
+MTP_SUPPORT_RULES = (
+    *(rule(f"{M}.hc_head_{leaf}", f"output_hc_{leaf}.weight", "hc") for leaf in ("fn", "base", "scale")),
+    drop("hc_head_{*}", "hc", "the MTP file takes the MTP block's own hc_head as output hyper-connection"),
+    column_part(f"{M}.e_proj.weight", "blk.{layer}.nextn.eh_proj.weight", "mtp", 0),
+    column_part(f"{M}.h_proj.weight", "blk.{layer}.nextn.eh_proj.weight", "mtp", 1),
+    rule(f"{M}.enorm.weight", "blk.{layer}.nextn.enorm.weight", "mtp"),
+    rule(f"{M}.hnorm.weight", "blk.{layer}.nextn.hnorm.weight", "mtp"),
+    rule(f"{M}.norm.weight", "blk.{layer}.nextn.shared_head_norm.weight", "mtp"),
+    *(dataclasses.replace(r, pattern=M + r.pattern[len(L):]) for r in RULES if r.pattern.startswith(L + ".")),
 )
 
 #: ``wo_a`` multiplies each group of heads' output by its own ``o_lora_rank`` rows (llama.cpp loads it
@@ -257,4 +274,5 @@ ARCH = Arch(
     metadata=metadata, block_count=lambda hp: hp["num_hidden_layers"],
     expert_count=lambda hp: hp["n_routed_experts"], aliases=ALIASES, conditions={"hash_layer": hash_layer},
     default_chat_template=default_chat_template, input_groups=INPUT_GROUPS,
+    support_rules={"mtp": MTP_SUPPORT_RULES},
 )

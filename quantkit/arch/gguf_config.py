@@ -338,6 +338,11 @@ class LlamaCppView(NamedTuple):
     dialect stores in another layout (ds4's GLM ``kda_a_log`` holds ``A_log`` where llama.cpp's ``ssm_a`` holds
     ``-exp(A_log)``; its convolutions have another shape): readers convert those payloads with
     :func:`quantkit.arch.dialects.convert_payload`."""
+    relaid_table: Any = None
+    """For an architecture ds4 lays out differently (Qwen3.8's ``qwen38-next``): its
+    :class:`~quantkit.arch.dialects.ArchDialect`.  Its tensors keep their stored names (no llama.cpp tensor holds
+    the same values) and readers redirect the architecture map to them
+    (:func:`quantkit.arch.dialects.relaid_mappings`); ``general.architecture`` reads as llama.cpp's."""
 
 
 def llama_cpp_view(metadata: Mapping[str, KV], tensors: Mapping[str, Any]) -> LlamaCppView:
@@ -350,9 +355,14 @@ def llama_cpp_view(metadata: Mapping[str, KV], tensors: Mapping[str, Any]) -> Ll
     infos by name, in file order (``.shape`` in numpy order, ``.type``).
     """
     from .dialects import DS4, LAYOUT_SAME, LLAMA_CPP, dialect_of, translate
+    from .dialects.ds4 import RELAID
 
     if "general.architecture" not in metadata or dialect_of(metadata) != DS4:
         return LlamaCppView(metadata, {name: name for name in tensors}, {})
+    relaid = next((t for t in RELAID.values() if t.ds4_arch == metadata["general.architecture"].value), None)
+    if relaid is not None:
+        renamed = {**metadata, "general.architecture": KV(relaid.gguf_arch, metadata["general.architecture"].type)}
+        return LlamaCppView(renamed, {name: name for name in tensors}, {}, relaid)
     translation = translate(metadata, [(n, tuple(t.shape), t.type) for n, t in tensors.items()], to=LLAMA_CPP)
     return LlamaCppView(dict(translation.metadata), {m.name: m.source for m in translation.moves},
                         {m.name: m for m in translation.moves if m.layout != LAYOUT_SAME})

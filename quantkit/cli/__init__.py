@@ -9,7 +9,8 @@ Exit codes, the same for every command (errors map through :data:`ERROR_TABLE`, 
 0     success
 1     a check ran and failed: ``validate`` found a difference, ``swapset status --record`` a missing sidecar,
       ``compare`` a regression by a blocker rule of its release gate (:mod:`quantkit.scoring.compare`),
-      ``transport assemble``/``fetch`` bytes that differ from their manifest (a corrupt, truncated or reordered part)
+      ``transport assemble``/``fetch`` bytes that differ from their manifest (a corrupt, truncated or reordered part),
+      ``parity`` an engine output that diverges from the reference (:mod:`quantkit.scoring.parity`)
 2     the input cannot be used: a missing, unreadable, truncated or malformed file (GGUF, safetensors, config.json,
       recipe, imatrix, fixture, sidecar, score table, compare policy or baseline), inputs that do not belong
       together (an imatrix of another model, a resume of other inputs, a fixture of another checkpoint), an output
@@ -91,6 +92,15 @@ def error_line(exc: BaseException) -> str:
     return " ".join(text.split())
 
 
+def one_output(option: os.PathLike | None, argument: os.PathLike | None) -> os.PathLike:
+    """The output named by ``-o`` or by the positional argument (older scripts), exactly once."""
+    if option is not None and argument is not None and option != argument:
+        raise click.BadParameter(f"two outputs given ({argument} and -o {option})", param_hint="-o/--output")
+    if option is None and argument is None:
+        raise click.BadParameter("name the output with -o/--output", param_hint="-o/--output")
+    return option if option is not None else argument
+
+
 def _quiet_stdout() -> None:
     """After the reader of stdout went away: no further write or the final flush may raise."""
     try:
@@ -145,7 +155,7 @@ def inspect(path, as_json, show_all):
 
 # Modules that define extra commands, each exporting ``COMMANDS`` (a list of click commands or groups).
 COMMAND_MODULES: tuple[str, ...] = ("recipes", "convert", "validate", "imatrix", "swapset", "score", "demo",
-                                    "redialect", "transport")
+                                    "redialect", "transport", "generate", "parity")
 
 
 def _attach_commands() -> None:

@@ -7,6 +7,8 @@ from pathlib import Path
 
 import click
 
+from ..evidence import artifact_sha256
+
 from . import EXIT_INTERRUPTED
 from .executors import check_executor, default_jobs
 
@@ -38,7 +40,14 @@ from .executors import check_executor, default_jobs
 @click.option("--dialect", type=click.Choice(["llama.cpp", "ds4"]),
               help="GGUF dialect: llama.cpp's tensor names and keys, or ds4's  [default: the recipe's dialect, "
                    "else llama.cpp]")
+@click.option("--release-manifest", "manifest", type=click.Path(dir_okay=False, path_type=Path),
+              help="write the release manifest (name, size, SHA-256, recipe, calibration, label, source) here; an "
+                   "earlier release manifest there is replaced, any other file only with --force  "
+                   "[default: <output stem>.release.json beside the output]")
 @click.option("--progress/--no-progress", default=True, show_default=True, help="show a progress bar")
+@click.option("--support", type=click.Choice(["mtp", "dspark"]),
+              help="write the support (drafter) file instead: the MTP blocks with the embedding and head, recording "
+                   "the checkpoint identity its target must share")
 @click.option("--executor", type=click.Choice(["process", "ray"]), default="process", show_default=True,
               help="worker processes on this machine, or Ray tasks on a cluster (the ray extra)")
 @click.option("--address", metavar="HOST:PORT",
@@ -49,39 +58,67 @@ from .executors import check_executor, default_jobs
               help="with --executor ray: tasks write into the partial output (a shared filesystem), return bytes "
                    "to this process, or write where the partial is visible and return bytes elsewhere")
 def convert(source, out, recipe, imatrix, bootstrap, allow_synthetic_imatrix, jobs, resume, force, label, dry_run,
-            pre_tokenizer, report, reserve, dialect, progress, executor, address, transfer):
+            pre_tokenizer, report, reserve, dialect, manifest, progress, support, executor, address, transfer):
     """Convert checkpoint SOURCE (a directory or a Hugging Face repo id) to a GGUF laid out by a recipe."""
+    from .. import names
     from ..convert.execute import ConvertRequest, check_outputs, execute, prepare
-    from ..io.atomic import atomic_output
+    from ..io.atomic import atomic_output, check_output
 
     if not dry_run:
         check_executor("quantkit convert", executor, address)
     request = ConvertRequest(source=source, out=out, recipe=recipe, imatrix=imatrix, bootstrap=bootstrap,
                              allow_synthetic_imatrix=allow_synthetic_imatrix, jobs=jobs, resume=resume, force=force,
                              label=label, pre_tokenizer=pre_tokenizer, reserve_bytes=reserve, dialect=dialect,
-                             progress=progress, executor=executor, address=address, transfer=transfer)
+                             progress=progress, support=support, executor=executor, address=address,
+                             transfer=transfer)
     prepared = prepare(request)
     click.echo(prepared.plan.summary())
+    suggested = _suggested_name(prepared, label)
+    if suggested is not None:
+        click.echo(f"name        {suggested}" + ("" if suggested == out.name else f"  (suggested; writing {out.name})"))
     if prepared.workers_note:
         click.echo(f"note: {prepared.workers_note}", err=True)
     if dry_run:
         return
     check_outputs(prepared, request, report)
+    manifest = manifest or names.manifest_path(out)
+    check_output(manifest, inputs=[*prepared.inputs, out, *([report] if report else [])],
+                 overwrite=force or resume or names.is_release_manifest(manifest), what="release manifest")
     try:
         result = execute(prepared, request)
     except KeyboardInterrupt:
         click.echo("interrupted: the partial output and its journal are kept; run again with --resume to continue",
                    err=True)
         sys.exit(EXIT_INTERRUPTED)
+    # a pass after writing (tensors are written in parallel, the header last); kept for evidence records
+    sha256, _ = artifact_sha256(result.path, progress=progress, reuse=False)
+    record = names.release_manifest(result.path, sha256, suggested)
+    with atomic_output(manifest, overwrite=True) as tmp:   # checked above, before the work
+        tmp.write_text(json.dumps(record, indent=1) + "\n")
     if report is not None:
         with atomic_output(report, overwrite=force) as tmp:
-            tmp.write_text(json.dumps({"name_tag": prepared.plan.name_tag, **result.report()}, indent=1) + "\n")
+            tmp.write_text(json.dumps({"name_tag": prepared.plan.name_tag, "suggested_name": suggested,
+                                       "sha256": sha256, "release_manifest": str(manifest), **result.report()},
+                                      indent=1) + "\n")
     if result.finished_earlier:
         click.echo(f"{result.path} was already complete (an earlier run finished it)")
-        return
-    click.echo(f"wrote {result.path} ({result.file_size:,} bytes, {result.tensors} tensors"
-               + (f", {result.resumed} from the journal" if result.resumed else "")
-               + f") in {result.wall_seconds:.1f} s with {result.jobs} job{'s' if result.jobs > 1 else ''}")
+    else:
+        click.echo(f"wrote {result.path} ({result.file_size:,} bytes, {result.tensors} tensors"
+                   + (f", {result.resumed} from the journal" if result.resumed else "")
+                   + f") in {result.wall_seconds:.1f} s with {result.jobs} job{'s' if result.jobs > 1 else ''}")
+    click.echo(f"sha256 {sha256}; release manifest {manifest}")
+
+
+def _suggested_name(prepared, label: str | None) -> str | None:
+    """The file name the artifact-name grammar gives this conversion (None: its tag is outside the grammar)."""
+    from .. import names
+    from ..errors import FormatError
+
+    try:
+        return names.suggest(names.model_name(prepared.source.repo_id, prepared.source.path), prepared.plan.name_tag,
+                             calibration="imatrix" if prepared.imatrix is not None else None, label=label).render()
+    except FormatError:
+        return None
 
 
 COMMANDS = [convert]

@@ -6,6 +6,7 @@ import json
 
 import click
 
+from . import one_output
 from .executors import check_executor, executor_options
 
 FORMAT_CHOICE = click.Choice(["gguf", "dat"])
@@ -94,13 +95,16 @@ def merge(inputs, output, fmt, chunk_size, force):
 
 @imatrix.command()
 @click.argument("src", type=click.Path(exists=True, dir_okay=False))
-@click.argument("dst", type=click.Path(dir_okay=False))
+@click.argument("dst_arg", metavar="[DST]", required=False, type=click.Path(dir_okay=False))
+@click.option("-o", "--output", "dst", type=click.Path(dir_okay=False), help="the file to write (DST)")
 @click.option("--format", "fmt", type=FORMAT_CHOICE, default=None, help="output format (default: by file name)")
 @click.option("--config", "config", type=click.Path(exists=True),
               help="config.json (or its checkpoint directory) to rename Hugging Face entry names to GGUF names")
 @click.option("--force", is_flag=True, help="overwrite the output")
-def convert(src, dst, fmt, config, force):
-    """Convert between the GGUF imatrix and the legacy .dat (and Hugging Face names to GGUF names)."""
+def convert(src, dst_arg, dst, fmt, config, force):
+    """Convert SRC between the GGUF imatrix and the legacy .dat (and Hugging Face names to GGUF names); write it
+    to -o DST."""
+    dst = one_output(dst, dst_arg)
     from dataclasses import replace
 
     from ..imatrix import load_imatrix, save_imatrix

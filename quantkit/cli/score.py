@@ -10,9 +10,15 @@ from pathlib import Path
 import click
 
 from ..extras import require_runtime
+from . import one_output
 from .executors import check_executor, executor_options
 
 DEVICES = ("cpu", "cuda")
+#: ``--arithmetic`` of the commands that run a model for parity with an engine (score, parity).
+ARITHMETIC_OPTION = click.option(
+    "--arithmetic", type=click.Choice(["float32", "ggml-cpu"]), default="float32", show_default=True,
+    help="ggml-cpu: round each product's activations as llama.cpp's CPU backend does (Q8_K/Q8_0/F16 by weight "
+         "type; MLA absorbed), for per-token parity with llama-perplexity -ctk f32 -ctv f32 -fa off")
 
 
 def _template_kwargs(text: str | None) -> dict:
@@ -49,6 +55,30 @@ def _with(options):
     return apply
 
 
+#: ``quantkit generate`` and ``fixture capture --sample``.
+sampling_options = [
+    click.option("--temperature", type=float, default=0.6, show_default=True,
+                 help="softmax temperature; 0 or below is greedy (the first maximum)"),
+    click.option("--top-k", type=click.IntRange(min=0), default=20, show_default=True, help="0 is off"),
+    click.option("--top-p", type=float, default=0.95, show_default=True,
+                 help="nucleus mass from the full softmax, the crossing token kept; 0 or >= 1 is off"),
+    click.option("--presence-penalty", type=click.FloatRange(-2, 2), default=0.0, show_default=True),
+    click.option("--frequency-penalty", type=click.FloatRange(-2, 2), default=0.0, show_default=True),
+    click.option("--min-p", type=click.FloatRange(0, 1), default=0.0, show_default=True, help="ds4 law only"),
+    click.option("--seed", type=click.IntRange(min=0, max=2 ** 64 - 1), default=0, show_default=True,
+                 help="the request's stream: PCG64 (numpy.random.default_rng(seed)); the ds4 law: its generator state"),
+    click.option("--law", type=click.Choice(["classic", "ds4", "top-k-renormalized"]), default="classic",
+                 show_default=True, help="classic (quantkit.sampling); ds4 (DeepSeek/GLM engines, ds4's generator); "
+                 "top-k-renormalized (the faulty law, for demonstrations)"),
+]
+
+
+def sampling_params(temperature, top_k, top_p, presence_penalty, frequency_penalty, min_p):
+    from ..sampling import SamplingParams
+
+    return SamplingParams(temperature, top_k, top_p, presence_penalty, frequency_penalty, min_p)
+
+
 @click.group("fixture")
 def fixture():
     """Capture, import and check ds4-style scoring fixtures."""
@@ -68,11 +98,16 @@ def fixture():
 @click.option("--device", type=click.Choice(DEVICES), default="cpu", show_default=True)
 @click.option("--tokenizer", type=click.Path(exists=True), help="tokenizer directory (default: the source's)")
 @click.option("--force", is_flag=True, help="replace an existing output directory")
+@click.option("--sample", is_flag=True, help="sample the continuations by --law with the settings below (each case "
+              "its own request stream of --seed) instead of greedy")
+@_with(sampling_options)
 def capture(source, prompts, tokens, top_logprobs, label, out, rendering, chat_template_kwargs, device, tokenizer,
-            force):
-    """Capture a fixture from SOURCE (safetensors checkpoint or GGUF): greedy continuations (the runtime with a KV
-    cache) and top logprobs."""
+            force, sample, temperature, top_k, top_p, presence_penalty, frequency_penalty, min_p, seed, law):
+    """Capture a fixture from SOURCE (safetensors checkpoint or GGUF): greedy (or --sample) continuations (the
+    runtime with a KV cache) and top logprobs."""
     require_runtime("quantkit fixture capture")
+    sampling = (sampling_params(temperature, top_k, top_p, presence_penalty, frequency_penalty, min_p), seed, law) \
+        if sample else None
     from ..fixtures.capture import capture_fixture, read_prompts
     from ..fixtures.directory import check_label
     from ..scoring.loading import describe_model, load_source
@@ -84,7 +119,8 @@ def capture(source, prompts, tokens, top_logprobs, label, out, rendering, chat_t
     try:
         result = capture_fixture(model, codec, prompt_list, out, label=label, tokens=tokens, top_logprobs=top_logprobs,
                                  rendering=_rendering(rendering, chat_template_kwargs), overwrite=force,
-                                 progress=lambda case: click.echo(f"{case.id} target={len(case.response)}", err=True))
+                                 progress=lambda case: click.echo(f"{case.id} target={len(case.response)}", err=True),
+                                 sampling=sampling)
     finally:
         model.close()
     total = sum(len(c.response) for c in result.cases)
@@ -118,6 +154,38 @@ def import_(src, out, label, source_model, rendering, chat_template_kwargs, toke
                f"content {result.content_sha256[:16]}")
 
 
+@fixture.command("import-vectors")
+@click.argument("vec", type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@click.option("-o", "--output", "out", required=True, type=click.Path(path_type=Path), help="fixture directory")
+@click.option("--label", required=True, help="the checkpoint label the fixture belongs to (e.g. 0731)")
+@click.option("--source", "source_model", help="the checkpoint (or GGUF) the vectors belong to, to record its "
+              "identity")
+@_with(_rendering_options)
+@click.option("--tokenizer", type=click.Path(exists=True), help="tokenizer directory (default: the source's)")
+@click.option("--force", is_flag=True, help="replace an existing output directory")
+def import_vectors(vec, out, label, source_model, rendering, chat_template_kwargs, tokenizer, force):
+    """Write ds4's logprob test vectors VEC (tests/test-vectors/official.vec; prompts found above it) as a fixture.
+
+    ds4 renders them with its chat template, empty system prompt, thinking disabled: pass the matching
+    --chat-template-kwargs."""
+    from ..fixtures.directory import write_fixture
+    from ..fixtures.ds4_vectors import read_vectors
+    from ..scoring.source import ModelIdentity
+
+    cases = read_vectors(vec)
+    identity = ModelIdentity()
+    if source_model is not None:
+        require_runtime("quantkit fixture import-vectors --source")
+        from ..scoring.loading import describe_model
+
+        identity = describe_model(source_model, tokenizer=tokenizer)[1]
+    result = write_fixture(out, cases, label=label, source=identity,
+                           rendering=_rendering(rendering, chat_template_kwargs), capture=None, overwrite=force)
+    click.echo(f"fixture {result.path}: {len(result.cases)} cases imported from {vec.name}, "
+               f"{sum(len(c.response) for c in result.cases)} reference tokens, label {label}, "
+               f"content {result.content_sha256[:16]}")
+
+
 @fixture.command("check")
 @click.argument("path", type=click.Path(exists=True, file_okay=False, path_type=Path))
 def check(path):
@@ -137,7 +205,9 @@ def check(path):
 @click.command("score")
 @click.argument("model")
 @click.argument("fixture_dir", metavar="FIXTURE", type=click.Path(exists=True, file_okay=False, path_type=Path))
-@click.argument("out", type=click.Path(dir_okay=False, path_type=Path))
+@click.argument("out_arg", metavar="[OUT]", required=False, type=click.Path(dir_okay=False, path_type=Path))
+@click.option("-o", "--output", "out", type=click.Path(dir_okay=False, path_type=Path),
+              help="the score table to write (OUT.tsv; as a third argument too)")
 @click.option("--ctx", required=True, type=click.IntRange(min=2), help="context limit: prompt + continuation tokens "
               "per case; also the chunk length of --save-logits")
 @click.option("--device", type=click.Choice(DEVICES), default="cpu", show_default=True)
@@ -155,13 +225,15 @@ def check(path):
 @click.option("--format", "table_format", type=click.Choice(["quantkit", "ds4", "ds4-nll"]), default="quantkit",
               show_default=True, help="ds4: score_official's 26-column table (ds4-nll: its 7 NLL columns) with the "
               "identity record in OUT.tsv.json")
-@click.option("--arithmetic", type=click.Choice(["float32", "ggml-cpu"]), default="float32", show_default=True,
-              help="ggml-cpu: round each product's activations as llama.cpp's CPU backend does (Q8_K/Q8_0/F16 by "
-              "weight type; MLA absorbed), for per-token parity with llama-perplexity -ctk f32 -ctv f32")
+@ARITHMETIC_OPTION
+@click.option("--support", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="a support (drafter) GGUF meant for MODEL: refused unless it comes from MODEL's checkpoint "
+                   "(recorded in the table)")
 @executor_options
-def score(model, fixture_dir, out, ctx, device, allow_cross_checkpoint, kld_base, save_logits, tokenizer, sidecars,
-          label, table_format, arithmetic, executor, address, jobs):
-    """Score MODEL (GGUF or checkpoint) on FIXTURE; write the per-case table OUT.tsv."""
+def score(model, fixture_dir, out_arg, out, ctx, device, allow_cross_checkpoint, kld_base, save_logits, tokenizer,
+          sidecars, label, table_format, arithmetic, support, executor, address, jobs):
+    """Score MODEL (GGUF or checkpoint) on FIXTURE; write the per-case table -o OUT.tsv."""
+    out = one_output(out, out_arg)
     require_runtime("quantkit score")
     check_executor("quantkit score", executor, address)
     if executor == "ray" and (kld_base is not None or save_logits is not None):
@@ -181,7 +253,12 @@ def score(model, fixture_dir, out, ctx, device, allow_cross_checkpoint, kld_base
         check_output(save_logits, inputs=[*inputs, out], overwrite=True, what="--save-logits file")
     if kld_base is not None and not os.access(kld_base, os.R_OK):
         raise click.BadParameter(f"{kld_base}: not readable", param_hint="--kld-base")
+    from ..validate.support import require_pair
+
+    paired = require_pair(model, support)
     replace, applied = None, []
+    if paired is not None:
+        applied.append(paired)
     if sidecars:
         from ..swapset import sidecars_line
 

@@ -1,7 +1,7 @@
 """``quantkit validate``: audit a GGUF artifact (or a swapset sidecar) against its format, plan and source.
 
 Exit codes: 0 valid; 1 a check failed (the report says which); 2 the artifact, source, recipe or imatrix cannot be
-read.  With ``--json REPORT`` the report is written there as JSON, also when the input cannot be read (then with
+read.  With ``--report FILE`` the report is written there as JSON, also when the input cannot be read (then with
 ``exit_code`` 2 and the error).  The work is :mod:`quantkit.validate`.
 """
 from __future__ import annotations
@@ -35,10 +35,14 @@ def _write_json(path: Path, data: dict, overwrite: bool) -> None:
               help="re-encode and compare no tensor, a sample (experts 0/middle/last, sampled table rows), or all")
 @click.option("--seed", type=int, default=0, show_default=True, help="seed of the sampled experts and rows")
 @click.option("--structure-only", is_flag=True, help="check the file alone: no source, no re-plan, no payload")
-@click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path),
-              help="write the full report (every check, every tensor) as JSON to this file")
-@click.option("--force", is_flag=True, help="replace an existing --json file")
-def validate(artifact, source, recipe, imatrix, payload, seed, structure_only, json_path, force):
+@click.option("--report", "json_path", type=click.Path(dir_okay=False, path_type=Path),
+              help="write the full report (every check, every tensor) as JSON to this file (as convert --report)")
+@click.option("--json", "json_alias", type=click.Path(dir_okay=False, path_type=Path), hidden=True,
+              help="the former name of --report")
+@click.option("--force", is_flag=True, help="replace an existing --report file")
+@click.option("--target", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="ARTIFACT is a support (drafter) file: refuse it unless TARGET comes from the same checkpoint")
+def validate(artifact, source, recipe, imatrix, payload, seed, structure_only, json_path, json_alias, force, target):
     """Validate ARTIFACT: structure, inventory against a re-plan, and payload bytes against the source.
 
     A GGUF quantkit did not write (llama.cpp's converter and llama-quantize, ...) is validated against --source with
@@ -50,12 +54,17 @@ def validate(artifact, source, recipe, imatrix, payload, seed, structure_only, j
     from ..io.atomic import check_output, input_files
     from ..validate import validate as run
 
+    if json_alias is not None:
+        if json_path is not None and json_path != json_alias:
+            raise click.BadParameter("give the report file once (--report; --json is its former name)",
+                                     param_hint="--report")
+        json_path = json_alias
     if json_path is not None:   # before the long work: never an input, never an existing file unless --force
         check_output(json_path, inputs=input_files([artifact, source, recipe, imatrix]), overwrite=force,
-                     what="--json report")
+                     what="--report file")
     try:
         report = run(artifact, source=source, recipe=recipe, imatrix=imatrix, payload=payload, seed=seed,
-                     structure_only=structure_only)
+                     structure_only=structure_only, target=target)
     except (QuantkitError, OSError) as exc:
         if json_path is not None:
             from ..evidence import evidence

@@ -97,6 +97,9 @@ class ConvertRequest:
     pre_tokenizer: str | None = None
     dialect: str | None = None
     """GGUF dialect of names, keys and order (:mod:`quantkit.arch.dialects`); None: the recipe's, else llama.cpp."""
+    support: str | None = None
+    """Write the support (drafter) file of this kind instead of the model (:data:`quantkit.convert.plan.
+    SUPPORT_KINDS`)."""
     reserve_bytes: int | None = None
     """Free space to keep beyond the file; None: :func:`free_space_reserve` of the file's size."""
     progress: bool = True
@@ -171,7 +174,7 @@ def prepare(request: ConvertRequest) -> Prepared:
     plan = build_plan(source.path, recipe,
                       imatrix=None if imatrix is None else {n: e.in_sum2 for n, e in imatrix.entries.items()},
                       bootstrap=request.bootstrap, label=request.label, pre_tokenizer=request.pre_tokenizer,
-                      dialect=request.dialect)
+                      dialect=request.dialect, support=request.support)
     check_config_against_tensors(plan.metadata, {o.gguf_name: o.shape
                                                  for o in [t.output for t in plan.tensors] + list(plan.skipped)})
     jobs = {t.name: make_job(t, imatrix) for t in plan.tensors}
@@ -185,7 +188,7 @@ def prepare(request: ConvertRequest) -> Prepared:
 
 
 _KINDS = {None: "encode", "copy": "copy", "mxfp4-repack": "mxfp4-repack", "nvfp4-repack": "nvfp4-repack",
-          "nvfp4-scale": "nvfp4-scale"}
+          "nvfp4-scale": "nvfp4-scale", "fp8-rows": "engram-rows"}
 
 
 def make_job(t: PlannedTensor, imatrix) -> TensorJob:
@@ -361,7 +364,7 @@ def _execute(prepared: Prepared, request: ConvertRequest, out: Path) -> ConvertR
     def layout_with(hashes: list[FileHash]) -> Layout:
         provenance = provenance_metadata(jobs=list(jobs.values()), recipe=plan.recipe, recipe_tag=plan.name_tag,
                                          source=source, file_hashes=hashes, imatrix=prepared.imatrix,
-                                         imatrix_given=request.imatrix, label=plan.label)
+                                         imatrix_given=request.imatrix, label=plan.label, support=plan.support)
         return file_layout(plan, provenance, jobs.values())
 
     layout = layout_with([replace(s, sha256=PENDING_SHA256) for s in stats])

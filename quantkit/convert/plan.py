@@ -23,6 +23,8 @@ values other than the row length (or the row length times the leading dimension 
 expert, or per head of MLA's ``attn_k_b``/``attn_v_b``), is an error too: it was made for another model.
 
 Lossless carry-over (``lossless``): ``copy`` (float source written as the same float type, values unchanged),
+``fp8-rows`` (an FP8 E4M3 table with E8M0 scales per 32 values of a row -- V4.1 Engram -- written as an I8 row
+store ``[rows, n + n/32]``: each row's codes then its scales, :mod:`quantkit.engram.rows`),
 ``mxfp4-repack`` (packed FP4 + E8M0 per 32 -> MXFP4), ``nvfp4-repack`` (NVFP4 -> GGUF NVFP4) and
 ``nvfp4-scale``: the F32 ``<name>.scale`` tensor planned right after an NVFP4 tensor, holding its global scale
 as a multiplier (shape ``[1]``, or ``[experts]`` for stacked experts).
@@ -39,11 +41,11 @@ from typing import Any, Iterable, Mapping
 
 import numpy as np
 
-from ..arch import OutputTensor, get_arch
+from ..arch import ROW_TABLE_CLASSES, OutputTensor, get_arch
 from ..arch import transforms
 from ..arch.dialects import (LAYOUT_A_LOG, LAYOUT_CONV, LLAMA_CPP, relaid_dialect, relaid_metadata,
                               relaid_tensors, translate)
-from ..errors import RecipeError, SourceError
+from ..errors import RecipeError, SourceError, UnsupportedError
 from ..formats.api import tensor_nbytes
 from ..formats.registry import GGMLType, ImatrixUse, get_format
 from ..io.checkpoint import Checkpoint, open_checkpoint
@@ -52,6 +54,10 @@ from ..io.gguf_writer import Layout, TensorSpec, plan_layout
 from ..recipes import Recipe, Resolution, load_recipe, resolve
 from ..recipes import name_tag as file_name_tag
 
+#: Support (drafter) files ``convert --support`` writes.
+SUPPORT_KINDS = ("mtp", "dspark")
+#: Tensors an MTP support file carries besides the MTP blocks (llama.cpp's ``--mtp`` export keeps the same three).
+MTP_SHARED_TENSORS = frozenset({"token_embd.weight", "output_norm.weight", "output.weight"})
 #: Version of :meth:`Plan.to_json`'s layout (independent of the package version).
 PLAN_FORMAT_VERSION = 1
 IMPORTANCE_KINDS = ("imatrix", "bootstrap", "none")
@@ -64,6 +70,9 @@ JSON_ARRAY_LIMIT = 64
 #: Tensors listed by name in one error message.
 MAX_NAMED_TENSORS = 8
 NVFP4_SCALE_SUFFIX = ".scale"
+#: Source encoding of an FP8 E4M3 matrix with one E8M0 scale per 32 values of each row (:func:`row_scaled_fp8`).
+ROW_SCALED_FP8 = "fp8-e8m0-rows"
+ROW_SCALE_BLOCK = 32
 
 
 @dataclass(frozen=True)
@@ -124,6 +133,8 @@ class Plan:
     resolution: Resolution | None = field(default=None, repr=False)
     dialect: str = LLAMA_CPP
     """GGUF dialect of the names, keys and order (:mod:`quantkit.arch.dialects`)."""
+    support: str | None = None
+    """The support (drafter) file this plan writes instead of the model (:func:`support_plan`), or None."""
 
     @property
     def name_tag(self) -> str:
@@ -133,6 +144,11 @@ class Plan:
     @property
     def tensor_bytes(self) -> int:
         return sum(t.nbytes for t in self.tensors)
+
+    @property
+    def row_tables(self) -> list[PlannedTensor]:
+        """The disk-only row tables (Engram, n-gram): read by row, apart from the resident weights."""
+        return [t for t in self.tensors if t.output.tensor_class in ROW_TABLE_CLASSES]
 
     def layout(self, extra_metadata: Iterable[tuple[str, Any]] = ()) -> Layout:
         """The GGUF layout of the planned file (plus ``extra_metadata``, e.g. provenance keys)."""
@@ -159,12 +175,16 @@ class Plan:
         elements = sum(t.n_elements for t in self.tensors)
         return {
             "format": "quantkit-plan", "version": PLAN_FORMAT_VERSION, "dialect": self.dialect,
+            "support": self.support,
             "source": str(self.source), "model_type": self.model_type, "label": self.label,
             "recipe": self.recipe.to_dict(), "name_tag": self.name_tag,
             "importance": {"imatrix_entries": self.imatrix_entries, "bootstrap": self.bootstrap},
             "totals": {"tensors": len(self.tensors), "elements": elements, "tensor_bytes": self.tensor_bytes,
                        "bpw": _bpw(self.tensor_bytes, elements), "file_bytes": layout.file_size},
             "classes": self.class_totals(),
+            "row_tables": {"tensors": [t.name for t in self.row_tables],
+                           "bytes": sum(t.nbytes for t in self.row_tables),
+                           "resident_bytes": self.tensor_bytes - sum(t.nbytes for t in self.row_tables)},
             "tensors": [t.to_json() for t in self.tensors],
             "skipped": [o.gguf_name for o in self.skipped],
             "unused_rules": list(self.unused_rules),
@@ -178,6 +198,8 @@ class Plan:
         lines = [f"source      {self.source} ({self.model_type})",
                  f"recipe      {self.recipe.name} ({self.recipe.where()}, sha256 {self.recipe.sha256[:16]})",
                  f"name tag    {self.name_tag}" + (f"  label {self.label}" if self.label else ""),
+                 *([f"support     {self.support} drafter file: the MTP blocks with the embedding, output norm and "
+                    f"head; pair it only with a target of this checkpoint"] if self.support else []),
                  "", f"{'class':<16}{'tensors':>8}  {'bytes':>12}  {'bpw':>7}  types"]
         totals = self.class_totals()
         for cls, e in sorted(totals.items(), key=lambda kv: (-kv[1]["bytes"], kv[0])):
@@ -192,6 +214,11 @@ class Plan:
                      + ", ".join(f"{name} {_human(n)}" for name, n in by_type.most_common()))
         lines.append(f"file        {layout.file_size:,} bytes ({_human(layout.file_size)}) before provenance keys; "
                      f"{len(self.metadata)} metadata keys")
+        if self.row_tables:
+            table_bytes = sum(t.nbytes for t in self.row_tables)
+            classes = ", ".join(sorted({t.output.tensor_class for t in self.row_tables}))
+            lines.append(f"disk-only   {len(self.row_tables)} row tables ({classes}), {_human(table_bytes)}, read by "
+                         f"row; resident weights {_human(self.tensor_bytes - table_bytes)}")
         importance = Counter(t.importance for t in self.tensors)
         source = (f"imatrix with {self.imatrix_entries} entries" if self.imatrix_entries is not None
                   else "no imatrix") + (", bootstrap importance" if self.bootstrap else "")
@@ -251,7 +278,22 @@ def source_encoding(ckpt: Checkpoint, name: str) -> str:
     companions = ckpt.companions(name)
     if info.dtype in _INTEGER_DTYPES and not companions:
         return "int"
-    return ckpt.scheme(info.name)[0]
+    scheme = ckpt.scheme(info.name)[0]
+    if scheme == "fp8-block-e8m0" and row_scaled_fp8(ckpt, name) is not None:
+        return ROW_SCALED_FP8
+    return scheme
+
+
+def row_scaled_fp8(ckpt: Checkpoint, name: str) -> str | None:
+    """The E8M0 scale tensor of an FP8 E4M3 matrix scaled per 32 values of each row (``[rows, n]`` with scales
+    ``[rows, n/32]``: DeepSeek V4.1's Engram tables), or None for any other tensor."""
+    info = ckpt.tensor_info(name)
+    scale = ckpt.companions(name).get("scale")
+    if info.dtype != "F8_E4M3" or scale is None or len(info.shape) != 2 or info.shape[1] % ROW_SCALE_BLOCK:
+        return None
+    scale_info = ckpt.tensor_info(scale)
+    rows, n = (int(d) for d in info.shape)
+    return scale if tuple(scale_info.shape) == (rows, n // ROW_SCALE_BLOCK) and rows > 1 else None
 
 
 def inspect_sources(ckpt: Checkpoint) -> tuple[dict[str, tuple[int, ...]], dict[str, str]]:
@@ -324,14 +366,15 @@ def _nvfp4_scale(weight: PlannedTensor) -> PlannedTensor:
 
 def build_plan(source: str | os.PathLike, recipe: Recipe | str | os.PathLike, *,
                imatrix: Mapping[str, Any] | None = None, bootstrap: bool = False, label: str | None = None,
-               pre_tokenizer: str | None = None, dialect: str | None = None) -> Plan:
+               pre_tokenizer: str | None = None, dialect: str | None = None, support: str | None = None) -> Plan:
     """Plan the conversion of checkpoint ``source`` with ``recipe`` (a Recipe, a file, or a shipped name).
 
     ``imatrix``: GGUF tensor name -> importance values (any array-like; only names and sizes are read here).
     ``bootstrap``: use weight energy where the imatrix has no entry.  ``label``: the checkpoint label.
     ``pre_tokenizer``: llama.cpp's pre-tokenizer name, for tokenizers its hash table does not know.
     ``dialect``: the GGUF dialect of names, keys and order (:mod:`quantkit.arch.dialects`); None: the recipe's
-    ``dialect``, else llama.cpp's.
+    ``dialect``, else llama.cpp's.  ``support``: plan the support (drafter) file of this kind instead
+    (:func:`support_plan`).
     """
     if not isinstance(recipe, Recipe):
         recipe = load_recipe(recipe)
@@ -343,7 +386,7 @@ def build_plan(source: str | os.PathLike, recipe: Recipe | str | os.PathLike, *,
                               field="model_type")
         arch = get_arch(model_type)
         recipe.check_architecture(model_type)
-        amap = arch.bind(ckpt.config)
+        amap = arch.bind(ckpt.config, support)
         shapes, encodings = inspect_sources(ckpt)
         outputs = amap.outputs(shapes)
         by_name = {o.gguf_name: o for o in outputs}
@@ -365,6 +408,13 @@ def build_plan(source: str | os.PathLike, recipe: Recipe | str | os.PathLike, *,
         if importance is None:
             lacking.append(f"{o.gguf_name} ({choice.qtype.name}, {choice.rule})")
             continue
+        if o.tensor_class == "engram" and importance != "none" and choice.lossless is None:
+            raise RecipeError(f"{choice.rule} re-encodes the Engram table to {choice.qtype.name} with {importance} "
+                              f"importance; Engram tables are re-encoded by row chunk, without whole-table "
+                              f"statistics: choose a type that ignores importance (Q8_0, MXFP4) or type = "
+                              f"\"source\"", path=recipe.where(), tensor=o.gguf_name)
+        if choice.lossless == "fp8-rows":   # native rows: codes then scales, [rows, n + n/32] bytes
+            o = replace(o, shape=(*o.shape[:-1], o.shape[-1] + o.shape[-1] // ROW_SCALE_BLOCK))
         planned = PlannedTensor(o, choice.qtype, choice.rule, choice.fallback_from, importance, choice.lossless,
                                 tensor_nbytes(choice.qtype, o.shape))
         tensors.append(planned)
@@ -379,10 +429,35 @@ def build_plan(source: str | os.PathLike, recipe: Recipe | str | os.PathLike, *,
     plan = Plan(Path(source), model_type, recipe, tensors, metadata, label=label, bootstrap=bootstrap,
                 imatrix_entries=len(imatrix) if imatrix is not None else None, skipped=skipped,
                 unused_rules=[resolution.explain_unused(r) for r in resolution.unused_rules], resolution=resolution)
+    if support is not None:
+        plan = support_plan(plan, support, amap.hp)
     if dialect == LLAMA_CPP:
         return plan
     table = relaid_dialect(arch.gguf_arch, dialect)
     return in_dialect(plan, dialect) if table is None else relaid_plan(plan, table, amap.hp, shapes)
+
+
+def support_plan(plan: Plan, kind: str, hp: Mapping[str, Any]) -> Plan:
+    """The plan of a support file: for ``mtp``, the NextN/MTP blocks (blocks from ``num_hidden_layers`` on) with
+    the token embedding, output norm and head, and the model's metadata, as llama.cpp's converter exports a draft
+    with ``--mtp``; the executor records the target's checkpoint identity (``quantkit.support.*``).  Refused
+    when the architecture map writes no MTP block from this checkpoint, and for ``dspark`` (no map has the
+    DSpark drafter's tensors)."""
+    if kind not in SUPPORT_KINDS:
+        raise UnsupportedError(f"unknown support kind {kind!r}; known: {', '.join(SUPPORT_KINDS)}", field="support")
+    if kind == "dspark":
+        raise UnsupportedError("--support dspark: no architecture map has the DSpark drafter's tensors yet (V4.1's "
+                               "dspark.* are dropped from the main file)", field="support")
+    main = hp["num_hidden_layers"]
+    blocks = [t for t in plan.tensors if t.output.layer is not None and t.output.layer >= main]
+    if not blocks:
+        raise UnsupportedError(f"--support mtp: the {plan.model_type} map writes no MTP block from this checkpoint "
+                               f"(num_nextn_predict_layers {hp.get('num_nextn_predict_layers', 0)}; the deepseek_v4 "
+                               f"and qwen4_exp maps drop mtp.*, as llama.cpp's converter does for their main file)",
+                               field="support")
+    kept = [t for t in plan.tensors if t.name in MTP_SHARED_TENSORS or t in blocks
+            or all(m.hf_name.startswith("mtp.") for m in t.output.sources)]
+    return replace(plan, tensors=kept, support=kind)
 
 
 #: Transform steps the ds4 dialect replaces: ds4 keeps A_log itself and [C, 1, K] convolutions.

@@ -33,10 +33,17 @@ Keys written (types in brackets):
 [ARRAY[STRING]]                            for a whole tensor, ``<name>:<experts>`` with expert ranges such as
                                            ``0-3,7`` for 3-D (expert) tensors; absent when none did
 ``quantkit.checkpoint_label`` [STRING]     the ``--label`` given (e.g. ``0731``)
+``quantkit.support.kind`` [STRING]         a support (drafter) file only (``convert --support``): ``mtp``
+``quantkit.support.checkpoint`` [STRING]   and the checkpoint identity of the target it must be paired with
+                                           (:func:`checkpoint_identity`)
 =========================================  ==================================================================
+
+A target file records no identity key: its identity is computed from its ``quantkit.source.files`` /
+``quantkit.source.sha256`` the same way (every conversion hashes every shard and the config of its checkpoint).
 """
 from __future__ import annotations
 
+import hashlib
 from typing import Iterable, Sequence
 
 import numpy as np
@@ -131,9 +138,16 @@ def calibration_by_class(jobs: Iterable[TensorJob]) -> dict[str, str]:
     return out
 
 
+def checkpoint_identity(files: Iterable[tuple[str, str]]) -> str:
+    """SHA-256 over the (name, SHA-256) of a checkpoint's weight shards and ``config.json``, sorted by name: the
+    same for every conversion of one checkpoint, whatever it writes, and different for another checkpoint."""
+    lines = sorted(f"{name}\t{sha}" for name, sha in files if name.endswith(".safetensors") or name == "config.json")
+    return hashlib.sha256("\n".join(lines).encode("utf-8")).hexdigest()
+
+
 def provenance_metadata(*, jobs: Sequence[TensorJob], recipe, recipe_tag: str, source: ResolvedSource,
                         file_hashes: Sequence[FileHash], imatrix=None, imatrix_given: str | None = None,
-                        label: str | None = None) -> list[tuple[str, KV]]:
+                        label: str | None = None, support: str | None = None) -> list[tuple[str, KV]]:
     """The provenance entries, in the order of the module table."""
     entries: list[tuple[str, KV]] = [
         ("general.file_type", _u32(file_type((j.qtype, j.output.shape) for j in jobs))),
@@ -177,6 +191,10 @@ def provenance_metadata(*, jobs: Sequence[TensorJob], recipe, recipe_tag: str, s
         entries.append((BOOTSTRAP_KEY, KV(boot, ArrayOf(GGUFValueType.STRING))))
     if label is not None:
         entries.append(("quantkit.checkpoint_label", _str(label)))
+    if support is not None:
+        entries += [("quantkit.support.kind", _str(support)),
+                    ("quantkit.support.checkpoint",
+                     _str(checkpoint_identity((h.name, h.sha256) for h in file_hashes)))]
     return entries
 
 
@@ -188,5 +206,5 @@ def merged_metadata(base: Iterable[tuple[str, KV]], extra: Iterable[tuple[str, K
     return list(merged.items())
 
 
-__all__ = ["QUANTIZATION_VERSION", "bootstrap_entries", "calibration_by_class", "file_type", "merged_metadata",
-           "overall_calibration", "provenance_metadata"]
+__all__ = ["QUANTIZATION_VERSION", "bootstrap_entries", "calibration_by_class", "checkpoint_identity", "file_type",
+           "merged_metadata", "overall_calibration", "provenance_metadata"]

@@ -25,6 +25,10 @@ Kinds (``TensorJob.kind``):
 - ``mxfp4-repack`` / ``nvfp4-repack``: the stored FP4 bytes and scale bytes permuted into GGUF blocks
   (:mod:`quantkit.convert.repack`), expert by expert; no float values are computed.
 - ``nvfp4-scale``: the F32 ``<weight>.scale`` tensor: one multiplier per expert (or one for a plain weight).
+- ``engram-rows``: an FP8 table with E8M0 scales per 32 values of a row (V4.1 Engram) as its native row store
+  (:mod:`quantkit.engram.rows`): each row's code bytes then its scale bytes, read with ``pread`` in row chunks of
+  :data:`quantkit.engram.CHUNK_BYTES` (sampled rows read alone); a row holding an E4M3 NaN code or a 0xFF scale
+  is refused, naming it.  The same tables re-encoded to a block type (``encode``) are decoded chunk by chunk.
 - integer outputs (``hash_routing`` tables) are written as I32, range-checked by the ``to_int32`` transform.
 
 Importance (``TensorJob.importance``): ``none``; ``imatrix`` -- the imatrix entry of the tensor (per expert
@@ -52,13 +56,16 @@ from ..io.atomic import HASH_CHUNK_BYTES
 from ..io.checkpoint import open_checkpoint
 from ..imatrix import bootstrap_importance, load_imatrix, require_release_imatrix
 from ..imatrix.names import is_gguf_name, to_gguf_names
+from ..engram import rows as engram_rows
+from ..engram.rows import RowSource
+from .plan import row_scaled_fp8
 from .repack import mxfp4_from_fp4_e8m0, nvfp4_from_modelopt_layout, nvfp4_tensor_scale
 
 #: Largest float32 chunk of a row-chunked table (a 95 GiB BF16 n-gram table streams in pieces of this size).
 ROW_CHUNK_BYTES = 256 << 20
 #: Transform steps that only select rows of each expert, so they can be applied to one expert slice at a time.
 EXPERT_LOCAL_STEPS = frozenset({"gate_half", "up_half"})
-KINDS = ("encode", "copy", "mxfp4-repack", "nvfp4-repack", "nvfp4-scale")
+KINDS = ("encode", "copy", "mxfp4-repack", "nvfp4-repack", "nvfp4-scale", "engram-rows")
 _PLAIN_DTYPES = ("F32", "F16", "BF16")
 _INT_DTYPES = ("I8", "I16", "I32", "I64", "U8", "U16", "U32", "U64")
 _PACKED_FP4_DTYPES = ("I8", "U8", "F4")
@@ -273,10 +280,17 @@ def _encode_pieces(ctx: SourceContext, job: TensorJob) -> Iterator[Piece]:
             yield Piece(e, e * per_matrix, per_matrix,
                         _encoder(ctx, job, e, functools.partial(source, m), expert_rows(m, None)))
         return
+    if out.assembly == "concat_columns":   # every row needs every part
+        yield from whole()
+        return
     if _expert_slices(out):
         for e in range(out.shape[0]):
             load = functools.partial(expert_slice, out.sources[0], e)
             yield Piece(e, e * per_matrix, per_matrix, _encoder(ctx, job, e, load, expert_rows(out.sources[0], e)))
+        return
+    if len(out.sources) == 1 and not out.sources[0].transform and row_scaled_fp8(ctx.checkpoint,
+                                                                                   out.sources[0].hf_name):
+        yield from _row_scaled_pieces(ctx, job)
         return
     if len(out.sources) == 1 and (job.importance == "bootstrap" or None in job.bootstrap):
         yield from whole()   # Σw² needs the whole tensor at once
@@ -300,6 +314,45 @@ def _encode_pieces(ctx: SourceContext, job: TensorJob) -> Iterator[Piece]:
                         _encoder(ctx, job, None, functools.partial(chunk, m.hf_name, r0, count),
                                  functools.partial(chunk_rows, m.hf_name, r0)))
         row = None if row is None else row + rows
+
+
+def _row_source(ctx: SourceContext, job: TensorJob) -> RowSource:
+    name = job.output.sources[0].hf_name
+    scale = row_scaled_fp8(ctx.checkpoint, name)
+    if scale is None:
+        raise SourceError(f"{job.kind} needs an FP8 table with E8M0 scales per 32 values of a row", tensor=name)
+    return RowSource(ctx.checkpoint, name, scale)
+
+
+def _row_scaled_pieces(ctx: SourceContext, job: TensorJob) -> Iterator[Piece]:
+    """Row chunks of a row-scaled FP8 table: its native rows (``engram-rows``) or their decoded values encoded
+    to the planned block type; refuses rows holding E4M3 NaN codes or 0xFF scales."""
+    table = _row_source(ctx, job)
+    if job.importance != "none":   # rows are read by chunk or alone: no whole-table statistics
+        raise UnsupportedError(f"re-encoding a row table with {job.importance} importance is not supported; give it "
+                               f"a type that ignores importance (Q8_0, MXFP4) or keep its native rows "
+                               f"(type = \"source\")", tensor=job.name)
+    step = max(1, engram_rows.CHUNK_BYTES // table.row_bytes)
+
+    def produce(r0: int, count: int, selected: np.ndarray | None) -> tuple[np.ndarray | None, np.ndarray]:
+        rows = np.arange(r0, r0 + count) if selected is None else r0 + np.asarray(selected, dtype=np.int64)
+        with table:
+            if selected is None:
+                packed, invalid = table.packed(r0, count)
+            else:
+                packed = table.rows_at(rows)
+                invalid = 0 if any(a.size for a in engram_rows.invalid_rows(packed, table.head_dim)) else -1
+        problem = None if invalid < 0 else engram_rows.describe_invalid(packed, table.head_dim, rows)
+        if problem is not None:
+            raise SourceError(f"invalid source {problem}", tensor=table.name)
+        if job.kind == "engram-rows":
+            return None, packed
+        x = engram_rows.decode_rows(packed, table.head_dim)
+        return x, encode(x, job.qtype, _importance(ctx, job, None, x), name=job.name)
+
+    for r0 in range(0, table.rows, step):
+        count = min(step, table.rows - r0)
+        yield Piece(None, r0, count, functools.partial(produce, r0, count))
 
 
 # -- lossless repacks -------------------------------------------------------------------------------------------
@@ -388,6 +441,8 @@ def pieces(ctx: SourceContext, job: TensorJob) -> Iterator[Piece]:
         return _repack_pieces(ctx, job)
     if job.kind == "nvfp4-scale":
         return _nvfp4_scales(ctx, job)
+    if job.kind == "engram-rows":
+        return _row_scaled_pieces(ctx, job)
     raise UnsupportedError(f"unknown tensor job kind {job.kind!r}; known: {KINDS}", tensor=job.name)
 
 

@@ -207,6 +207,11 @@ class Checkpoint:
     def tensor_infos(self) -> list[TensorInfo]:
         return [self.tensor_info(n) for n in self.tensor_names()]
 
+    def data_offset(self, name: str) -> int:
+        """Absolute offset of tensor ``name``'s bytes in its file (``tensor_info(name).file``), for readers that
+        ``pread`` row ranges instead of mapping the file."""
+        return self._file(name).entry(name).begin
+
     def raw(self, name: str) -> np.ndarray:
         """The stored tensor as a read-only memory-mapped view (dtypes as :mod:`quantkit.io.safetensors`)."""
         return self._file(name).array(name)

@@ -33,7 +33,11 @@ LOSSLESS: Mapping[str, tuple[GGMLType, str]] = {
     "fp4-e8m0": (GGMLType.MXFP4, "mxfp4-repack"),
     "nvfp4-modelopt": (GGMLType.NVFP4, "nvfp4-repack"),
     "nvfp4-compressed-tensors": (GGMLType.NVFP4, "nvfp4-repack"),
+    "fp8-e8m0-rows": (GGMLType.I8, "fp8-rows"),
 }
+#: Classes written in their native encoding unless a rule naming the class chooses a type (never requantized
+#: by default: the V4.1 Engram tables are disk-only row stores engines read as stored).
+KEEP_NATIVE_CLASSES = frozenset({"engram"})
 #: Transform steps that change values (the others only slice, permute or reshape; quantkit.arch.transforms).
 VALUE_CHANGING_STEPS = frozenset({"plus_one", "neg_exp", "to_int32"})
 #: GGUF tensors for which llama.cpp's generic loading pass reads an optional ``<name>.scale`` (llama-model.cpp,
@@ -54,7 +58,8 @@ class Choice:
     fallback_from: GGMLType | None = None
     """The rule's type, when the row length made the fallback necessary."""
     lossless: str | None = None
-    """``copy``, ``mxfp4-repack`` or ``nvfp4-repack`` when the GGUF bytes carry the source values unchanged."""
+    """``copy``, ``mxfp4-repack``, ``nvfp4-repack`` or ``fp8-rows`` when the GGUF bytes carry the source values
+    unchanged."""
 
 
 @dataclass(frozen=True)
@@ -100,6 +105,8 @@ def _protection(t: OutputTensor, encoding: str) -> tuple[str, GGMLType, str] | N
         return "integer", I32, "default: integer table stays I32"
     if cls in KEEP_F32_CLASSES:
         return "class", F32, f"default: {cls} stays F32"
+    if cls in KEEP_NATIVE_CLASSES:
+        return "class", None, f"default: {cls} keeps its native encoding"
     if len(t.shape) == 1:
         return ("class" if cls in KEEP_SOURCE_CLASSES else "shape"), F32, "default: 1-D tensor stays F32"
     if cls in KEEP_SOURCE_CLASSES:

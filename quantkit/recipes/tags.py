@@ -17,7 +17,8 @@ CLASS_LABELS: Mapping[str, str] = {
     "hash_routing": "Hash", "attn_q": "AQ", "attn_kv": "AKV", "attn_output": "AOut", "sinks": "Sinks",
     "compressor": "Comp", "ape": "APE", "indexer": "Idx", "kda_qk": "KDAqk", "kda_v": "KDAv",
     "kda_output": "KDAOut", "kda_gate": "KDAGate", "gdn_qkv": "GDNqkv", "gdn_gate": "GDNGate", "gdn_ab": "GDNab",
-    "gdn_output": "GDNOut", "conv": "Conv", "ssm_param": "SSM", "hc": "HC", "ple": "PLE", "ngram_table": "NGram",
+    "gdn_output": "GDNOut", "conv": "Conv", "ssm_param": "SSM", "hc": "HC", "ple": "PLE", "ngram_table": "NGram", "engram": "Engram",
+    "engram_proj": "EngramProj",
     "mtp": "MTP", "vision": "Vision", "metadata": "Meta", "quant_aux": "QAux",
     # groups
     "routed_experts": "Experts", "attn_proj": "AProj", "kda": "KDA", "gdn": "GDN", "linear_attn": "LinAttn",

@@ -1,12 +1,14 @@
-"""Greedy generation through the runtime, with transformers' KV cache.
+"""Greedy and sampled generation through the runtime, with transformers' KV cache.
 
-:func:`greedy` continues one prompt:
+:func:`greedy` and :func:`sample` continue one prompt (both through :func:`continuation`, which takes the rule that
+chooses each token from its logits row):
 
 1. prefill: one forward pass over the prompt with ``use_cache=True``; the model's own forward builds its cache
    (transformers' ``DynamicCache`` from the model config: attention keys/values, linear-attention conv and
    recurrent states, DeepSeek V4 compressor and indexer states, Qwen4 n-gram context, ...);
-2. per step: the next token is the first maximum of the last logits row (``numpy.argmax``, the scorer's greedy);
-   generation ends before a token ``stop`` refuses, or after ``max_new_tokens`` tokens; otherwise only the new
+2. per step: the next token is chosen from the last logits row -- greedy: its first maximum (``numpy.argmax``, the
+   scorer's greedy); sampled: the classic law of :mod:`quantkit.sampling`, every token drawn from the request's one
+   PCG64 stream (``seed``), so a stream depends only on the logits rows and the seed; generation ends before a token ``stop`` refuses, or after ``max_new_tokens`` tokens; otherwise only the new
    token is run, with ``past_key_values`` (the last chosen token is never run).
 
 So a continuation of ``n`` tokens costs one pass over the prompt plus ``n - 1`` one-token passes, where the
@@ -17,7 +19,10 @@ differ only by summation order: the tests run both on the tiny model of each of 
 (deepseek_v4, glm5_next, qwen4_exp, qwen3_moe, deepseek_v3) with sequences long enough to engage every sparse or
 compressed attention path (sliding window, compressors, indexers, past 128 tokens) and require identical tokens
 and logits within ``1e-4 x max |logit|``; the largest difference measured is 1.1e-6 with max |logit| 1.3
-(``bench/fixture_capture.py archs``).  No architecture needs the uncached path.
+(``bench/fixture_capture.py archs``).  No architecture needs the uncached path.  A sampled 64-token stream with
+seed 0 is identical cached and uncached, with weights decoded per use and kept decoded, on every tiny architecture
+(``tests/test_generate.py``, which also runs CUDA resident and streamed, cached and uncached, against the CPU
+stream where a CUDA device is present).
 
 Checks, as :func:`.loader.logits`: prompt ids outside the vocabulary raise :class:`~quantkit.errors.FixtureError`;
 weights that decode to NaN/inf raise naming the GGUF tensor; non-finite logits raise
@@ -34,12 +39,13 @@ import numpy as np
 import torch
 
 from ..errors import FixtureError, ValidationError
+from ..sampling import Sampler, SamplingParams
 from .loader import RuntimeModel, check_token_ids, logits
 
 
 @dataclass(frozen=True)
-class Greedy:
-    """A greedy continuation and the logits rows it was chosen from."""
+class Generation:
+    """A continuation and the logits rows it was chosen from."""
 
     tokens: list[int]
     logits: np.ndarray
@@ -48,9 +54,24 @@ class Greedy:
 
 
 def greedy(model: RuntimeModel, prompt_ids: Sequence[int], max_new_tokens: int, *,
-           stop: Callable[[int], bool] | None = None, use_cache: bool = True) -> Greedy:
+           stop: Callable[[int], bool] | None = None, use_cache: bool = True) -> Generation:
     """Continue ``prompt_ids`` greedily for up to ``max_new_tokens`` tokens, ending before the first token ``stop``
     returns true for (module doc)."""
+    return continuation(model, prompt_ids, max_new_tokens, lambda row: int(np.argmax(row)), stop=stop,
+                        use_cache=use_cache)
+
+
+def sample(model: RuntimeModel, prompt_ids: Sequence[int], max_new_tokens: int, params: SamplingParams, seed: int,
+           *, law: str = "classic", stop: Callable[[int], bool] | None = None, use_cache: bool = True) -> Generation:
+    """As :func:`greedy`, each token drawn by ``law`` (:mod:`quantkit.sampling`) from the PCG64 stream of ``seed``."""
+    return continuation(model, prompt_ids, max_new_tokens, Sampler(params, seed, law).next, stop=stop,
+                        use_cache=use_cache)
+
+
+def continuation(model: RuntimeModel, prompt_ids: Sequence[int], max_new_tokens: int,
+                 choose: Callable[[np.ndarray], int], *, stop: Callable[[int], bool] | None = None,
+                 use_cache: bool = True) -> Generation:
+    """Continue ``prompt_ids`` with ``choose(logits row) -> token`` (module doc)."""
     if max_new_tokens < 1:
         raise FixtureError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     if use_cache:
@@ -62,7 +83,7 @@ def greedy(model: RuntimeModel, prompt_ids: Sequence[int], max_new_tokens: int, 
     row = next(step)
     while True:
         rows.append(row)
-        token = int(np.argmax(row))
+        token = choose(row)
         if stop is not None and stop(token):
             break
         tokens.append(token)
@@ -70,7 +91,7 @@ def greedy(model: RuntimeModel, prompt_ids: Sequence[int], max_new_tokens: int, 
             break
         row = step.send(token)
     step.close()
-    return Greedy(tokens, np.stack(rows))
+    return Generation(tokens, np.stack(rows))
 
 
 def _uncached_steps(model: RuntimeModel, prompt_ids: Sequence[int]):

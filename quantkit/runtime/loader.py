@@ -33,6 +33,7 @@ import numpy as np
 import torch
 
 from ..arch import ArchMap, get_arch
+from ..arch.dialects import relaid_mappings
 from ..errors import FixtureError, FormatError, UnsupportedError, ValidationError
 from ..io.gguf import KV
 from .inverse import TensorPlan, plan_tensor
@@ -207,8 +208,19 @@ def load_model(path: str | os.PathLike, device: str | torch.device = "cpu", *,
     return model
 
 
+#: Architectures quantkit converts and validates but cannot run: model_type -> what running it needs.
+UNRUNNABLE = {
+    "deepseek_v41": "a DeepSeek V4.1 forward pass (Engram n-gram hashing, table lookup and gating; shared "
+                    "compressed attention streams): transformers has no V4.1 model and quantkit implements none; "
+                    "score V4.1 files with a V4.1 engine",
+}
+
+
 def _load(weights, device: torch.device, dtype: torch.dtype, stream: bool, keep_bytes: int) -> RuntimeModel:
     model_type = weights.config.get("model_type")
+    if model_type in UNRUNNABLE:
+        raise UnsupportedError(f"scoring {model_type} needs {UNRUNNABLE[model_type]}", path=weights.path,
+                               field="model_type")
     amap = get_arch(model_type).bind(weights.config)
     gguf_arch = weights.metadata.get("general.architecture") if weights.metadata is not None else None
     if gguf_arch is not None and gguf_arch.value != amap.arch.gguf_arch:
@@ -227,6 +239,8 @@ def _load(weights, device: torch.device, dtype: torch.dtype, stream: bool, keep_
         for _, _, name, _ in owners:
             mappings = [m for m in amap.resolve(name) if m.role == "weight"]
             if mappings and all(m.gguf_name is not None for m in mappings):
+                if getattr(weights, "relaid_table", None) is not None:     # ds4's Qwen3.8 layout
+                    mappings = relaid_mappings(mappings, weights.relaid_table)
                 source = (name, mappings)
                 break
         if source is None:      # dropped by the map: vision tower, MTP, constants the model computes itself
@@ -310,3 +324,18 @@ def logits(model: RuntimeModel, token_ids: Sequence[int]) -> np.ndarray:
         raise ValidationError(f"non-finite logits at position {position}; first non-finite output: module "
                               f"{_first_non_finite(model.module, input_ids)!r}", path=model.path)
     return result
+
+
+def hidden_states(model: RuntimeModel, token_ids: Sequence[int]) -> list[np.ndarray]:
+    """float32 hidden states of one sequence, transformers' ``output_hidden_states``: the embeddings, then each
+    decoder layer's output (the last one after the final norm, where the model's forward puts it), each
+    ``[len(token_ids), ...]`` (``[len, hidden]``, or ``[len, streams, hidden]`` with hyper-connections)."""
+    ids = check_token_ids(model, token_ids)
+    input_ids = torch.as_tensor(ids.astype(np.int64), device=model.device)[None]
+    with torch.no_grad():        # no_grad, not inference_mode: see logits
+        out = model.module(input_ids=input_ids, use_cache=False, output_hidden_states=True)
+    model.store.check()
+    if not out.hidden_states:
+        raise UnsupportedError(f"the {model.config.get('model_type')} model returns no hidden states",
+                               path=model.path)
+    return [h[0].float().cpu().numpy() for h in out.hidden_states]

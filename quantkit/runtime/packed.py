@@ -130,7 +130,9 @@ class WeightStore:
         some rows were decoded)."""
         if key is not None and (key in self._finite or key in self._pending_keys):
             return
-        self._pending.append((name, key, torch.isfinite(values).all()))
+        # a float64 sum of float32 values cannot overflow, so it is finite exactly when every value is: one
+        # reduction, no boolean tensor the size of the weight
+        self._pending.append((name, key, torch.isfinite(values.sum(dtype=torch.float64))))
         if key is not None:
             self._pending_keys.add(key)
         if len(self._pending) >= MAX_PENDING_CHECKS:

@@ -79,6 +79,7 @@ class GGUFWeights:
             # llama.cpp's names whatever the file's dialect; payloads are read under the stored names
             view = llama_cpp_view(self.file.metadata, self.file.tensors)
             self._stored, self._relaid = view.stored, view.relaid
+            self.relaid_table = view.relaid_table
             self.metadata: dict[str, KV] = dict(view.metadata)
             self.tensors = {name: StoredTensor(name, self.file.tensors[stored].type,
                                                tuple(self._relaid[name].shape) if name in self._relaid

@@ -79,7 +79,7 @@ def chunk_inputs(tokens: np.ndarray, n_ctx: int, chunk: int, bos_id: int | None)
     return ids, targets
 
 
-def _expf(x: np.ndarray) -> np.ndarray:
+def expf(x: np.ndarray) -> np.ndarray:
     """float32 ``expf``, correctly rounded (computed in float64): glibc's expf gives these values, numpy's own
     float32 exp is off by an ulp now and then."""
     return np.exp(x.astype(np.float64)).astype(F32)
@@ -88,7 +88,7 @@ def _expf(x: np.ndarray) -> np.ndarray:
 def _row_stats(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """float32 max, argmax and ``lse`` (float32 of the log of the double sum of expf) per row."""
     top = rows.max(axis=1)
-    total = _expf(rows - top[:, None]).astype(np.float64).sum(axis=1)
+    total = expf(rows - top[:, None]).astype(np.float64).sum(axis=1)
     return top, rows.argmax(axis=1), np.log(total).astype(F32)
 
 
@@ -256,13 +256,13 @@ class KldAccumulator:
         self.sum_nll_nll_base += float((nll * nll_base).astype(np.float64).sum())
         log_z = top + lse
         p_log_base = scale[:, None] * q.astype(F32) + min_log_prob[:, None]
-        terms = _expf(p_log_base) * ((p_log_base - rows) + log_z[:, None])
+        terms = expf(p_log_base) * ((p_log_base - rows) + log_z[:, None])
         kld = np.where(p_log_base > F32(KLD_FLOOR), terms, F32(0)).astype(np.float64).sum(axis=1)
         self.sum_kld += float(kld.sum())
         self.sum_kld2 += float((kld * kld).sum())
         self.n_same_top += int((imax == p_log_base.argmax(axis=1)).sum())
         self.count += len(rows)
-        p_diff = _expf(-nll) - _expf(-nll_base)
+        p_diff = expf(-nll) - expf(-nll_base)
         p_diff2 = (p_diff * p_diff).astype(np.float64)
         self.sum_p_diff += float(p_diff.astype(np.float64).sum())
         self.sum_p_diff2 += float(p_diff2.sum())

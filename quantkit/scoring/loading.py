@@ -61,11 +61,16 @@ class RuntimeSource:
 
         return logits(self.model, np.asarray(token_ids, np.int64))
 
-    def generate(self, prompt_ids: Sequence[int], max_new_tokens: int, stop: Callable[[int], bool]) -> list[int]:
-        """Greedy continuation with the runtime's KV cache (:func:`quantkit.runtime.greedy`)."""
+    def generate(self, prompt_ids: Sequence[int], max_new_tokens: int, stop: Callable[[int], bool],
+                 choose: Callable[[np.ndarray], int] | None = None) -> list[int]:
+        """Continuation with the runtime's KV cache (:func:`quantkit.runtime.generate.continuation`), greedy unless
+        ``choose`` is given."""
         from ..runtime import greedy
+        from ..runtime.generate import continuation
 
-        return greedy(self.model, prompt_ids, max_new_tokens, stop=stop).tokens
+        if choose is None:
+            return greedy(self.model, prompt_ids, max_new_tokens, stop=stop).tokens
+        return continuation(self.model, prompt_ids, max_new_tokens, choose, stop=stop).tokens
 
     def close(self) -> None:
         self.model.close()

@@ -191,8 +191,10 @@ def save_logits(source: LogitSource, codec: TextCodec, cases: Sequence[PreparedC
     return n_chunk
 
 
-def kld_against(source: LogitSource, codec: TextCodec, base_path: str | os.PathLike, n_vocab: int) -> KldStats:
-    """KLD statistics of ``source`` against a saved base logits file (its own token stream and chunking)."""
+def kld_against(source: LogitSource, codec: TextCodec, base_path: str | os.PathLike, n_vocab: int,
+                each: Callable[[np.ndarray, np.ndarray, np.ndarray], None] | None = None) -> KldStats:
+    """KLD statistics of ``source`` against a saved base logits file (its own token stream and chunking);
+    ``each(rows, records, targets)`` also sees every chunk (``quantkit parity``'s per-position checks)."""
     base = LogitsFile(base_path)
     if base.n_vocab != n_vocab:
         raise ValidationError(f"the base logits have a vocabulary of {base.n_vocab}, the model {n_vocab}",
@@ -201,6 +203,8 @@ def kld_against(source: LogitSource, codec: TextCodec, base_path: str | os.PathL
     bos = codec.bos_id if codec.add_bos else None
     for chunk, (rows, targets) in enumerate(_chunk_rows(source, base.tokens, base.n_ctx, base.n_chunk, bos)):
         acc.add(rows, base.records[chunk], targets)
+        if each is not None:
+            each(rows, base.records[chunk], targets)
     return acc.stats()
 
 

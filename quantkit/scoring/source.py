@@ -90,8 +90,9 @@ class LogitSource(Protocol):
 
 @runtime_checkable
 class GeneratingSource(LogitSource, Protocol):
-    def generate(self, prompt_ids: Sequence[int], max_new_tokens: int,
-                 stop: Callable[[int], bool]) -> list[int]: ...
+    def generate(self, prompt_ids: Sequence[int], max_new_tokens: int, stop: Callable[[int], bool],
+                 choose: Callable[[np.ndarray], int] | None = None) -> list[int]:
+        """Continue the prompt choosing each token with ``choose(logits row)`` (greedy when None)."""
 
 
 def source_digest(files: Iterable[tuple[str, str]]) -> str | None:

@@ -5,11 +5,15 @@ check.  For a GGUF file, in order:
 
 1. **structure** (:mod:`.structure`, :mod:`.rowdata`): what the reader verifies on open, then layout, file size,
    padding, finite block scales, metadata and provenance keys;
+   an Engram file's hash spec against its tables (:mod:`.engram`: ``engram.spec``; invalid Engram rows are
+   reported by ``structure.scales``);
 2. **inventory** (:mod:`.replan`): the file re-planned from its source and recipe (recorded in the artifact unless
    given) and compared tensor by tensor, key by key, size and header bytes; the source's recorded file hashes
    (``provenance.source``);
 3. **payload** (:mod:`.payload`): every tensor, or a sample, re-encoded from the source with the converter's own
-   code (:func:`quantkit.convert.tensors.pieces`) and compared byte for byte, with each tensor's dequantized error against a per-type bound.
+   code (:func:`quantkit.convert.tensors.pieces`) and compared byte for byte, with each tensor's dequantized error against a per-type bound;
+4. **name** (:mod:`.naming`, only when the file name claims something): the recipe types, imatrix and checkpoint
+   label its name claims (:mod:`quantkit.names`) against its tensors and provenance (``name.claims``).
 
 A GGUF quantkit did not write (no recorded recipe, none given: llama.cpp's converter and llama-quantize, ...) is
 validated by :mod:`.foreign`: its plan is inferred from the file (each tensor's stored type), each tensor re-encoded
@@ -39,6 +43,9 @@ from ..io.gguf_reader import GGUFFile
 from .foreign import foreign_plan, is_foreign, proof_check, source_hash_check, unverified_checks
 from .foreign import metadata_check as foreign_metadata_check
 from .foreign import tensors_check as foreign_tensors_check
+from .engram import row_stores, spec_check
+from .naming import name_checks
+from .support import target_check
 from .payload import PAYLOAD_MODES, audit
 from .replan import describe_inputs, inventory_checks, replan, source_check
 from .report import FAILED, PASSED, Check, Report, skipped
@@ -54,10 +61,11 @@ INVENTORY_CHECKS = ("inventory.tensors", "inventory.metadata", "inventory.file_s
 
 def validate(artifact: str | os.PathLike, *, source: str | None = None, recipe: str | None = None,
              imatrix: str | None = None, payload: str = "sample", seed: int = 0, structure_only: bool = False,
-             command: Sequence[str] | None = None) -> Report:
+             command: Sequence[str] | None = None, target: str | os.PathLike | None = None) -> Report:
     """Validate ``artifact`` (see the module docstring).  The report's evidence record
     (:func:`quantkit.evidence.evidence`) gives the artifact's SHA-256 and size and ``command`` (default
-    ``sys.argv``)."""
+    ``sys.argv``).  With ``target``, ``artifact`` is a support (drafter) file that must come from the same
+    checkpoint as the GGUF ``target`` (:mod:`.support`: ``support.target``)."""
     if payload not in PAYLOAD_MODES:
         raise UnsupportedError(f"payload mode {payload!r} is not one of {PAYLOAD_MODES}")
     path = Path(artifact)
@@ -72,6 +80,8 @@ def validate(artifact: str | os.PathLike, *, source: str | None = None, recipe: 
         with GGUFFile(path) as f, ArtifactReader(path, f.file_size, sequential=sequential) as reader:
             report = _gguf(f, reader, source=source, recipe=recipe, imatrix=imatrix, payload=payload, seed=seed,
                            structure_only=structure_only)
+            if target is not None:
+                report.checks.append(target_check(f, target))
     # the CPU re-encodes payloads in the converter's own types: no model runs, so no dtype
     report.evidence = evidence(artifact=path, device="cpu", command=command)
     return report
@@ -84,7 +94,7 @@ def _gguf(f: GGUFFile, reader: ArtifactReader, *, source, recipe, imatrix, paylo
         return _foreign(f, reader, source=None if structure_only else source, imatrix=imatrix, mode=mode, seed=seed)
     report = Report(str(f.path), "gguf", mode, seed)
     plan = None if structure_only else replan(f, source=source, recipe=recipe, imatrix=imatrix)
-    scan = ScaleScan()
+    scan = ScaleScan(row_stores(f))
     if plan is None:
         payload_checks = [skipped(name, "--structure-only") for name in ("payload.bytes", "payload.error")]
     else:
@@ -93,13 +103,14 @@ def _gguf(f: GGUFFile, reader: ArtifactReader, *, source, recipe, imatrix, paylo
     scope = "sampled regions only" if mode == "sample" else "every block"
     report.checks = [header_check(f), *layout_checks(f), padding_check(reader, f, payloads=mode != "sample"),
                      scan.check(f.tensors, scope), metadata_check(f), provenance_check(f)]
+    report.checks += [c for c in (spec_check(f),) if c is not None]
     if plan is None:
         report.checks += [skipped(name, "--structure-only") for name in INVENTORY_CHECKS]
     else:
         report.source, report.recipe, report.imatrix = describe_inputs(plan)
         report.checks += [*inventory_checks(f, plan, reader), source_check(f, plan, shards_hashed=mode == "full")]
         report.notes = list(plan.notes)
-    report.checks += payload_checks
+    report.checks += payload_checks + name_checks(f)
     if mode == "sample":
         report.sampled_bytes = (sum(t["bytes_compared"] for t in report.tensors),
                                 sum(t.nbytes for t in f.tensors.values()))
@@ -122,7 +133,7 @@ def _scan_rest(f: GGUFFile, reader: ArtifactReader, scan: ScaleScan, tensors: li
 def _foreign(f: GGUFFile, reader: ArtifactReader, *, source, imatrix, mode: str, seed: int) -> Report:
     """A file quantkit did not write: the plan is inferred from the file (:mod:`.foreign`)."""
     report = Report(str(f.path), "gguf", mode, seed)
-    scan = ScaleScan()
+    scan = ScaleScan(row_stores(f))
     plan = None
     if source is None:
         why = "made outside quantkit and no --source given: structure checks only"
@@ -140,13 +151,14 @@ def _foreign(f: GGUFFile, reader: ArtifactReader, *, source, imatrix, mode: str,
     report.checks = [header_check(f), *layout_checks(f), padding_check(reader, f, payloads=mode != "sample"),
                      scan.check(f.tensors, scope), metadata_check(f),
                      skipped("structure.provenance", "not written by quantkit: no quantkit.* provenance keys")]
+    report.checks += [c for c in (spec_check(f),) if c is not None]
     if plan is not None:
         report.source = {"path": str(plan.source.path), "repo": plan.source.repo_id, "revision": plan.source.revision}
         report.recipe = {"name": "inferred from the file's tensor types", "sha256": None, "from": "artifact"}
         report.imatrix = None if imatrix is None else {"path": str(imatrix), "sha256": None}
         report.notes = list(plan.notes)
         payload_checks.insert(2, source_hash_check(plan))
-    report.checks += payload_checks
+    report.checks += payload_checks + name_checks(f)
     report.io = {"artifact_bytes": f.file_size, "header_bytes": f.data_offset,
                  "artifact_bytes_read": reader.bytes_read,
                  "source_files_hashed_bytes": 0 if plan is None else plan.hashed_bytes}

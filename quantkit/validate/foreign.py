@@ -39,7 +39,7 @@ from ..arch.gguf_config import llama_cpp_view
 from ..convert.plan import inspect_sources
 from ..convert.source import ResolvedSource, provenance_files, resolve_source
 from ..convert.tensors import TensorJob, imatrix_shapes, load_model_imatrix
-from ..errors import SourceError
+from ..errors import SourceError, UnsupportedError
 from ..formats.api import tensor_nbytes
 from ..formats.registry import GGMLType, ImatrixUse, get_format
 from ..io.checkpoint import open_checkpoint
@@ -124,7 +124,12 @@ def _source_values(ckpt, name: str):
 def foreign_plan(f: GGUFFile, source: str, imatrix: str | None) -> tuple[ForeignPlan, list[str]]:
     """The plan inferred from ``f`` against ``source``, and the inventory problems found on the way."""
     resolved = resolve_source(source)
-    metadata, stored, relaid = llama_cpp_view(f.metadata, f.tensors)
+    view = llama_cpp_view(f.metadata, f.tensors)
+    if view.relaid_table is not None:
+        raise UnsupportedError(f"proving a {view.relaid_table.ds4_arch} file quantkit did not write is not "
+                               f"implemented (its tensors are built from the checkpoint rows, not from llama.cpp's "
+                               f"tensors); structure checks run without --source", path=f.path)
+    metadata, stored, relaid = view.metadata, view.stored, view.relaid
     by_name = {name: f.tensors[s] for name, s in stored.items() if name not in relaid}
     with open_checkpoint(resolved.path) as ckpt:
         model_type = ckpt.config.get("model_type")

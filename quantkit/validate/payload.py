@@ -45,7 +45,7 @@ from dataclasses import dataclass, field
 import numba
 import numpy as np
 
-from ..arch import CLASS_GROUPS
+from ..arch import CLASS_GROUPS, ROW_TABLE_CLASSES   # row tables are sampled by rows
 from ..convert.tensors import SourceContext, TensorJob, tensor_rows
 from ..formats.api import decode
 from ..formats.registry import GGMLType, layout as type_layout
@@ -59,8 +59,6 @@ from .structure import ArtifactReader, ScaleScan, locate
 
 PAYLOAD_MODES = ("none", "sample", "full")
 EXPERT_CLASSES = CLASS_GROUPS["routed_experts"]
-#: Row tables sampled by rows: n-gram (PLE) tables, and DeepSeek V4.1 Engram tables once an architecture maps them.
-ROW_TABLE_CLASSES = frozenset({"ngram_table", "engram"})
 RANDOM_ROWS = 128
 #: Differences listed per tensor in the report.
 DIFFERENCES_LISTED = 8
@@ -215,6 +213,18 @@ def _runs(rows: np.ndarray) -> list[tuple[int, int]]:
     return [(int(s), int(e - s)) for s, e in zip(starts, ends)]
 
 
+def _holds_other_row(actual: np.ndarray, expected: np.ndarray, rows: np.ndarray, i: int) -> str:
+    """For a differing row: whether it holds another compared row of the source (rows reordered, shifted or
+    duplicated), as a note for the difference."""
+    same = np.flatnonzero((expected == actual[i]).all(axis=1))
+    same = same[same != i]
+    if same.size:
+        return f": holds source row {int(rows[same[0]])} (rows reordered or duplicated)"
+    if i > 0 and rows[i - 1] == rows[i] - 1 and np.array_equal(actual[i], actual[i - 1]):
+        return f": a duplicate of row {int(rows[i - 1])}"
+    return ""
+
+
 class _Comparer:
     """Reads the artifact rows matching produced pieces, scans their scales, compares bytes, measures error."""
 
@@ -244,7 +254,8 @@ class _Comparer:
             for i in bad_rows[:max(0, DIFFERENCES_LISTED - len(result.differences))]:
                 type_size = type_layout(t.type).type_size
                 block = (int(rows[i]) * row_bytes + int(np.argmax(differs[i]))) // type_size
-                result.differences.append(f"{locate(t, block)} (file offset {base + block * type_size:,})")
+                result.differences.append(f"{locate(t, block)} (file offset {base + block * type_size:,})"
+                                          + _holds_other_row(actual, expected, rows, int(i)))
         if x is not None:
             decoded = decode(actual, t.type, (rows.size, t.shape[-1]))
             _accumulate(result, x, decoded)

@@ -35,6 +35,7 @@ from pathlib import Path
 
 from gguf.constants import GGUFValueType, Keys
 
+from ..arch.dialects import dialect_of
 from ..convert.execute import ConvertRequest, Prepared, file_layout, prepare
 from ..convert.provenance import provenance_metadata
 from ..convert.source import FileHash, ResolvedSource, hash_files, resolve_source
@@ -203,7 +204,8 @@ def _expected_provenance(f: GGUFFile, prepared: Prepared, jobs: dict[str, Tensor
     entries = provenance_metadata(
         jobs=list(jobs.values()), recipe=plan.recipe, recipe_tag=plan.name_tag, source=prepared.source,
         file_hashes=[FileHash(p.name, 0, 0, hashes.get(p.name, "")) for p in files], imatrix=prepared.imatrix,
-        imatrix_given=recorded_given if recorded_given is not None else imatrix_path, label=plan.label)
+        imatrix_given=recorded_given if recorded_given is not None else imatrix_path, label=plan.label,
+        support=plan.support)
     expected = dict(entries)
     for key in RUN_KEYS:
         if key in expected and key in f.metadata and f.metadata[key].type == expected[key].type:
@@ -243,7 +245,8 @@ def replan(f: GGUFFile, *, source: str | None = None, recipe: str | None = None,
     for bootstrap in _bootstrap_candidates(f, imatrix_path):
         request = ConvertRequest(source=str(resolved.path), out=Path(f.path), recipe=recipe_obj,
                                  imatrix=imatrix_path, bootstrap=bootstrap, allow_synthetic_imatrix=True,
-                                 label=label, pre_tokenizer=pre, progress=False)
+                                 label=label, pre_tokenizer=pre, progress=False, dialect=dialect_of(f.metadata),
+                                 support=_string(f, "quantkit.support.kind"))
         try:
             prepared = prepare(request)
         except RecipeError as exc:   # e.g. a type requires importance only bootstrap gives

@@ -32,6 +32,7 @@ from pathlib import Path
 import numpy as np
 from gguf.constants import GGUFValueType, Keys
 
+from ..arch.dialects import ds4_key_types
 from ..errors import TruncatedFileError
 from ..formats.registry import layout as type_layout
 from ..imatrix.bootstrap import BOOTSTRAP_KEY, CALIBRATION_KEY
@@ -147,13 +148,24 @@ def locate(t: GGUFTensor, block: int) -> str:
 class ScaleScan:
     """Collects, per tensor, the blocks ggml_validate_row_data would refuse among the payload bytes scanned."""
 
-    def __init__(self):
+    def __init__(self, row_stores: dict[str, int] | None = None):
         self.problems: dict[str, list] = {}   # name -> [first block, count, what]
         self.bytes_scanned = 0
+        self.row_stores = dict(row_stores or {})
+        """Native Engram row stores (GGUF name -> values per row): their rows are checked for E4M3 NaN codes and
+        0xFF scales (:mod:`quantkit.engram.rows`), which ggml's check does not see in an I8 tensor."""
+        self.row_problems: dict[str, list] = {}   # name -> [first row, count, what]
+
+    def unit(self, t: GGUFTensor) -> int:
+        """Bytes of the smallest piece ``scan`` takes: a block, or a whole row of a row store."""
+        return t.row_bytes if t.name in self.row_stores else type_layout(t.type).type_size
 
     def scan(self, t: GGUFTensor, byte_offset: int, data: np.ndarray) -> None:
-        """Scan ``data``, the payload bytes of ``t`` starting ``byte_offset`` bytes into it (whole blocks)."""
+        """Scan ``data``, the payload bytes of ``t`` starting ``byte_offset`` bytes into it (whole blocks; whole
+        rows of a row store)."""
         ts = type_layout(t.type).type_size
+        if t.name in self.row_stores:
+            self._scan_rows(t, byte_offset, data)
         problem = check_row_data(t.type, data)
         self.bytes_scanned += data.size
         if problem is None:
@@ -165,9 +177,28 @@ class ScaleScan:
         else:
             seen[0], seen[1] = min(seen[0], first), seen[1] + problem.count
 
+    def _scan_rows(self, t: GGUFTensor, byte_offset: int, data: np.ndarray) -> None:
+        from ..engram.rows import describe_invalid, invalid_rows
+
+        width = t.row_bytes
+        rows = np.asarray(data).reshape(-1, width)
+        codes, scales = invalid_rows(rows, self.row_stores[t.name])
+        bad = np.union1d(codes, scales)
+        if not bad.size:
+            return
+        first_row = byte_offset // width
+        what = describe_invalid(rows[bad[:1]], self.row_stores[t.name], first_row + bad[:1])
+        seen = self.row_problems.get(t.name)
+        if seen is None or first_row + int(bad[0]) < seen[0]:
+            self.row_problems[t.name] = [first_row + int(bad[0]), bad.size + (seen[1] if seen else 0), what]
+        else:
+            seen[1] += bad.size
+
     def check(self, tensors: dict[str, GGUFTensor], scope: str) -> Check:
         items = [f"{name}: {count} block{'s' if count > 1 else ''} ({what}); first at {locate(tensors[name], first)}"
                  for name, (first, count, what) in self.problems.items()]
+        items += [f"Engram table {name}: {count} invalid row{'s' if count > 1 else ''}; first at {what}"
+                  for name, (first, count, what) in self.row_problems.items()]
         return check("structure.scales", items, passed=f"every block's scales finite ({scope}, "
                                                        f"{self.bytes_scanned:,} payload bytes)")
 
@@ -175,7 +206,7 @@ class ScaleScan:
 def scan_tensor(reader: ArtifactReader, f: GGUFFile, t: GGUFTensor, scan: ScaleScan,
                 chunk_bytes: int = SCAN_CHUNK_BYTES) -> None:
     """Read tensor ``t`` in chunks of whole blocks and scan every block's scales."""
-    ts = type_layout(t.type).type_size
+    ts = scan.unit(t)
     step = max(ts, chunk_bytes // ts * ts)
     start = f.data_offset + t.offset
     for at in range(0, t.nbytes, step):
@@ -270,8 +301,10 @@ def metadata_check(f: GGUFFile) -> Check:
         problems.append(f"{Keys.General.ARCHITECTURE} must be a non-empty STRING, found {type_name(arch.type)} "
                         f"{arch.value!r}")
     else:
+        dialect_types = ds4_key_types(md)     # a ds4-dialect file: ds4's own key types win
         for template, vtype in ARCH_KEY_TYPES.items():
-            problems += _typed(md, template.format(arch=arch.value), vtype)
+            key = template.format(arch=arch.value)
+            problems += _typed(md, key, dialect_types.get(key, vtype))
         problems += [f"{template.format(arch=arch.value)} is missing" for template in REQUIRED_ARCH_KEYS
                      if template.format(arch=arch.value) not in md]
     for key, vtype in KEY_TYPES.items():

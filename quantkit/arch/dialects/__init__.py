@@ -179,6 +179,18 @@ def dialect_of(metadata: Mapping[str, KV]) -> str:
     return LLAMA_CPP
 
 
+def ds4_key_types(metadata: Mapping[str, KV]) -> dict[str, Any]:
+    """The types ds4's dialect gives its model keys (under the file's architecture name), for a file in that
+    dialect; empty otherwise.  (ds4 writes some with other widths than llama.cpp: ``context_length`` as U64.)"""
+    if dialect_of(metadata) != DS4:
+        return {}
+    arch = _arch_of(metadata)
+    ds4 = _tables()
+    table = next((t for t in (*ds4.ARCHS.values(), *ds4.RELAID.values()) if (t.ds4_arch or t.gguf_arch) == arch),
+                 None)
+    return {} if table is None else {table.kd(row.ds4): row.ds4_type for row in table.keys}
+
+
 def relaid_dialect(arch: str, dialect: str) -> ArchDialect | None:
     """The table of an architecture ``dialect`` lays out differently (built from the checkpoint's rows), else None."""
     return _tables().RELAID.get(arch) if dialect == DS4 else None
@@ -469,6 +481,25 @@ def relaid_tensors(table: ArchDialect, names: Sequence[str]) -> list[tuple[str, 
             section = 1 if layer is not None else (0 if index < first_block else 2)
             out.append(((section, -1 if layer is None else layer, index), _rename(row.ds4, layer), name, row))
     return [(ds4, llama, row) for _, ds4, llama, row in sorted(out, key=lambda e: e[0])]
+
+
+def relaid_mappings(mappings: Sequence[Any], table: ArchDialect) -> list[Any]:
+    """Architecture-map mappings (:class:`~quantkit.arch.base.TensorMapping`, llama.cpp's GGUF names) redirected to
+    the ds4 tensors of a relaid architecture that hold their values: each ds4 tensor the table builds from the
+    mapping's llama.cpp tensor, through the row's own transform steps (the reader's inverse runs on those).  A
+    mapping no ds4 tensor holds is refused, naming it."""
+    from dataclasses import replace
+
+    out = []
+    for m in mappings:
+        rows = [(row, found) for row in table.relaid if (found := table.pattern(row.llama_cpp).fullmatch(m.gguf_name))]
+        if not rows:
+            raise FormatError(f"no {table.ds4_arch} tensor holds the values of {m.gguf_name}", tensor=m.hf_name)
+        for row, found in rows:
+            layer = int(found.group("L")) if "L" in found.groupdict() else None
+            out.append(replace(m, gguf_name=_rename(row.ds4, layer),
+                               transform=m.transform if row.steps is None else row.steps))
+    return out
 
 
 def relaid_metadata(metadata: Mapping[str, KV] | Iterable[tuple[str, KV]], table: ArchDialect) -> list[tuple[str, KV]]:

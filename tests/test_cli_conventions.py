@@ -1,0 +1,73 @@
+"""One spelling for one meaning across commands (issue #18 defect 20):
+
+* ``-o`` is always ``--output`` (a file) or ``--output-dir`` (a directory), and every command that writes a main
+  output takes it;
+* ``--json`` is always a flag that prints JSON on stdout; a JSON report written to a file is ``--report FILE``
+  (``validate --json FILE`` stays as a hidden former name);
+* ``--force`` is the only way to replace an existing output.
+"""
+from __future__ import annotations
+
+import click
+import pytest
+from click.testing import CliRunner
+
+from quantkit.cli import main
+
+#: Commands whose main product is a file or directory they write.
+WRITERS = {"convert", "score", "redialect", "fixture capture", "fixture import", "fixture import-vectors",
+           "imatrix collect", "imatrix convert", "imatrix merge", "transport split", "transport assemble", "fetch"}
+
+
+def commands(group: click.Group = main, path: tuple[str, ...] = ()):
+    ctx = click.Context(group)
+    for name in group.list_commands(ctx):
+        cmd = group.get_command(ctx, name)
+        if isinstance(cmd, click.Group):
+            yield from commands(cmd, path + (name,))
+        else:
+            yield " ".join(path + (name,)), cmd
+
+
+def options(cmd: click.Command) -> list[click.Option]:
+    return [p for p in cmd.params if isinstance(p, click.Option)]
+
+
+ALL = dict(commands())
+
+
+def test_every_writer_takes_dash_o():
+    assert WRITERS <= set(ALL), sorted(WRITERS - set(ALL))
+    for name in sorted(WRITERS):
+        assert any("-o" in o.opts for o in options(ALL[name])), f"{name} has no -o"
+
+
+@pytest.mark.parametrize("name", sorted(ALL))
+def test_option_spellings(name):
+    for o in options(ALL[name]):
+        if "-o" in o.opts:
+            assert set(o.opts) & {"--output", "--output-dir"}, f"{name}: -o is {o.opts}"
+        if "--json" in o.opts and not o.hidden:
+            assert o.is_flag, f"{name}: --json takes a value; a report file is --report FILE"
+        if "--report" in o.opts:
+            assert not o.is_flag, f"{name}: --report names a file"
+
+
+def test_score_takes_its_table_by_option_or_argument(tmp_path):
+    runner = CliRunner()
+    fixture = tmp_path / "fixture"
+    fixture.mkdir()
+    both = runner.invoke(main, ["score", "m.gguf", str(fixture), str(tmp_path / "a.tsv"), "-o", str(tmp_path / "b.tsv"),
+                                "--ctx", "64"])
+    assert both.exit_code == 2 and "two outputs given" in both.output
+    neither = runner.invoke(main, ["score", "m.gguf", str(fixture), "--ctx", "64"])
+    assert neither.exit_code == 2 and "-o/--output" in neither.output
+
+
+def test_validate_report_and_its_former_name(tmp_path):
+    runner = CliRunner()
+    artifact = tmp_path / "missing.gguf"
+    for flag in ("--report", "--json"):
+        report = tmp_path / f"r{flag.strip('-')}.json"
+        result = runner.invoke(main, ["validate", str(artifact), "--structure-only", flag, str(report)])
+        assert result.exit_code == 2 and report.is_file(), result.output

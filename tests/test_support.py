@@ -1,0 +1,167 @@
+"""Support (drafter) files: ``convert --support mtp`` and the pairing rule of ``validate --target``.
+
+The MTP file is checked against llama.cpp's own ``convert_hf_to_gguf.py --mtp`` export of the same checkpoint
+(tensor for tensor, bytes and metadata, F32); the pairing against a target converted from the same checkpoint and
+one converted from another (another seed).
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import gguf
+import pytest
+from click.testing import CliRunner
+
+from quantkit.cli import main
+from quantkit.testing.recipe_texts import F32_RECIPE
+from quantkit.testing.tiny_mtp import write_glm_with_nextn
+
+PRE = "glm4"
+
+
+@pytest.fixture(scope="module")
+def glm(tmp_path_factory):
+    """(checkpoint with a NextN block, the same with another seed, work directory)."""
+    root = tmp_path_factory.mktemp("support")
+    return write_glm_with_nextn(root / "glm"), write_glm_with_nextn(root / "glm-other", seed=1), root
+
+
+def convert(src: Path, out: Path, recipe: str = "q8_0", *extra: str):
+    result = CliRunner().invoke(main, ["convert", str(src), "-o", str(out), "--recipe", recipe, "--no-progress",
+                                       "-j", "1", "--pre-tokenizer", PRE, *extra])
+    assert result.exit_code == 0, result.output
+    return out
+
+
+def test_mtp_support_file_holds_the_mtp_block_and_the_shared_tensors(glm):
+    src, _, root = glm
+    support = convert(src, root / "mtp.gguf", "q8_0", "--support", "mtp")
+    main_file = convert(src, root / "main.gguf")
+    ours = {t.name: t for t in gguf.GGUFReader(support).tensors}
+    full = {t.name: t for t in gguf.GGUFReader(main_file).tensors}
+    n = json.loads((src / "config.json").read_text())["text_config"]["num_hidden_layers"]
+    assert set(ours) == {name for name in full if name.startswith(f"blk.{n}.")} | {
+        "token_embd.weight", "output_norm.weight", "output.weight"}
+    assert any(name.startswith(f"blk.{n}.nextn.") for name in ours)
+    for name, t in ours.items():   # the same bytes as in the target
+        assert t.data.tobytes() == full[name].data.tobytes(), name
+    fields = gguf.GGUFReader(support).fields
+    assert fields["quantkit.support.kind"].contents() == "mtp"
+    assert fields["glm5-next.nextn_predict_layers"].contents() == 1
+
+
+def test_validate_pairs_a_support_file_only_with_its_own_checkpoint(glm, tmp_path):
+    src, other, root = glm
+    support = convert(src, root / "mtp-pair.gguf", "q8_0", "--support", "mtp")
+    same = convert(src, root / "target.gguf")
+    foreign = convert(other, root / "other-target.gguf")
+    ok = CliRunner().invoke(main, ["validate", str(support), "--source", str(src), "--target", str(same)])
+    assert ok.exit_code == 0, ok.output
+    assert "support.target" in ok.output
+    bad = CliRunner().invoke(main, ["validate", str(support), "--source", str(src), "--target", str(foreign),
+                                    "--json", str(tmp_path / "r.json")])
+    assert bad.exit_code == 1, bad.output
+    report = json.loads((tmp_path / "r.json").read_text())
+    failed = {c["check"]: c for c in report["checks"] if c["status"] == "failed"}
+    assert set(failed) == {"support.target"}
+    assert "from another one" in failed["support.target"]["detail"]
+    # a target that is itself a support file, and a model file given as the support file
+    twice = CliRunner().invoke(main, ["validate", str(support), "--structure-only", "--target", str(support)])
+    assert twice.exit_code == 1 and "itself a mtp support file" in twice.output
+    swapped = CliRunner().invoke(main, ["validate", str(same), "--structure-only", "--target", str(support)])
+    assert swapped.exit_code == 1 and "is not a support file" in swapped.output
+
+
+@pytest.mark.parametrize("arch, kind, message", [("deepseek_v4", "mtp", "writes no MTP block"),
+                                                 ("deepseek_v4", "dspark", "DSpark")])
+def test_support_files_the_maps_cannot_write_are_refused(tiny_checkpoints, tmp_path, arch, kind, message):
+    src = tiny_checkpoints.get(arch, "official", "fp4-experts")
+    result = CliRunner().invoke(main, ["convert", str(src), "-o", str(tmp_path / "x.gguf"), "--recipe", "q8_0",
+                                       "--pre-tokenizer", "deepseek-v3", "--support", kind, "--dry-run"])
+    assert result.exit_code == 3, result.output
+    assert message in result.output and len(result.output.strip().splitlines()) == 1
+
+
+@pytest.mark.interop
+@pytest.mark.slow
+def test_mtp_support_file_equals_llama_cpp_mtp_export(glm, tmp_path):
+    from test_arch import LLAMA_CPP_SRC, run_converter
+    from test_convert_interop import metadata_differences, recipe_arg, tensor_differences
+
+    src, _, root = glm
+    if not (LLAMA_CPP_SRC / "convert_hf_to_gguf.py").is_file():
+        pytest.fail(f"llama.cpp's converter not found under {LLAMA_CPP_SRC}")
+    theirs = tmp_path / "mtp-converter.gguf"
+    run_converter(src, theirs, PRE, "--mtp")
+    ours = convert(src, tmp_path / "mtp-f32.gguf", recipe_arg(tmp_path, F32_RECIPE), "--support", "mtp")
+    a, b = gguf.GGUFReader(ours), gguf.GGUFReader(theirs)
+    assert tensor_differences(a, b) == []
+    assert metadata_differences(a, b) == []
+
+
+def test_score_refuses_a_support_file_of_another_checkpoint_and_a_support_file_as_model(glm, tmp_path):
+    src, other, root = glm
+    support = convert(src, root / "mtp-score.gguf", "q8_0", "--support", "mtp")
+    foreign = convert(other, root / "other-score.gguf")
+    fixture = tmp_path / "fixture"
+    fixture.mkdir()
+    for model, extra, message in ((foreign, ["--support", str(support)], "from another one"),
+                                  (support, [], "support (drafter) file, not a model")):
+        result = CliRunner().invoke(main, ["score", str(model), str(fixture), str(tmp_path / "out.tsv"), "--ctx",
+                                           "64", *extra])
+        assert result.exit_code == 2, result.output
+        assert message in result.output and "Traceback" not in result.output
+
+
+@pytest.fixture(scope="module")
+def v4_mtp(tmp_path_factory):
+    from quantkit.testing.tiny_mtp import write_v4_with_mtp
+
+    return write_v4_with_mtp(tmp_path_factory.mktemp("v4-mtp") / "v4")
+
+
+def v4_recipe(path: Path) -> str:
+    """llama.cpp's converter's choices for V4 (test_convert_interop), and Q8_0 for the FP8 ``eh_proj`` it builds."""
+    from test_convert_interop import V4_CONVERTER_RECIPE
+
+    path.write_text(V4_CONVERTER_RECIPE + "[[rule]]\nclass = \"mtp\"\nname = 'blk\\.\\d+\\.nextn\\.eh_proj\\.weight'\n"
+                                          "type = \"Q8_0\"\n")
+    return str(path)
+
+
+def test_v4_mtp_support_file_validates_and_pairs(v4_mtp, tmp_path):
+    support = tmp_path / "v4-mtp.gguf"
+    result = CliRunner().invoke(main, ["convert", str(v4_mtp), "-o", str(support), "--recipe", "q8_0", "--no-progress",
+                                       "-j", "1", "--pre-tokenizer", "deepseek-v3", "--support", "mtp"])
+    assert result.exit_code == 0, result.output
+    names = {t.name for t in gguf.GGUFReader(support).tensors}
+    assert {"blk.3.nextn.eh_proj.weight", "output_hc_fn.weight", "token_embd.weight"} <= names
+    assert not any(n.startswith(("blk.0.", "blk.1.", "blk.2.")) for n in names)
+    target = tmp_path / "v4.gguf"
+    made = CliRunner().invoke(main, ["convert", str(v4_mtp), "-o", str(target), "--recipe", "q8_0", "--no-progress",
+                                     "-j", "1", "--pre-tokenizer", "deepseek-v3"])
+    assert made.exit_code == 0, made.output
+    checked = CliRunner().invoke(main, ["validate", str(support), "--source", str(v4_mtp), "--payload", "full",
+                                        "--target", str(target)])
+    assert checked.exit_code == 0, checked.output
+
+
+@pytest.mark.interop
+@pytest.mark.slow
+def test_v4_mtp_support_file_equals_llama_cpp_mtp_export(v4_mtp, tmp_path):
+    from test_arch import LLAMA_CPP_SRC, run_converter
+    from test_convert_interop import metadata_differences, tensor_differences
+
+    if not (LLAMA_CPP_SRC / "convert_hf_to_gguf.py").is_file():
+        pytest.fail(f"llama.cpp's converter not found under {LLAMA_CPP_SRC}")
+    theirs = tmp_path / "mtp-converter.gguf"
+    run_converter(v4_mtp, theirs, "deepseek-v3", "--mtp")
+    ours = tmp_path / "mtp-quantkit.gguf"
+    recipe = v4_recipe(tmp_path / "r.toml")
+    result = CliRunner().invoke(main, ["convert", str(v4_mtp), "-o", str(ours), "--recipe", recipe, "--no-progress",
+                                       "-j", "1", "--pre-tokenizer", "deepseek-v3", "--support", "mtp"])
+    assert result.exit_code == 0, result.output
+    a, b = gguf.GGUFReader(ours), gguf.GGUFReader(theirs)
+    assert tensor_differences(a, b) == []
+    assert metadata_differences(a, b) == []
