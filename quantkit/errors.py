@@ -100,3 +100,7 @@ class OutOfSpaceError(QuantkitError, OSError):
 class CorruptDataError(QuantkitError, ValueError):
     """Bytes differ from the size or SHA-256 recorded for them (a transport part or a download that is corrupt,
     truncated, or in another part's place): a check that ran and failed, exit code 1."""
+
+
+class ClusterError(QuantkitError, RuntimeError):
+    """A Ray cluster cannot be reached or started, or lost a worker more often than a task may be retried."""

@@ -2,7 +2,8 @@
 
 convert, validate, inspect, recipes, imatrix info/merge/convert and swapset builds without calibration run on the
 base install.  Scoring, fixture capture, imatrix collection, calibrated swapsets and the demo run transformers'
-model code on torch: the ``runtime`` extra.  :func:`require_runtime` checks for it before any work starts, so a
+model code on torch: the ``runtime`` extra.  ``--executor ray`` (convert, imatrix collect, score) needs the ``ray``
+extra: :func:`require_ray`.  :func:`require_runtime` checks for it before any work starts, so a
 missing package is one line naming what to install, not a ``ModuleNotFoundError`` minutes in.
 """
 from __future__ import annotations
@@ -37,3 +38,16 @@ def require_runtime(what: str) -> None:
     when torch or transformers cannot be imported."""
     if missing_runtime_module() is not None:
         raise MissingDependencyError(runtime_message(what))
+
+
+#: How to install the Ray executor's extra (``pyproject.toml``: ``[project.optional-dependencies] ray``).
+RAY_INSTALL = "pip install 'quantkit[ray]'"
+
+
+def require_ray(what: str):
+    """The ``ray`` module, or :class:`MissingDependencyError` naming ``what`` (e.g. ``"quantkit convert --executor
+    ray"``) and the install command."""
+    try:
+        return importlib.import_module("ray")
+    except ImportError:
+        raise MissingDependencyError(f"{what} needs the ray extra: {RAY_INSTALL}") from None

@@ -10,12 +10,7 @@ import click
 from ..evidence import artifact_sha256
 
 from . import EXIT_INTERRUPTED
-
-
-def _default_jobs() -> int:
-    from ..convert.pool import available_cpus
-
-    return available_cpus()
+from .executors import check_executor, default_jobs
 
 
 @click.command("convert")
@@ -29,7 +24,7 @@ def _default_jobs() -> int:
 @click.option("--bootstrap-importance", "bootstrap", is_flag=True,
               help="weight-energy importance (sum of w^2 per column) for tensors without imatrix data")
 @click.option("--allow-synthetic-imatrix", is_flag=True, help="accept an imatrix made from synthetic or fixture data")
-@click.option("-j", "--jobs", type=click.IntRange(min=1), default=_default_jobs, show_default="CPUs available",
+@click.option("-j", "--jobs", type=click.IntRange(min=1), default=default_jobs, show_default="CPUs available",
               help="worker processes (1: encode in this process); lowered to the CPUs available and to what the "
                    "memory holds, with a note")
 @click.option("--resume", is_flag=True, help="continue an interrupted conversion of the same plan")
@@ -56,17 +51,30 @@ def _default_jobs() -> int:
 @click.option("--device", default="cpu", show_default=True, metavar="cpu|cuda[:N]",
               help="encode Q8_0, MXFP4, NVFP4, Q4_K, Q2_K and IQ2_XXS tensors on this torch device (same bytes as "
                    "the CPU; other types stay on the CPU); with cuda, use few jobs: each worker holds the GPU")
+@click.option("--executor", type=click.Choice(["process", "ray"]), default="process", show_default=True,
+              help="worker processes on this machine, or Ray tasks on a cluster (the ray extra)")
+@click.option("--address", metavar="HOST:PORT",
+              help="with --executor ray: the cluster to join [default: a local cluster of --jobs CPUs, started "
+                   "and stopped by this run]")
+@click.option("--ray-transfer", "transfer", type=click.Choice(["auto", "write", "return"]), default="auto",
+              show_default=True,
+              help="with --executor ray: tasks write into the partial output (a shared filesystem), return bytes "
+                   "to this process, or write where the partial is visible and return bytes elsewhere")
 def convert(source, out, recipe, imatrix, bootstrap, allow_synthetic_imatrix, jobs, resume, force, label, dry_run,
-            pre_tokenizer, report, reserve, dialect, manifest, progress, support, device):
+            pre_tokenizer, report, reserve, dialect, manifest, progress, support, device, executor, address,
+            transfer):
     """Convert checkpoint SOURCE (a directory or a Hugging Face repo id) to a GGUF laid out by a recipe."""
     from .. import names
     from ..convert.execute import ConvertRequest, check_outputs, execute, prepare
     from ..io.atomic import atomic_output, check_output
 
+    if not dry_run:
+        check_executor("quantkit convert", executor, address)
     request = ConvertRequest(source=source, out=out, recipe=recipe, imatrix=imatrix, bootstrap=bootstrap,
                              allow_synthetic_imatrix=allow_synthetic_imatrix, jobs=jobs, resume=resume, force=force,
                              label=label, pre_tokenizer=pre_tokenizer, reserve_bytes=reserve, dialect=dialect,
-                             progress=progress, support=support, device=device)
+                             progress=progress, support=support, device=device, executor=executor,
+                             address=address, transfer=transfer)
     prepared = prepare(request)
     click.echo(prepared.plan.summary())
     suggested = _suggested_name(prepared, label)

@@ -7,6 +7,7 @@ import json
 import click
 
 from . import one_output
+from .executors import check_executor, executor_options
 
 FORMAT_CHOICE = click.Choice(["gguf", "dat"])
 #: Suffixes of a --max-memory size (binary: 8G is 8 GiB).
@@ -163,18 +164,20 @@ def _arch_map(config_path):
 @click.option("--restart", is_flag=True, help="ignore a resume state left by an interrupted run")
 @click.option("--force", is_flag=True, help="overwrite the output")
 @click.option("--progress/--no-progress", default=True, show_default=True, help="show a progress bar (as convert)")
+@executor_options
 def collect(source, text, output, ctx, chunks, all_experts, process_output, synthetic, device, dtype, max_memory,
-            threads, save_every, restart, force, progress):
+            threads, save_every, restart, force, progress, executor, address, jobs):
     """Run SOURCE (a Hugging Face checkpoint) over the text and collect its imatrix, like llama-imatrix."""
     from ..extras import require_runtime
 
     require_runtime("quantkit imatrix collect")
+    check_executor("quantkit imatrix collect", executor, address)
     from ..imatrix.collect import CollectOptions, collect_imatrix
 
     opts = CollectOptions(ctx=ctx, chunks=chunks, all_experts=all_experts, process_output=process_output,
                           synthetic=synthetic, device=device, dtype=dtype, max_memory=max_memory,
                           threads=threads, save_every=save_every, restart=restart,
-                          overwrite=force, progress=progress)
+                          overwrite=force, progress=progress, executor=executor, address=address, workers=jobs)
     imx = collect_imatrix(source, text, output, opts)
     click.echo(f"wrote {output}: {len(imx.entries)} entries, {imx.chunk_count} chunks of {ctx} tokens, "
                f"{imx.coverage()}")

@@ -11,6 +11,7 @@ import click
 
 from ..extras import require_runtime
 from . import one_output
+from .executors import check_executor, executor_options
 
 DEVICES = ("cpu", "cuda")
 #: ``--arithmetic`` of the commands that run a model for parity with an engine (score, parity).
@@ -228,11 +229,16 @@ def check(path):
 @click.option("--support", type=click.Path(exists=True, dir_okay=False, path_type=Path),
               help="a support (drafter) GGUF meant for MODEL: refused unless it comes from MODEL's checkpoint "
                    "(recorded in the table)")
+@executor_options
 def score(model, fixture_dir, out_arg, out, ctx, device, allow_cross_checkpoint, kld_base, save_logits, tokenizer,
-          sidecars, label, table_format, arithmetic, support):
+          sidecars, label, table_format, arithmetic, support, executor, address, jobs):
     """Score MODEL (GGUF or checkpoint) on FIXTURE; write the per-case table -o OUT.tsv."""
     out = one_output(out, out_arg)
     require_runtime("quantkit score")
+    check_executor("quantkit score", executor, address)
+    if executor == "ray" and (kld_base is not None or save_logits is not None):
+        raise click.UsageError("--kld-base and --save-logits evaluate one token stream in order: not with "
+                               "--executor ray")
     from ..fixtures.directory import read_fixture
     from ..io.atomic import check_output, input_files
     from ..scoring.loading import describe_model, load_source, open_sidecars
@@ -262,16 +268,25 @@ def score(model, fixture_dir, out_arg, out, ctx, device, allow_cross_checkpoint,
     codec, identity = describe_model(model, tokenizer=tokenizer)
     identity = with_label(identity, label)
     plan = plan_scoring(fx, codec, identity, ctx=ctx, allow_cross_checkpoint=allow_cross_checkpoint)
-    source = load_source(identity, device=device, replace=replace, arithmetic=arithmetic)
 
     def progress(s):
         click.echo(f"{s.id} prompt={s.prompt_tokens} target={s.target_tokens} avg_nll={s.avg_nll:.6f} "
                    f"lcp={s.greedy_lcp}", err=True)
 
-    try:
-        result = run_scoring(source, codec, plan, kld_base=kld_base, save_logits_to=save_logits, progress=progress)
-    finally:
-        source.close()
+    if executor == "ray":
+        from ..scoring.rayscore import score_on_ray
+
+        scores, width, loaded = score_on_ray(identity, plan.cases, device=device, sidecars=sidecars,
+                                             arithmetic=arithmetic, address=address, workers=jobs,
+                                             progress=progress)
+        result = run_scoring(loaded, codec, plan, scored=(scores, width))
+    else:
+        source = load_source(identity, device=device, replace=replace, arithmetic=arithmetic)
+        try:
+            result = run_scoring(source, codec, plan, kld_base=kld_base, save_logits_to=save_logits,
+                                 progress=progress)
+        finally:
+            source.close()
     for warning in result.warnings:
         click.echo(f"warning: {warning}", err=True)
     result.notes += applied

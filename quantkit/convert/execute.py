@@ -25,7 +25,9 @@ Steps (:func:`convert`):
    most one per CPU and what the memory holds), each written at its planned offset and journaled with its
    SHA-256 and its source bytes' SHA-256 as it completes; a progress bar shows tensors, bytes and the ETA.
    Meanwhile background threads hash the source files (:class:`~quantkit.convert.source.Hashing`), so reading
-   the source twice overlaps the encoding instead of preceding it.
+   the source twice overlaps the encoding instead of preceding it.  With ``executor="ray"`` the tensors are Ray
+   tasks on a cluster instead (:mod:`quantkit.convert.raypool`: same interface, so journal and resume are the
+   same).
 8. **Finish**: every tensor accounted for, the header with the real hashes replaces the pending one, the header
    and every payload are verified against the layout and the journal, the journal notes the rename, the
    partial is fsynced and renamed to ``out``; the journal is removed.
@@ -104,6 +106,16 @@ class ConvertRequest:
     progress: bool = True
     device: str = "cpu"
     """Where tensors are encoded: "cpu", or "cuda" for the types with a GPU encoder (same bytes)."""
+    executor: str = "process"
+    """Where tensors are produced: ``process`` (worker processes here) or ``ray`` (:mod:`quantkit.convert.raypool`)."""
+    address: str | None = None
+    """Ray cluster address; None: a local cluster of ``jobs`` CPUs, started and stopped by the run."""
+    transfer: str = "auto"
+    """How Ray tasks deliver payloads: ``write`` into the shared partial, ``return`` bytes, or ``auto``."""
+
+
+#: The executors ``ConvertRequest.executor`` names.
+EXECUTORS = ("process", "ray")
 
 
 @dataclass
@@ -302,6 +314,17 @@ def _order(jobs: dict[str, TensorJob], names) -> list[str]:
     return sorted(names, key=lambda n: (-int(jobs[n].nbytes), n))
 
 
+def _pool(prepared: Prepared, request: ConvertRequest):
+    """The executor's pool (same interface): worker processes here, or Ray tasks on a cluster."""
+    if request.executor == "ray":
+        from .raypool import RayPool
+
+        return RayPool(prepared.workers, request.address, request.transfer)
+    if request.executor != "process":
+        raise ValueError(f"executor must be one of {EXECUTORS}, not {request.executor!r}")
+    return WorkerPool(prepared.workers)
+
+
 def _write_header(partial: Path, header: bytes) -> None:
     fd = os.open(partial, os.O_RDWR)
     try:
@@ -369,7 +392,7 @@ def _execute(prepared: Prepared, request: ConvertRequest, out: Path) -> ConvertR
     resuming = bool(journaled.done)   # a partial with no tensor journaled yet holds nothing worth keeping
     _check_space(out, layout, partial, resuming, request.reserve_bytes)
 
-    with WorkerPool(prepared.workers) as pool:   # the workers start up while the header is written
+    with _pool(prepared, request) as pool:   # the workers start up while the header is written
         writer = GGUFWriter(out, layout, overwrite=True)   # output and partial: checked by _check_output
         if resuming:
             _check_sources(source.path, jobs, journaled)
@@ -432,5 +455,5 @@ def convert(request: ConvertRequest) -> ConvertResult:
     return execute(prepare(request), request)
 
 
-__all__ = ["FREE_SPACE_RESERVE_BYTES", "ConvertRequest", "ConvertResult", "Prepared", "check_outputs", "convert",
+__all__ = ["EXECUTORS", "FREE_SPACE_RESERVE_BYTES", "ConvertRequest", "ConvertResult", "Prepared", "check_outputs", "convert",
            "execute", "file_layout", "free_space_reserve", "make_job", "prepare"]

@@ -34,13 +34,16 @@ import time
 from collections import deque
 from dataclasses import dataclass
 from multiprocessing.connection import wait
-from typing import Iterable, Iterator
+from typing import TYPE_CHECKING, Callable, Iterable, Iterator
 
 from ..errors import ConcurrentWriteError, FormatError, OutOfSpaceError, QuantkitError
 from ..io.atomic import is_out_of_space
 from ..io.gguf_writer import pwrite_all
 from ..formats.warm import encoder_kinds
 from .tensors import ROW_CHUNK_BYTES, SourceContext, TensorJob, source_digests, tensor_bytes
+
+if TYPE_CHECKING:
+    import numpy as np
 
 #: Seconds to wait for workers to exit after they were told to stop, before terminating them.
 WORKER_EXIT_TIMEOUT = 10.0
@@ -105,6 +108,27 @@ class TensorDone:
     """Source file name → SHA-256 of the stored bytes the tensor was made from (journaled for resume)."""
 
 
+def produce_tensor(context: SourceContext, job: TensorJob, put: Callable[["np.ndarray", int], None]) -> TensorDone:
+    """Produce ``job``'s payload, handing each piece to ``put(piece, offset within the payload)``, hashing it as it
+    goes; the source pages read are released afterwards."""
+    start = time.perf_counter()
+    digest = hashlib.sha256()
+    written = 0
+    try:
+        sources = source_digests(context.checkpoint, job)
+        for piece in tensor_bytes(context, job):
+            if written + piece.nbytes > job.nbytes:
+                raise FormatError(f"produced more than the {job.nbytes} bytes planned", tensor=job.name)
+            put(piece, written)
+            digest.update(piece)
+            written += piece.nbytes
+    finally:
+        context.release()
+    if written != job.nbytes:
+        raise FormatError(f"produced {written} bytes, the plan has {job.nbytes}", tensor=job.name)
+    return TensorDone(job.name, digest.hexdigest(), written, time.perf_counter() - start, sources)
+
+
 class TensorWriter:
     """Produces tensors by name and writes them into the partial file (one per process)."""
 
@@ -122,28 +146,18 @@ class TensorWriter:
             raise partial_gone(setup.partial_path)
 
     def run(self, name: str) -> TensorDone:
-        start = time.perf_counter()
-        job = self.setup.jobs[name]
         offset = self.setup.offsets[name]
-        digest = hashlib.sha256()
-        written = 0
         try:
-            sources = source_digests(self.context.checkpoint, job)
-            for piece in tensor_bytes(self.context, job):
-                if written + piece.nbytes > job.nbytes:
-                    raise FormatError(f"produced more than the {job.nbytes} bytes planned", tensor=name)
-                pwrite_all(self._fd, piece, offset + written)
-                digest.update(piece)
-                written += piece.nbytes
+            return produce_tensor(self.context, self.setup.jobs[name],
+                                  lambda piece, at: pwrite_all(self._fd, piece, offset + at))
         except OSError as exc:
             if is_out_of_space(exc):
                 raise out_of_space(self.setup.partial_path, name) from None
             raise
-        finally:
-            self.context.release()
-        if written != job.nbytes:
-            raise FormatError(f"produced {written} bytes, the plan has {job.nbytes}", tensor=name)
-        return TensorDone(name, digest.hexdigest(), written, time.perf_counter() - start, sources)
+
+    def fileno(self) -> int:
+        """The partial's descriptor (open for reading and writing)."""
+        return self._fd
 
     def close(self) -> None:
         self.context.release()

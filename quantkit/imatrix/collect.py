@@ -93,24 +93,32 @@ PACKED_SELECT_METHODS = ("__getitem__", "select")
 
 class Accumulators:
     """float64 Σx² ``[n_mat, n]`` and counts ``[n_mat]`` per GGUF tensor, created on first use (as llama-imatrix
-    creates an entry at the first product it sees)."""
+    creates an entry at the first product it sees).
+
+    Products add into the current chunk's sums; :meth:`fold` then adds a chunk's sums to the totals, chunk after
+    chunk.  That order of additions (within a chunk, then chunk by chunk) is the same whether every chunk runs in
+    this process or chunks run in other processes whose sums are folded here in chunk order
+    (:mod:`quantkit.imatrix.raycollect`), so both give the same bits."""
 
     def __init__(self, device):
         self.device = device
         self.sums: dict[str, Any] = {}
         self.counts: dict[str, Any] = {}
+        self._chunk: dict[str, tuple[Any, Any]] = {}
 
     def _slot(self, name: str, n_mat: int, n: int):
         import torch
 
-        if name not in self.sums:
-            self.sums[name] = torch.zeros((n_mat, n), dtype=torch.float64, device=self.device)
-            self.counts[name] = torch.zeros(n_mat, dtype=torch.float64, device=self.device)
-        sums = self.sums[name]
-        if sums.shape != (n_mat, n):
-            raise SourceError(f"inputs of {n_mat} x {n} values, earlier {tuple(sums.shape)}: the model multiplies "
+        if name not in self._chunk:
+            self._chunk[name] = (torch.zeros((n_mat, n), dtype=torch.float64, device=self.device),
+                                 torch.zeros(n_mat, dtype=torch.float64, device=self.device))
+        sums = self._chunk[name][0]
+        earlier = self.sums.get(name)
+        if sums.shape != (n_mat, n) or (earlier is not None and earlier.shape != (n_mat, n)):
+            found = tuple(sums.shape) if sums.shape != (n_mat, n) else tuple(earlier.shape)
+            raise SourceError(f"inputs of {n_mat} x {n} values, earlier {found}: the model multiplies "
                               f"this weight in two different ways", tensor=name)
-        return sums, self.counts[name]
+        return self._chunk[name]
 
     def add(self, name: str, n_mat: int, mat: int | None, sq_sum, rows: int) -> None:
         """Add one product's Σx² (``[n]``, or ``[n_mat, n]`` with ``mat`` None: every matrix saw ``rows``)."""
@@ -122,7 +130,31 @@ class Accumulators:
             sums[mat] += sq_sum
             counts[mat] += rows
 
+    def take_chunk(self) -> dict[str, tuple[Any, Any]]:
+        """The current chunk's (sums, counts) per tensor; the next product starts a new chunk."""
+        chunk, self._chunk = self._chunk, {}
+        return chunk
+
+    def fold(self, chunk: dict[str, tuple[Any, Any]]) -> None:
+        """Add one chunk's sums and counts (tensors or arrays) to the totals, in name order."""
+        import torch
+
+        for name in sorted(chunk):
+            sums, counts = (v.to(self.device) if isinstance(v, torch.Tensor)
+                            else torch.from_numpy(np.array(v, np.float64)).to(self.device) for v in chunk[name])
+            if name not in self.sums:
+                self.sums[name] = torch.zeros_like(sums)
+                self.counts[name] = torch.zeros_like(counts)
+            if self.sums[name].shape != sums.shape:
+                raise SourceError(f"inputs of {tuple(sums.shape)} values, earlier {tuple(self.sums[name].shape)}: "
+                                  f"the model multiplies this weight in two different ways", tensor=name)
+            self.sums[name] += sums
+            self.counts[name] += counts
+
     def entries(self) -> dict[str, Entry]:
+        """The totals as float32 entries (products recorded since the last fold first end their chunk)."""
+        if self._chunk:
+            self.fold(self.take_chunk())
         out = {}
         for name in sorted(self.sums):
             sums = self.sums[name].cpu().numpy()
@@ -469,10 +501,15 @@ class Collector:
 
     def run_chunk(self, input_ids) -> None:
         """Run one chunk (``LongTensor[1, ctx]``) and accumulate its statistics."""
+        self.acc.fold(self.run_chunk_alone(input_ids))
+
+    def run_chunk_alone(self, input_ids) -> dict[str, tuple[Any, Any]]:
+        """Run one chunk and return its statistics (:meth:`Accumulators.take_chunk`) without adding them."""
         torch = self._torch
         keep = 0 if self.process_output else 1  # the head's product is needed only for its statistics
         with torch.no_grad(), self.recorder.active():
             self.model(input_ids=input_ids.to(self.device), use_cache=False, logits_to_keep=keep)
+        return self.acc.take_chunk()
 
     def close(self) -> None:
         for hook in self._hooks:
@@ -551,6 +588,11 @@ class CollectOptions:
     restart: bool = False
     overwrite: bool = False
     progress: bool = True
+    executor: str = "process"
+    """``process``: chunks run here; ``ray``: on Ray workers (:mod:`quantkit.imatrix.raycollect`)."""
+    address: str | None = None
+    """Ray cluster address; None: a local cluster of ``workers`` CPUs, started and stopped by the run."""
+    workers: int = 1
 
 
 def _read_config(source: Path) -> dict:
@@ -571,8 +613,6 @@ def _read_config(source: Path) -> dict:
 def collect_imatrix(source: str | os.PathLike, text_path: str | os.PathLike, out: str | os.PathLike,
                     options: CollectOptions | None = None) -> Imatrix:
     """Run ``source`` over the text, write the imatrix to ``out`` (atomically), and return it."""
-    import torch
-
     opts = options or CollectOptions()
     source, out = Path(source), Path(out)
     if out.exists() and not opts.overwrite:
@@ -589,35 +629,35 @@ def collect_imatrix(source: str | os.PathLike, text_path: str | os.PathLike, out
                 "process_output": str(opts.process_output).lower(), "dtype": opts.dtype}
     import transformers
 
-    from ..runtime import load_model
-    from ..runtime.weights import available_memory
-
     chunks = calibration_chunks(transformers.AutoTokenizer.from_pretrained(source), text, opts.ctx, opts.chunks)
-    # a memory bound on CUDA also streams the weights to the device per use instead of placing every one there
-    keep = int(KEEP_FRACTION * available_memory()) if opts.max_memory is None else 0
-    model = load_model(source, opts.device, config=config, dtype=getattr(torch, opts.dtype),
-                       stream=opts.max_memory is not None, cache_bytes=opts.max_memory, keep_bytes=keep)
+    if opts.executor == "ray":
+        from .raycollect import collect_on_ray
+
+        return collect_on_ray(source, config, amap, chunks, out, identity, opts, text_path)
+    model = load_collection_model(source, config, opts)
     try:
         return _collect(model, amap, chunks, out, identity, opts, source, text_path)
     finally:
         model.close()
 
 
-def _collect(model, amap: ArchMap, chunks: list[list[int]], out: Path, identity: dict[str, str],
-             opts: CollectOptions, source: Path, text_path) -> Imatrix:
+def load_collection_model(source: Path, config: dict, opts: CollectOptions):
+    """The runtime model a collection runs (:func:`quantkit.runtime.load_model`) with the options' memory bounds."""
     import torch
-    from tqdm import tqdm
 
-    collector = Collector(model.module, amap, all_experts=opts.all_experts, process_output=opts.process_output)
-    state = out.with_name(out.name + RESUME_SUFFIX)
-    done = _resume(collector, state, identity, len(chunks)) if state.exists() and not opts.restart else 0
-    synthetic = opts.synthetic or (source / EXAMPLE_MARKER).is_file()
-    provenance = {**identity, "source": str(source), "source_model_type": amap.arch.model_type,
-                  "quantkit_version": __version__}
+    from ..runtime import load_model
+    from ..runtime.weights import available_memory
 
-    def snapshot(n_done: int, **extra) -> Imatrix:
-        return make_imatrix(collector.acc.entries(), datasets=[str(text_path)], chunk_count=n_done,
-                            chunk_size=opts.ctx, synthetic=synthetic, provenance={**provenance, **extra})
+    # a memory bound on CUDA also streams the weights to the device per use instead of placing every one there
+    keep = int(KEEP_FRACTION * available_memory()) if opts.max_memory is None else 0
+    return load_model(source, opts.device, config=config, dtype=getattr(torch, opts.dtype),
+                      stream=opts.max_memory is not None, cache_bytes=opts.max_memory, keep_bytes=keep)
+
+
+@contextmanager
+def collection_threads(model, opts: CollectOptions):
+    """torch's threads while chunks run (:attr:`CollectOptions.threads`), restored afterwards."""
+    import torch
 
     threads = torch.get_num_threads()
     hidden = getattr(model.module.config.get_text_config(), "hidden_size", None)
@@ -625,16 +665,52 @@ def _collect(model, amap: ArchMap, chunks: list[list[int]], out: Path, identity:
     # set here, after loading: loading the decoders (numba's runtime) resets the process's OpenMP threads
     torch.set_num_threads(run_threads)
     try:
-        for i in tqdm(range(done, len(chunks)), initial=done, total=len(chunks), unit="chunk",
-                      disable=not opts.progress, desc="imatrix"):
+        yield run_threads
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _collect(model, amap: ArchMap, chunks: list[list[int]], out: Path, identity: dict[str, str],
+             opts: CollectOptions, source: Path, text_path) -> Imatrix:
+    import torch
+
+    collector = Collector(model.module, amap, all_experts=opts.all_experts, process_output=opts.process_output)
+
+    def run(todo):
+        for i in todo:
             collector.run_chunk(torch.tensor([chunks[i]], dtype=torch.long))
             model.store.check()     # a weight that decoded to NaN or infinity, named
-            if opts.save_every > 0 and (i + 1) % opts.save_every == 0 and i + 1 < len(chunks):
-                save_imatrix(snapshot(i + 1, chunks_done=str(i + 1)), state, fmt="gguf", overwrite=True)
+            yield i
+
+    try:
+        with collection_threads(model, opts):
+            return accumulate(collector.acc, amap, len(chunks), run, out, identity, opts, source, text_path)
     finally:
         collector.close()
-        torch.set_num_threads(threads)
-    imatrix = snapshot(len(chunks))
+
+
+def accumulate(acc: Accumulators, amap: ArchMap, n_chunks: int, run: Callable, out: Path, identity: dict[str, str],
+               opts: CollectOptions, source: Path, text_path) -> Imatrix:
+    """Resume from ``<out>.resume.gguf`` when it exists (unless ``restart``), let ``run(chunk indices)`` fold the
+    remaining chunks into ``acc`` in order (yielding each index once it is folded), save the resume state every
+    ``save_every`` chunks, then write the imatrix to ``out`` and remove the resume state."""
+    from tqdm import tqdm
+
+    state = out.with_name(out.name + RESUME_SUFFIX)
+    done = _resume(acc, state, identity, n_chunks) if state.exists() and not opts.restart else 0
+    synthetic = opts.synthetic or (source / EXAMPLE_MARKER).is_file()
+    provenance = {**identity, "source": str(source), "source_model_type": amap.arch.model_type,
+                  "quantkit_version": __version__}
+
+    def snapshot(n_done: int, **extra) -> Imatrix:
+        return make_imatrix(acc.entries(), datasets=[str(text_path)], chunk_count=n_done,
+                            chunk_size=opts.ctx, synthetic=synthetic, provenance={**provenance, **extra})
+
+    for i in tqdm(run(range(done, n_chunks)), initial=done, total=n_chunks, unit="chunk", disable=not opts.progress,
+                  desc="imatrix"):
+        if opts.save_every > 0 and (i + 1) % opts.save_every == 0 and i + 1 < n_chunks:
+            save_imatrix(snapshot(i + 1, chunks_done=str(i + 1)), state, fmt="gguf", overwrite=True)
+    imatrix = snapshot(n_chunks)
     save_imatrix(imatrix, out, fmt="gguf", overwrite=opts.overwrite)
     state.unlink(missing_ok=True)
     imatrix.path = out
@@ -642,7 +718,7 @@ def _collect(model, amap: ArchMap, chunks: list[list[int]], out: Path, identity:
     return imatrix
 
 
-def _resume(collector: Collector, state: Path, identity: dict[str, str], n_chunks: int) -> int:
+def _resume(acc: Accumulators, state: Path, identity: dict[str, str], n_chunks: int) -> int:
     saved = load_imatrix(state)
     for key in RESUME_IDENTITY:
         if saved.provenance.get(key) != identity[key]:
@@ -651,5 +727,5 @@ def _resume(collector: Collector, state: Path, identity: dict[str, str], n_chunk
     done = int(saved.provenance.get("chunks_done", "0"))
     if not 0 < done <= n_chunks:
         raise ValidationError(f"resume state records {done} chunks done of {n_chunks}", path=state)
-    collector.acc.load(saved)
+    acc.load(saved)
     return done

@@ -123,30 +123,40 @@ def _check_vocab(case: PreparedCase, width: int) -> None:
         raise FixtureError(f"case {case.id}: token id {outside[0]} is outside the model's vocabulary of {width}")
 
 
+def vocabulary_width(source: LogitSource, cases: Sequence[PreparedCase]) -> int:
+    """The model's output width, from a one-token probe; every case's token ids are checked against it."""
+    width = _checked_logits(source, cases[0].prompt_ids[:1], "vocabulary probe").shape[1]
+    for case in cases:
+        _check_vocab(case, width)
+    return width
+
+
+def score_one(source: LogitSource, case: PreparedCase, width: int) -> CaseScore:
+    """Run and score one prepared case (module doc, step 3)."""
+    ids = case.prompt_ids + case.target_ids
+    logits = _checked_logits(source, ids, f"case {case.id}")
+    if logits.shape[1] != width:
+        raise ValidationError(f"case {case.id}: the model returned {logits.shape[1]} logits per token, "
+                              f"{width} before")
+    p, t = len(case.prompt_ids), len(case.target_ids)
+    try:
+        return score_case(case.id, p, case.target_ids, logits[p - 1:p + t - 1], case.reference)
+    except NonFiniteLogits as exc:
+        raise ValidationError(f"case {case.id}: the model's logits at target position {exc.row} hold NaN "
+                              f"or +inf ({exc.detail})") from None
+
+
 def run_cases(source: LogitSource, cases: Sequence[PreparedCase],
               progress: Callable[[CaseScore], None] | None = None) -> tuple[list[CaseScore], int]:
     """Score prepared cases (module doc, step 3); returns the scores and the model's vocabulary width.
 
     A one-token probe gives the output width first, so every case's token ids are checked before any runs."""
-    width = _checked_logits(source, cases[0].prompt_ids[:1], "vocabulary probe").shape[1]
-    for case in cases:
-        _check_vocab(case, width)
+    width = vocabulary_width(source, cases)
     scores = []
     for case in cases:
-        ids = case.prompt_ids + case.target_ids
-        logits = _checked_logits(source, ids, f"case {case.id}")
-        if logits.shape[1] != width:
-            raise ValidationError(f"case {case.id}: the model returned {logits.shape[1]} logits per token, "
-                                  f"{width} before")
-        p, t = len(case.prompt_ids), len(case.target_ids)
-        try:
-            score = score_case(case.id, p, case.target_ids, logits[p - 1:p + t - 1], case.reference)
-        except NonFiniteLogits as exc:
-            raise ValidationError(f"case {case.id}: the model's logits at target position {exc.row} hold NaN "
-                                  f"or +inf ({exc.detail})") from None
-        scores.append(score)
+        scores.append(score_one(source, case, width))
         if progress is not None:
-            progress(score)
+            progress(scores[-1])
     return scores, width
 
 
@@ -226,11 +236,14 @@ def plan_scoring(fixture: Fixture, codec: TextCodec, identity: ModelIdentity, *,
 def run_scoring(source: LogitSource, codec: TextCodec, plan: ScoringPlan, *,
                 kld_base: str | os.PathLike | None = None, save_logits_to: str | os.PathLike | None = None,
                 progress: Callable[[CaseScore], None] | None = None,
-                command: Sequence[str] | None = None) -> ScoreResult:
+                command: Sequence[str] | None = None,
+                scored: tuple[list[CaseScore], int] | None = None) -> ScoreResult:
     """Steps 3-4 of the module doc, and the table's evidence record (:func:`quantkit.evidence.evidence`: the
     scored file's SHA-256, the source's ``device``/``dtype`` when it has them, ``command`` or ``sys.argv``).
+    ``scored``: the cases' scores (in case order) and the vocabulary width, computed elsewhere (``--executor ray``:
+    :mod:`quantkit.scoring.rayscore`); ``source`` then only tells the device, dtype and arithmetic.
     Raises before any output exists when a check fails."""
-    scores, n_vocab = run_cases(source, plan.cases, progress)
+    scores, n_vocab = run_cases(source, plan.cases, progress) if scored is None else scored
     kld = kld_against(source, codec, kld_base, n_vocab) if kld_base is not None else None
     if save_logits_to is not None:
         save_logits(source, codec, plan.cases, plan.ctx, save_logits_to, n_vocab)

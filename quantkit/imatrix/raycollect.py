@@ -1,0 +1,81 @@
+"""``quantkit imatrix collect --executor ray``: calibration chunks run on Ray actors, folded here in chunk order.
+
+Each actor (one per cluster CPU, or per GPU with ``device="cuda"``) loads the model once, as a single process
+does (:func:`~quantkit.imatrix.collect.load_collection_model`), and runs the chunks it is sent one at a time,
+returning each chunk's float64 sums and counts (:meth:`~quantkit.imatrix.collect.Collector.run_chunk_alone`).
+The driver folds them into the totals strictly in chunk order, holding the few that arrive early
+(:meth:`~quantkit.imatrix.collect.Accumulators.fold`): a single-process collection adds the same per-chunk sums in
+the same order, so the merged imatrix has the same bits (each chunk's forward pass being the same computation in
+either process: same code, dtype and device kind, and torch threads per
+:attr:`~quantkit.imatrix.collect.CollectOptions.threads`).  The resume state is saved by the driver as in a single
+process, so ``--restart``/resume behave the same.
+
+An actor whose process dies is restarted (it loads the model again) and its chunk retried
+(:data:`quantkit.cluster.TASK_RETRIES` times).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from ..cluster import TASK_RETRIES, cluster_cpus, ray_session, task_result
+from .collect import Accumulators, CollectOptions, Collector, accumulate, collection_threads, load_collection_model
+
+
+class CollectWorker:
+    """One model and one collector per actor."""
+
+    def __init__(self, source: str, config: dict, opts: CollectOptions):
+        from ..arch import get_arch
+
+        amap = get_arch(config.get("model_type", "")).bind(config)
+        self.model = load_collection_model(Path(source), config, opts)
+        self.collector = Collector(self.model.module, amap, all_experts=opts.all_experts,
+                                   process_output=opts.process_output)
+        self.opts = opts
+
+    def run(self, index: int, chunk: list[int]) -> tuple[int, dict]:
+        import torch
+
+        with collection_threads(self.model, self.opts):
+            stats = self.collector.run_chunk_alone(torch.tensor([chunk], dtype=torch.long))
+        self.model.store.check()
+        return index, {name: (sums.cpu().numpy(), counts.cpu().numpy()) for name, (sums, counts) in stats.items()}
+
+
+def collect_on_ray(source: Path, config: dict, amap, chunks: list[list[int]], out: Path, identity: dict[str, str],
+                   opts: CollectOptions, text_path):
+    """The collection of :func:`quantkit.imatrix.collect.collect_imatrix` with its chunks run on Ray."""
+    with ray_session(opts.address, opts.workers, "quantkit imatrix collect --executor ray") as ray:
+        resources = {"num_gpus": 1, "num_cpus": 1} if opts.device.startswith("cuda") else {"num_cpus": 1}
+        slots = cluster_cpus(ray) if not opts.device.startswith("cuda") else max(1, int(ray.cluster_resources().get("GPU", 0)))
+        actor = ray.remote(max_restarts=TASK_RETRIES, max_task_retries=TASK_RETRIES, **resources)(CollectWorker)
+        actors = [actor.remote(str(source), config, opts) for _ in range(max(1, min(slots, len(chunks))))]
+
+        def run(todo):
+            queue = list(todo)[::-1]
+            pending, idle, early = {}, list(actors), {}
+            next_index = queue[-1] if queue else 0
+            while queue or pending:
+                while queue and idle:
+                    worker = idle.pop()
+                    index = queue.pop()
+                    pending[worker.run.remote(index, chunks[index])] = worker
+                ready, _ = ray.wait(list(pending), num_returns=1)
+                for ref in ready:
+                    idle.append(pending.pop(ref))
+                    index, stats = task_result(ray, ref, "collection actor")
+                    early[index] = stats
+                while next_index in early:   # fold in chunk order
+                    acc.fold(early.pop(next_index))
+                    yield next_index
+                    next_index += 1
+
+        acc = Accumulators("cpu")
+        try:
+            return accumulate(acc, amap, len(chunks), run, out, identity, opts, source, text_path)
+        finally:
+            for worker in actors:
+                ray.kill(worker)
+
+
+__all__ = ["CollectWorker", "collect_on_ray"]
