@@ -130,9 +130,7 @@ class WeightStore:
         some rows were decoded)."""
         if key is not None and (key in self._finite or key in self._pending_keys):
             return
-        # a float64 sum of float32 values cannot overflow, so it is finite exactly when every value is: one
-        # reduction, no boolean tensor the size of the weight
-        self._pending.append((name, key, torch.isfinite(values.sum(dtype=torch.float64))))
+        self._pending.append((name, key, finite_flag(values)))
         if key is not None:
             self._pending_keys.add(key)
         if len(self._pending) >= MAX_PENDING_CHECKS:
@@ -151,6 +149,13 @@ class WeightStore:
             stored = self.weights.tensors[name]
             raise FormatError(f"{stored.qtype.name} payload decodes to NaN or infinity (a corrupt block or scale)",
                               path=getattr(self.weights, "path", None), tensor=name)
+
+
+def finite_flag(values: torch.Tensor) -> torch.Tensor:
+    """A 0-d boolean tensor: every value of ``values`` is finite.  A float64 sum of float32 values cannot
+    overflow, so it is finite exactly when every value is: one reduction, no boolean tensor the size of a weight,
+    and no wait for the device."""
+    return torch.isfinite(values.sum(dtype=torch.float64))
 
 
 def _host_bytes(raw: np.ndarray) -> torch.Tensor:
