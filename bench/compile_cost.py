@@ -3,7 +3,7 @@ seconds of this process: on a shared machine CPU time is what compares; run with
 
     NUMBA_CACHE_DIR=$(mktemp -d) PYTHONPATH=<checkout> python bench/compile_cost.py
 """
-import resource, sys, time, numpy as np
+import resource, time, numpy as np
 def cpu():
     r = resource.getrusage(resource.RUSAGE_SELF); return r.ru_utime + r.ru_stime
 c0, w0 = cpu(), time.perf_counter()

@@ -165,6 +165,18 @@ def synthetic_checkpoint(root: Path, layers: int, bench: str) -> tuple[Path, int
     return ckpt, source_bytes
 
 
+def layers_for(gib: float, workdir: str, need_per_layer: float, extra: int) -> int:
+    """Layers of the synthetic checkpoint of at least ``gib`` GiB, after checking ``workdir`` has room for
+    ``need_per_layer`` times a layer's bytes each, plus ``extra`` bytes (else exit naming the shortfall)."""
+    layers = max(1, -(-int(gib * GIB) // layer_bytes()))
+    need = layers * layer_bytes() * need_per_layer + extra
+    free = shutil.disk_usage(workdir).free
+    emit({"name": "disk check", "workdir": workdir, "free_bytes": free, "needed_bytes": int(need)})
+    if free < need:
+        raise SystemExit(f"{workdir} has {free / GIB:.1f} GiB free, {need / GIB:.1f} GiB needed")
+    return layers
+
+
 def run_convert(ckpt: Path, out: Path, report: Path, recipe: str, jobs: int) -> dict:
     command = ["/usr/bin/time", "-v", sys.executable, "-c", "from quantkit.cli import main; main()", "convert",
                str(ckpt), "-o", str(out), "--recipe", recipe, "--pre-tokenizer", "qwen2", "-j", str(jobs),
@@ -189,12 +201,7 @@ def main() -> None:
     parser.add_argument("--workdir", default="/tmp")
     args = parser.parse_args()
 
-    layers = max(1, -(-int(args.gib * GIB) // layer_bytes()))
-    need = layers * layer_bytes() * 1.5 + 2 * GIB   # checkpoint, output (< half of it), reserve
-    free = shutil.disk_usage(args.workdir).free
-    emit({"name": "convert disk check", "workdir": args.workdir, "free_bytes": free, "needed_bytes": int(need)})
-    if free < need:
-        raise SystemExit(f"{args.workdir} has {free / GIB:.1f} GiB free, {need / GIB:.1f} GiB needed")
+    layers = layers_for(args.gib, args.workdir, 1.5, 2 * GIB)   # checkpoint, output (< half of it), reserve
 
     root = Path(tempfile.mkdtemp(prefix="quantkit-bench-convert-", dir=args.workdir))
     try:

@@ -43,7 +43,7 @@ import time
 from pathlib import Path
 
 from _common import emit
-from convert import EXPERT_WIDTH, EXPERTS, GIB, HIDDEN, SAMPLE_SECONDS, layer_bytes, synthetic_checkpoint
+from convert import EXPERT_WIDTH, EXPERTS, GIB, HIDDEN, SAMPLE_SECONDS, layers_for, synthetic_checkpoint
 
 from quantkit.cli.imatrix import ByteSize
 from quantkit.examples import example_model_dir
@@ -299,11 +299,7 @@ def main() -> None:
         return
     budget = ByteSize().convert(args.budget, None, None)
 
-    layers = max(1, -(-int(args.gib * GIB) // layer_bytes()))
-    need = layers * layer_bytes() + GIB
-    free = shutil.disk_usage(args.workdir).free
-    if free < need:
-        raise SystemExit(f"{args.workdir} has {free / GIB:.1f} GiB free, {need / GIB:.1f} GiB needed")
+    layers = layers_for(args.gib, args.workdir, 1, GIB)
     root = Path(tempfile.mkdtemp(prefix="quantkit-bench-imatrix-", dir=args.workdir))
     records = []
     try:

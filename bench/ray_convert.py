@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 from _common import emit
-from convert import GIB, layer_bytes, synthetic_checkpoint
+from convert import GIB, layers_for, synthetic_checkpoint
 
 RUNS = {"process pool": ["--executor", "process"],
         "ray, tasks write": ["--executor", "ray", "--ray-transfer", "write"],
@@ -70,11 +70,7 @@ def main() -> None:
     parser.add_argument("--workdir", default="/tmp")
     args = parser.parse_args()
 
-    layers = max(1, -(-int(args.gib * GIB) // layer_bytes()))
-    need = layers * layer_bytes() * 1.5 + 2 * GIB
-    free = shutil.disk_usage(args.workdir).free
-    if free < need:
-        raise SystemExit(f"{args.workdir} has {free / GIB:.1f} GiB free, {need / GIB:.1f} GiB needed")
+    layers = layers_for(args.gib, args.workdir, 1.5, 2 * GIB)
 
     root = Path(tempfile.mkdtemp(prefix="quantkit-bench-ray-", dir=args.workdir))
     records = []
