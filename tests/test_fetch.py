@@ -226,3 +226,18 @@ def test_a_partial_of_another_version_is_discarded(release, hub, tmp_path):
     assert result.exit_code == 0 and "resumed" not in result.output, result.output
     assert (out / name).read_bytes() == files[name]
     assert [r[2] for r in hub.requests if r[0] == "GET"] == [None]
+
+
+def test_a_second_download_of_one_file_is_refused(release, hub, tmp_path):
+    """Two downloads of one file would share its partial and journal: the second is refused (exit 2) while the
+    first holds the file's lock, before it touches either."""
+    from quantkit.io.atomic import output_lock
+
+    m, _ = release
+    out = tmp_path / "down"
+    out.mkdir()
+    with output_lock(out / m.parts[0].name):
+        result = fetch(m.parts[0].name, "-o", out, "--manifest", m.path)
+    assert result.exit_code == 2, result.output
+    assert "lock" in result.output
+    assert not (out / m.parts[0].name).exists() and not list(out.glob("*.partial"))

@@ -393,3 +393,19 @@ def test_validate_checks_a_shard_set_from_any_shard(model, shards):
     result = cli("validate", shards.part_path(0))
     assert result.exit_code == 1, result.output
     assert "shard 6 of 6 is missing" in result.output and "split.no = 2" in result.output
+
+
+def test_a_second_split_into_the_same_directory_is_refused(blob, tmp_path):
+    """Two splits of one name into one directory would share the parts' partial files (each recording its own
+    hashes over whatever bytes won): the second is refused while the first holds the manifest's lock."""
+    from quantkit.errors import ConcurrentWriteError
+    from quantkit.io.atomic import output_lock
+    from quantkit.transport.manifest import manifest_name
+
+    out = tmp_path / "parts"
+    out.mkdir()
+    with output_lock(out / manifest_name(blob.name)):
+        with pytest.raises(ConcurrentWriteError):
+            split_file(blob, out, parse_size("250kB"))
+    assert not [p for p in out.iterdir() if not p.name.endswith(".lock")]
+    assert split_file(blob, out, parse_size("250kB")).file.size == blob.stat().st_size

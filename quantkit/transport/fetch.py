@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
 from ..errors import CorruptDataError, MissingSourceError, OutOfSpaceError, SourceError, UnsupportedError
-from ..io.atomic import HASH_CHUNK_BYTES, check_output, fsync_path
+from ..io.atomic import HASH_CHUNK_BYTES, check_output, fsync_path, output_lock
 from .manifest import Entry, Manifest, load_manifest
 
 PARTIAL_SUFFIX = ".partial"
@@ -109,66 +109,68 @@ def fetch_file(repo_id: str, filename: str, out_dir: Path, *, revision: str | No
     final = out_dir.joinpath(*name.parts)
     final.parent.mkdir(parents=True, exist_ok=True)
     check_output(final, overwrite=force, what="downloaded file")
-    partial = final.with_name(final.name + PARTIAL_SUFFIX)
-    journal = final.with_name(final.name + JOURNAL_SUFFIX)
-    where = f"{repo_id}/{filename}"
-    url = hf_hub_url(repo_id, filename, revision=revision, endpoint=_endpoint())
-    try:
-        meta = get_hf_file_metadata(url, token=token, endpoint=_endpoint())
-    except HfHubHTTPError as exc:
-        status = getattr(exc.response, "status_code", None)
-        kind = MissingSourceError if status in (401, 403, 404) else SourceError
-        raise kind(f"the Hub answered {status}: {_first_line(exc)}", path=where) from None
-    except httpx2.HTTPError as exc:
-        raise SourceError(f"cannot reach the Hub at {url}: {exc}", path=where) from None
-    if expected is not None and meta.size is not None and meta.size != expected.size:
-        raise CorruptDataError(f"the repository's file is {meta.size:,} bytes, the manifest says {expected.size:,}: "
-                               f"not the file the manifest describes", path=where)
-    identity = {"repo": repo_id, "file": filename, "etag": meta.etag, "commit": meta.commit_hash, "size": meta.size}
-    try:
-        resumable = json.loads(journal.read_text()) == identity and partial.is_file()
-    except (OSError, ValueError):
-        resumable = False
-    if not resumable:
-        partial.unlink(missing_ok=True)
-        journal.write_text(json.dumps(identity))
-    resumed = partial.stat().st_size if partial.exists() else 0
-    if meta.size is not None and resumed > meta.size:
-        partial.unlink()
-        resumed = 0
-    need = (meta.size or 0) - resumed
-    free = shutil.disk_usage(final.parent).free
-    if free < need:
-        raise OutOfSpaceError(f"needs {need:,} bytes free to download {filename}, {free:,} available",
-                              path=final.parent)
-    partial.touch()
-    sink = _HashingFile(partial)
-    try:
-        http_get(meta.location, sink, resume_size=resumed, headers=build_hf_headers(token=token),
-                 expected_size=meta.size, displayed_filename=final.name,
-                 tqdm_class=None if progress else _silent_tqdm())
-        os.fsync(sink.file.fileno())
-    except ValueError as exc:   # huggingface_hub refuses plain-HTTP downloads over 50 GB (they need Xet)
-        raise UnsupportedError(f"{_first_line(exc)} (transport parts of at most 49GB avoid this)", path=where) \
-            from None
-    except (httpx2.HTTPError, HfHubHTTPError, OSError) as exc:
-        if isinstance(exc, OSError) and not isinstance(exc, HfHubHTTPError) and exc.errno is not None:
-            raise   # a local file error (a full disk): the CLI names it
-        raise SourceError(f"download stopped after {sink.tell():,} of {meta.size or 0:,} bytes ({_first_line(exc)}); "
-                          f"run the same command again to resume", path=where) from None
-    finally:
-        sink.close()
-    size, digest = partial.stat().st_size, sink.digest.hexdigest()
-    if expected is not None and (size != expected.size or digest != expected.sha256):
-        partial.unlink()
+    # one download of a file at a time: a second run would share its partial and its journal
+    with output_lock(final):
+        partial = final.with_name(final.name + PARTIAL_SUFFIX)
+        journal = final.with_name(final.name + JOURNAL_SUFFIX)
+        where = f"{repo_id}/{filename}"
+        url = hf_hub_url(repo_id, filename, revision=revision, endpoint=_endpoint())
+        try:
+            meta = get_hf_file_metadata(url, token=token, endpoint=_endpoint())
+        except HfHubHTTPError as exc:
+            status = getattr(exc.response, "status_code", None)
+            kind = MissingSourceError if status in (401, 403, 404) else SourceError
+            raise kind(f"the Hub answered {status}: {_first_line(exc)}", path=where) from None
+        except httpx2.HTTPError as exc:
+            raise SourceError(f"cannot reach the Hub at {url}: {exc}", path=where) from None
+        if expected is not None and meta.size is not None and meta.size != expected.size:
+            raise CorruptDataError(f"the repository's file is {meta.size:,} bytes, the manifest says {expected.size:,}: "
+                                   f"not the file the manifest describes", path=where)
+        identity = {"repo": repo_id, "file": filename, "etag": meta.etag, "commit": meta.commit_hash, "size": meta.size}
+        try:
+            resumable = json.loads(journal.read_text()) == identity and partial.is_file()
+        except (OSError, ValueError):
+            resumable = False
+        if not resumable:
+            partial.unlink(missing_ok=True)
+            journal.write_text(json.dumps(identity))
+        resumed = partial.stat().st_size if partial.exists() else 0
+        if meta.size is not None and resumed > meta.size:
+            partial.unlink()
+            resumed = 0
+        need = (meta.size or 0) - resumed
+        free = shutil.disk_usage(final.parent).free
+        if free < need:
+            raise OutOfSpaceError(f"needs {need:,} bytes free to download {filename}, {free:,} available",
+                                  path=final.parent)
+        partial.touch()
+        sink = _HashingFile(partial)
+        try:
+            http_get(meta.location, sink, resume_size=resumed, headers=build_hf_headers(token=token),
+                     expected_size=meta.size, displayed_filename=final.name,
+                     tqdm_class=None if progress else _silent_tqdm())
+            os.fsync(sink.file.fileno())
+        except ValueError as exc:   # huggingface_hub refuses plain-HTTP downloads over 50 GB (they need Xet)
+            raise UnsupportedError(f"{_first_line(exc)} (transport parts of at most 49GB avoid this)", path=where) \
+                from None
+        except (httpx2.HTTPError, HfHubHTTPError, OSError) as exc:
+            if isinstance(exc, OSError) and not isinstance(exc, HfHubHTTPError) and exc.errno is not None:
+                raise   # a local file error (a full disk): the CLI names it
+            raise SourceError(f"download stopped after {sink.tell():,} of {meta.size or 0:,} bytes ({_first_line(exc)}); "
+                              f"run the same command again to resume", path=where) from None
+        finally:
+            sink.close()
+        size, digest = partial.stat().st_size, sink.digest.hexdigest()
+        if expected is not None and (size != expected.size or digest != expected.sha256):
+            partial.unlink()
+            journal.unlink(missing_ok=True)
+            raise CorruptDataError(f"downloaded {size:,} bytes with SHA-256 {digest}; the manifest says {expected.size:,} "
+                                   f"bytes, {expected.sha256}: refused (the partial download was removed)",
+                                   path=where)
+        os.replace(partial, final)
+        fsync_path(final.parent, directory=True)
         journal.unlink(missing_ok=True)
-        raise CorruptDataError(f"downloaded {size:,} bytes with SHA-256 {digest}; the manifest says {expected.size:,} "
-                               f"bytes, {expected.sha256}: refused (the partial download was removed)",
-                               path=where)
-    os.replace(partial, final)
-    fsync_path(final.parent, directory=True)
-    journal.unlink(missing_ok=True)
-    return Fetched(final, size, digest, resumed, expected is not None)
+        return Fetched(final, size, digest, resumed, expected is not None)
 
 
 def _first_line(exc: BaseException) -> str:

@@ -21,7 +21,7 @@ from pathlib import Path
 from gguf.constants import GGUFValueType
 
 from ..errors import FormatError, OutOfSpaceError, UnsupportedError
-from ..io.atomic import atomic_output, check_output, is_out_of_space
+from ..io.atomic import atomic_output, check_output, is_out_of_space, output_lock
 from ..io.gguf import KV, align
 from ..io.gguf_reader import GGUFFile
 from ..io.gguf_writer import plan_layout
@@ -48,7 +48,6 @@ def byte_part_name(file_name: str, index: int, count: int) -> str:
 
 
 def _check_outputs(out_dir: Path, names: list[str], source: Path, force: bool) -> None:
-    out_dir.mkdir(parents=True, exist_ok=True)
     for name in names:
         check_output(out_dir / name, inputs=[source], overwrite=force, what="transport part")
 
@@ -72,8 +71,12 @@ def split_file(source: str | os.PathLike, out_dir: str | os.PathLike, part_size:
     source, out_dir = Path(source), Path(out_dir)
     if gguf is None:
         gguf = source.suffix == ".gguf"
+    out_dir.mkdir(parents=True, exist_ok=True)
     try:
-        return (split_gguf if gguf else split_bytes)(source, out_dir, part_size, force=force, progress=progress)
+        # one split into a directory per source name: a second run would share the parts' partial files, and each
+        # would record its own hashes over the other's bytes
+        with output_lock(out_dir / manifest_name(source.name)):
+            return (split_gguf if gguf else split_bytes)(source, out_dir, part_size, force=force, progress=progress)
     except OSError as exc:
         if is_out_of_space(exc):
             raise OutOfSpaceError(f"filesystem full while writing parts: {exc.strerror}", path=out_dir) from None
