@@ -1,0 +1,158 @@
+"""CPU scoring throughput: quantkit's runtime against llama-perplexity on the same GGUFs, threads and text.
+
+    python bench/score_cpu_vs_llamacpp.py --llama-perplexity PATH [--threads 2] [--ctx 512] [--chunks 8]
+        [--repeats 3] [--arithmetic float32] [--markdown OUT.md]
+
+The bundled example (``quantkit/examples/tiny-moe``, a qwen3_moe) is converted by quantkit with the example
+recipes ``tiny-moe-q4_k`` and ``tiny-moe-iq2xxs-w2q2k`` (bundled imatrix).  Both tools then score the same text
+(the example's calibration text, repeated) in ``--chunks`` chunks of ``--ctx`` tokens, logits at every position,
+each chunk one forward pass, as llama-perplexity does.  Each measurement is a child process, quantkit and
+llama-perplexity interleaved over ``--repeats`` rounds:
+
+- llama-perplexity: tokens/s between its own log stamps of "calculating perplexity" and "Final estimate" (the
+  chunk loop after load, tokenization and its warm-up pass), and the process wall;
+- quantkit: ``load_model`` + one untimed warm-up chunk (numba caches, first-use checks, as llama's warm-up), then
+  the timed chunks through :func:`quantkit.runtime.logits` (log-softmax included), and the process wall.
+
+Ratio = quantkit tokens/s / llama-perplexity tokens/s of the same round; medians over rounds.  The wall ratio
+(llama-perplexity's process wall / quantkit's) includes start-up: imports, load, tokenization, warm-up.  Prints one JSON
+object per measurement and a table.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from _common import emit, machine, commit
+
+REPO = Path(__file__).resolve().parent.parent
+EXAMPLES = REPO / "quantkit" / "examples"
+MODELS = (("Q4_K", "tiny-moe-q4_k", ()),
+          ("IQ2_XXS/Q2_K", "tiny-moe-iq2xxs-w2q2k", ("--imatrix", str(EXAMPLES / "tiny-moe.imatrix.gguf"))))
+#: llama-perplexity's log stamps (minutes.seconds.milliseconds.microseconds) of the first and last chunk lines.
+STAMP = r"(\d+)\.(\d+)\.(\d+)\.(\d+) I "
+CHUNKS_START = re.compile(STAMP + r"perplexity: calculating perplexity over (\d+) chunks, n_ctx=(\d+)")
+CHUNKS_END = re.compile(STAMP + r"Final estimate")
+
+#: The quantkit child: prints "<tokens> <seconds>" for the timed chunks.
+CHILD = r"""
+import sys, time
+import numpy as np, torch
+from tokenizers import Tokenizer
+from quantkit.runtime import load_model, logits
+gguf, text, ctx, chunks, threads, arithmetic = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]), sys.argv[6]
+torch.set_num_threads(threads)
+ids = Tokenizer.from_file(sys.argv[7]).encode(open(text).read()).ids
+model = load_model(gguf, arithmetic=arithmetic)
+def score(chunk):
+    out = logits(model, ids[chunk * ctx:(chunk + 1) * ctx])
+    return torch.log_softmax(torch.from_numpy(out), -1)
+score(0)
+t0 = time.perf_counter()
+for chunk in range(chunks):
+    score(chunk)
+print(chunks * ctx, time.perf_counter() - t0)
+"""
+
+
+def convert(workdir: Path) -> list[tuple[str, Path]]:
+    out = []
+    for label, recipe, extra in MODELS:
+        target = workdir / f"{recipe}.gguf"
+        subprocess.run([sys.executable, "-m", "quantkit.cli", "convert", str(EXAMPLES / "tiny-moe"), "-o", str(target),
+                        "--recipe", str(EXAMPLES / "recipes" / f"{recipe}.toml"), *extra, "--pre-tokenizer", "qwen35", "--no-progress"],
+                       check=True, cwd=REPO, stdout=subprocess.DEVNULL)
+        out.append((label, target))
+    return out
+
+
+def run_llama(binary: str, gguf: Path, text: Path, args) -> tuple[float, float]:
+    t0 = time.perf_counter()
+    done = subprocess.run([binary, "-m", str(gguf), "-f", str(text), "-c", str(args.ctx), "-b", str(args.ctx),
+                           "--chunks", str(args.chunks), "-t", str(args.threads), "-tb", str(args.threads)],
+                          capture_output=True, text=True,
+                          env={**os.environ, "LD_LIBRARY_PATH": str(Path(binary).resolve().parent)})
+    wall = time.perf_counter() - t0
+    log = done.stderr + done.stdout
+    start, end = CHUNKS_START.search(log), CHUNKS_END.search(log)
+    if done.returncode != 0 or start is None or end is None:
+        raise SystemExit(f"llama-perplexity failed on {gguf}:\n{done.stderr[-2000:]}")
+    tokens = int(start.group(5)) * int(start.group(6))
+    return tokens / (_seconds(end) - _seconds(start)), wall
+
+
+def _seconds(stamp: re.Match) -> float:
+    minutes, seconds, ms, us = (int(stamp.group(i)) for i in range(1, 5))
+    return minutes * 60 + seconds + ms / 1e3 + us / 1e6
+
+
+def run_quantkit(gguf: Path, text: Path, args) -> tuple[float, float]:
+    t0 = time.perf_counter()
+    done = subprocess.run([sys.executable, "-c", CHILD, str(gguf), str(text), str(args.ctx), str(args.chunks),
+                           str(args.threads), args.arithmetic, str(EXAMPLES / "tiny-moe" / "tokenizer.json")],
+                          capture_output=True, text=True, cwd=REPO,
+                          env={**os.environ, "OMP_NUM_THREADS": str(args.threads), "PYTHONPATH": str(REPO)})
+    wall = time.perf_counter() - t0
+    if done.returncode != 0:
+        raise SystemExit(f"quantkit failed on {gguf}:\n{done.stderr[-2000:]}")
+    tokens, seconds = done.stdout.split()[-2:]
+    return int(tokens) / float(seconds), wall
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--llama-perplexity", required=True)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--ctx", type=int, default=512)
+    parser.add_argument("--chunks", type=int, default=8)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--arithmetic", default="float32", choices=("float32", "ggml-cpu"))
+    parser.add_argument("--markdown")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory(prefix="qk-score-cpu-") as tmp:
+        workdir = Path(tmp)
+        text = workdir / "text.txt"
+        base = (EXAMPLES / "tiny-moe-text" / "calibration.txt").read_text()
+        text.write_text(base * max(1, 4 * args.chunks * args.ctx // max(1, len(base) // 4)))
+        models = convert(workdir)
+        rows = []
+        for label, gguf in models:
+            samples = {"llama": [], "quantkit": [], "ratio": [], "llama_wall": [], "quantkit_wall": []}
+            for round_no in range(args.repeats):
+                order = ["llama", "quantkit"] if round_no % 2 == 0 else ["quantkit", "llama"]
+                measured = {}
+                for tool in order:
+                    if tool == "llama":
+                        measured[tool] = run_llama(args.llama_perplexity, gguf, text, args)
+                    else:
+                        measured[tool] = run_quantkit(gguf, text, args)
+                    emit({"bench": "score_cpu_vs_llamacpp", "model": label, "tool": tool, "round": round_no,
+                          "tokens_per_s": measured[tool][0], "wall_s": measured[tool][1], "threads": args.threads,
+                          "ctx": args.ctx, "chunks": args.chunks, "arithmetic": args.arithmetic,
+                          "load_avg": os.getloadavg()[0]})
+                for tool in ("llama", "quantkit"):
+                    samples[tool].append(measured[tool][0])
+                    samples[f"{tool}_wall"].append(measured[tool][1])
+                samples["ratio"].append(measured["quantkit"][0] / measured["llama"][0])
+            rows.append((label, {k: statistics.median(v) for k, v in samples.items()}))
+    lines = [f"{machine()}, commit {commit()}, {args.threads} threads, ctx {args.ctx}, {args.chunks} chunks, "
+             f"arithmetic {args.arithmetic}, medians of {args.repeats} interleaved rounds",
+             "", "| model | llama-perplexity tok/s | quantkit tok/s | ratio | llama wall s | quantkit wall s | wall ratio |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for label, m in rows:
+        lines.append(f"| {label} | {m['llama']:,.0f} | {m['quantkit']:,.0f} | {m['ratio']:.2f} | "
+                     f"{m['llama_wall']:.2f} | {m['quantkit_wall']:.2f} | {m['llama_wall'] / m['quantkit_wall']:.2f} |")
+    print("\n".join(lines))
+    if args.markdown:
+        Path(args.markdown).write_text("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()
