@@ -9,8 +9,8 @@ recipes ``tiny-moe-q4_k`` and ``tiny-moe-iq2xxs-w2q2k`` (bundled imatrix).  Both
 each chunk one forward pass, as llama-perplexity does.  Each measurement is a child process, quantkit and
 llama-perplexity interleaved over ``--repeats`` rounds:
 
-- llama-perplexity: tokens/s between its own log stamps of "calculating perplexity" and "Final estimate" (the
-  chunk loop after load, tokenization and its warm-up pass), and the process wall;
+- llama-perplexity: tokens/s of the chunk loop, from the walls of two runs (1 chunk and 1 + ``--chunks``), and
+  the process wall of the longer one;
 - quantkit: ``load_model`` + one untimed warm-up chunk (numba caches, first-use checks, as llama's warm-up), then
   the timed chunks through :func:`quantkit.runtime.logits` (log-softmax included), and the process wall.
 
@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import statistics
 import subprocess
 import sys
@@ -36,11 +35,6 @@ REPO = Path(__file__).resolve().parent.parent
 EXAMPLES = REPO / "quantkit" / "examples"
 MODELS = (("Q4_K", "tiny-moe-q4_k", ()),
           ("IQ2_XXS/Q2_K", "tiny-moe-iq2xxs-w2q2k", ("--imatrix", str(EXAMPLES / "tiny-moe.imatrix.gguf"))))
-#: llama-perplexity's log stamps (minutes.seconds.milliseconds.microseconds) of the first and last chunk lines.
-STAMP = r"(\d+)\.(\d+)\.(\d+)\.(\d+) I "
-CHUNKS_START = re.compile(STAMP + r"perplexity: calculating perplexity over (\d+) chunks, n_ctx=(\d+)")
-CHUNKS_END = re.compile(STAMP + r"Final estimate")
-
 #: The quantkit child: prints "<tokens> <seconds>" for the timed chunks.
 CHILD = r"""
 import sys, time
@@ -74,23 +68,22 @@ def convert(workdir: Path) -> list[tuple[str, Path]]:
 
 
 def run_llama(binary: str, gguf: Path, text: Path, args) -> tuple[float, float]:
-    t0 = time.perf_counter()
-    done = subprocess.run([binary, "-m", str(gguf), "-f", str(text), "-c", str(args.ctx), "-b", str(args.ctx),
-                           "--chunks", str(args.chunks), "-t", str(args.threads), "-tb", str(args.threads)],
-                          capture_output=True, text=True,
-                          env={**os.environ, "LD_LIBRARY_PATH": str(Path(binary).resolve().parent)})
-    wall = time.perf_counter() - t0
-    log = done.stderr + done.stdout
-    start, end = CHUNKS_START.search(log), CHUNKS_END.search(log)
-    if done.returncode != 0 or start is None or end is None:
-        raise SystemExit(f"llama-perplexity failed on {gguf}:\n{done.stderr[-2000:]}")
-    tokens = int(start.group(5)) * int(start.group(6))
-    return tokens / (_seconds(end) - _seconds(start)), wall
+    """(tokens/s of the chunk loop, wall of the whole run): two runs, of 1 and of 1 + ``--chunks`` chunks.
 
-
-def _seconds(stamp: re.Match) -> float:
-    minutes, seconds, ms, us = (int(stamp.group(i)) for i in range(1, 5))
-    return minutes * 60 + seconds + ms / 1e3 + us / 1e6
+    The difference of their walls is the time of ``--chunks`` chunks (load, tokenization and warm-up cancel out);
+    llama.cpp's own log stamps cannot be used, as its asynchronous logger may lose the last line at exit.
+    """
+    walls = []
+    for chunks in (1, 1 + args.chunks):
+        t0 = time.perf_counter()
+        done = subprocess.run([binary, "-m", str(gguf), "-f", str(text), "-c", str(args.ctx), "-b", str(args.ctx),
+                               "--chunks", str(chunks), "-t", str(args.threads), "-tb", str(args.threads)],
+                              capture_output=True, text=True,
+                              env={**os.environ, "LD_LIBRARY_PATH": str(Path(binary).resolve().parent)})
+        walls.append(time.perf_counter() - t0)
+        if done.returncode != 0:
+            raise SystemExit(f"llama-perplexity failed on {gguf} (exit {done.returncode}):\n{done.stderr[-2000:]}")
+    return args.chunks * args.ctx / (walls[1] - walls[0]), walls[1]
 
 
 def run_quantkit(gguf: Path, text: Path, args) -> tuple[float, float]:
@@ -120,7 +113,7 @@ def main() -> None:
         workdir = Path(tmp)
         text = workdir / "text.txt"
         base = (EXAMPLES / "tiny-moe-text" / "calibration.txt").read_text()
-        text.write_text(base * max(1, 4 * args.chunks * args.ctx // max(1, len(base) // 4)))
+        text.write_text(base * max(1, 4 * (args.chunks + 1) * args.ctx // max(1, len(base) // 4)))
         models = convert(workdir)
         rows = []
         for label, gguf in models:
