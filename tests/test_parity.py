@@ -291,7 +291,7 @@ def test_kld_statistics_of_llama_cpp_logits_are_llama_perplexitys_to_the_byte(ll
     """Given llama.cpp's own logits (llama-cpp-python, bit-identical to llama-perplexity's on the machine this was
     measured on), quantkit's side of ``parity`` reproduces llama-perplexity exactly: chunking, BOS and the base
     file's records (quantkit's writer on llama.cpp's F32 logits gives llama-perplexity's base file byte for byte),
-    the scored token set and every printed statistic (all 37 lines of the summary, Mean KLD and Same top p among
+    the scored token set and every printed statistic (all 39 lines of the summary, Mean KLD and Same top p among
     them).  What remains between ``quantkit parity`` and llama-perplexity is therefore the logits alone."""
     from test_runtime import llama_cpp_logits
 
