@@ -1,5 +1,6 @@
 """CUDA: every Triton dequantization kernel is bit-identical to the numba decoder it stands for, and the runtime on
-CUDA (payloads on the device, and streamed from the file) gives the CPU runtime's logits.  Skipped without a CUDA
+CUDA (payloads on the device, and streamed from the file; routed experts as grouped products) gives the CPU runtime's
+logits (eager per-expert loop).  Skipped without a CUDA
 device (CI has none: these run on the H200 whenever GPU code changes; the note records the run)."""
 from __future__ import annotations
 
@@ -63,6 +64,25 @@ def test_cuda_runtime_matches_cpu(ggufs, arch):
     scale = float(np.abs(cpu).max())
     assert float(np.abs(cuda - cpu).max()) <= RELATIVE_TOLERANCE * scale
     assert np.array_equal(streamed, cuda)
+
+
+@pytest.mark.parametrize("transposed", [False, True])
+def test_grouped_mm_bf16_equals_per_expert_products(transposed):
+    """The bfloat16 grouped product (torch's grouped_mm) against float32 per-expert products of the same bfloat16
+    inputs: within bfloat16's rounding of the output (2^-8 relative) on a max-normalized scale."""
+    from quantkit.runtime.experts import grouped_linear
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    n_experts, rows_in, rows_out = 8, 256, 192
+    experts = torch.sort(torch.randint(0, n_experts - 1, (1000,), generator=gen, device="cuda")).values
+    counts = torch.bincount(experts, minlength=n_experts)
+    x = torch.randn(1000, rows_in, generator=gen, device="cuda").bfloat16()
+    shape = (n_experts, rows_in, rows_out) if transposed else (n_experts, rows_out, rows_in)
+    weight = torch.randn(*shape, generator=gen, device="cuda").bfloat16()
+    got = grouped_linear(x, weight, experts, counts, transposed).float()
+    w32 = weight.float() if transposed else weight.float().transpose(-2, -1)
+    ref = torch.cat([x[experts == e].float() @ w32[e] for e in range(n_experts)])
+    assert float((got - ref).abs().max()) <= 2 ** -7 * float(ref.abs().max())
 
 
 def test_cuda_nan_payload_raises_naming_the_tensor(ggufs, tmp_path):
