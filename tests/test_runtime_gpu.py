@@ -85,6 +85,26 @@ def test_grouped_mm_bf16_equals_per_expert_products(transposed):
     assert float((got - ref).abs().max()) <= 2 ** -7 * float(ref.abs().max())
 
 
+@pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v3"])
+def test_cuda_long_sequence_attention_memory_is_linear(ggufs, arch):
+    """SDPA (memory-efficient kernel, causal, no mask tensor): scoring 8192 tokens needs far less than one layer's
+    [heads, n, n] float32 score matrix, the least eager attention would hold."""
+    from quantkit.runtime import load_model, logits
+    from test_runtime import token_ids
+
+    model = load_model(ggufs(arch, "mixed"), device="cuda")
+    assert model.module.config._attn_implementation == "sdpa"
+    n = 8192
+    ids = token_ids(arch, n)
+    logits(model, ids[:64])     # weights placed, kernels compiled
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    logits(model, ids)
+    scores = model.module.config.num_attention_heads * n * n * 4
+    assert torch.cuda.max_memory_allocated() - base < scores / 8
+
+
 def test_cuda_nan_payload_raises_naming_the_tensor(ggufs, tmp_path):
     import shutil
 
