@@ -9,7 +9,8 @@
    routed experts run as grouped products on CUDA (:mod:`.experts`: tokens sorted by expert, a layer's experts
    decoded together) and as transformers' eager per-expert loop on the CPU (``experts_implementation="eager"``,
    the one that reads one expert at a time, so a model larger than memory streams); ``experts=`` overrides;
-   attention is transformers' SDPA (``attn_implementation="sdpa"``) wherever the model's code supports it;
+   attention is transformers' SDPA (``attn_implementation="sdpa"``) wherever the model's code supports it (all
+   but DeepSeek V4 among the seed architectures), kept off the O(n^2) math kernel in float32 (:mod:`.attention`);
 3. resolves every parameter and persistent buffer through the architecture map (:meth:`quantkit.arch.ArchMap.resolve`)
    to the GGUF tensors it comes from and plans its inverse (:mod:`.inverse`).  Matrices become
    :class:`~quantkit.runtime.packed.PackedTensor` (bytes stay in the file or on the device, decoded per use);
@@ -38,6 +39,7 @@ from ..arch import ArchMap, get_arch
 from ..arch.dialects import relaid_mappings
 from ..errors import FixtureError, FormatError, UnsupportedError, ValidationError
 from ..io.gguf import KV
+from .attention import install as install_sdpa
 from .experts import EXPERTS_MODES, GROUPED, register as register_grouped
 from .inverse import TensorPlan, plan_tensor
 from .packed import Assembler, PackedTensor, WeightStore, finite_flag, scale_companion
@@ -112,6 +114,7 @@ def model_skeleton(config: Mapping[str, Any], dtype: torch.dtype = torch.float32
     hf_config = CONFIG_MAPPING[model_type].from_dict(dict(config))
     if experts_implementation == GROUPED:
         register_grouped()
+    install_sdpa()
     hf_config._experts_implementation = experts_implementation
     names = list(config.get("architectures") or []) or [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type)]
     cls = getattr(transformers, names[0] or "", None)
