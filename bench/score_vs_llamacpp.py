@@ -1,7 +1,7 @@
 """All-position scoring on one GPU: quantkit's CUDA runtime vs llama.cpp's CUDA build, same synthetic GGUFs, one run.
 
     python bench/score_vs_llamacpp.py --llama-src .devkit/llama-src.tar.gz [--build /tmp/llama-build] [--jobs 14]
-        [--models 1b,7b] [--tokens 512,2048] [--dtypes float32,bfloat16] [--repeats 3] [--skip-llama]
+        [--models 1b,7b] [--tokens 512,2048] [--long 16384] [--dtypes float32,bfloat16] [--repeats 3] [--skip-llama]
         [--markdown FILE] [--logs DIR]
 
 1. Starts building llama.cpp's ``llama-perplexity`` and ``llama-bench`` with CUDA for sm_90 from the vendored
@@ -11,7 +11,7 @@
    ``1b`` (1.02B, 16 experts top-4, 8 layers) and ``7b`` (7.6B, 64 experts top-8, 24 layers), and a text of
    random words (one token each).
 3. quantkit: :func:`quantkit.runtime.logits` (every position's logits, copied to the host) on random tokens of
-   each ``--tokens`` length, per compute dtype; tokens/s from the median of ``--repeats`` calls after a warm-up;
+   each ``--tokens`` length (and ``--long`` for the first model), per compute dtype; tokens/s from the median of ``--repeats`` calls after a warm-up;
    peak device memory is torch's allocator peak for that load and length.
 4. llama.cpp (after the build): ``llama-perplexity -c N`` (every position's logits; flash attention on, all layers
    on the GPU) over enough chunks of the text; tokens/s is its ``prompt eval`` figure (the decode calls, logits
@@ -236,6 +236,7 @@ def main() -> None:
     parser.add_argument("--jobs", type=int, default=14)
     parser.add_argument("--models", default="1b,7b")
     parser.add_argument("--tokens", default="512,2048")
+    parser.add_argument("--long", default="", help="extra lengths scored on the first model only")
     parser.add_argument("--dtypes", default="float32,bfloat16")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--skip-llama", action="store_true")
@@ -254,33 +255,34 @@ def main() -> None:
         build = start_build(args.llama_src, args.build, args.jobs, args.logs / "build.log")
     results = {}
     text = args.workdir / "text.txt"
-    for name in args.models.split(","):
+    long = [int(n) for n in args.long.split(",") if n]
+    for number, name in enumerate(args.models.split(",")):
         config = MODELS[name]
         path = args.workdir / f"synthetic-{name}.gguf"
         t0 = time.perf_counter()
         params = write_synthetic(path, config, tokenizer_metadata(config["vocab_size"]))
         emit({"name": f"wrote {path.name}", "parameters": params, "seconds": time.perf_counter() - t0})
-        results[name] = {"path": path, "parameters": params, "file_bytes": path.stat().st_size, "lengths": lengths,
+        results[name] = {"path": path, "parameters": params, "file_bytes": path.stat().st_size,
+                         "lengths": lengths + (long if number == 0 else []),
                          "quantkit": []}
-    write_text(text, 2 * PERPLEXITY_TOKENS + 2 * max(lengths) + 1000, SYNTHETIC["vocab_size"])
+    write_text(text, 2 * PERPLEXITY_TOKENS + 2 * max(lengths + long) + 1000, SYNTHETIC["vocab_size"])
     if build is not None:      # quiet machine for the timings: the build finishes first
         if build.wait() != 0:
             print((args.logs / "build.log").read_text()[-3000:], file=sys.stderr)
             sys.exit("llama.cpp build failed")
     for name, r in results.items():
         for d in dtypes:
-            r["quantkit"] += score_quantkit(r["path"], lengths, args.repeats, getattr(torch, d),
+            r["quantkit"] += score_quantkit(r["path"], r["lengths"], args.repeats, getattr(torch, d),
                                             MODELS[name]["vocab_size"])
         if build is not None:
             tools = args.build / "out" / "bin"
             r["perplexity"] = [run_perplexity(tools / "llama-perplexity", r["path"], text, n,
-                                              args.logs / f"perplexity-{name}-{n}.log") for n in lengths]
+                                              args.logs / f"perplexity-{name}-{n}.log") for n in r["lengths"]]
             r["llama_bench"] = run_llama_bench(tools / "llama-bench", r["path"], lengths,
                                                args.logs / f"bench-{name}.log")
-    table = markdown(results, dtypes)
-    print(table)
-    if args.markdown:
-        args.markdown.write_text(table)
+        if args.markdown:       # after each model: a run cut short keeps what it measured
+            args.markdown.write_text(markdown(results, dtypes))
+    print(markdown(results, dtypes))
 
 
 if __name__ == "__main__":

@@ -86,23 +86,27 @@ def test_grouped_mm_bf16_equals_per_expert_products(transposed):
 
 
 @pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v3"])
-def test_cuda_long_sequence_attention_memory_is_linear(ggufs, arch):
-    """SDPA (memory-efficient kernel, causal, no mask tensor): scoring 8192 tokens needs far less than one layer's
-    [heads, n, n] float32 score matrix, the least eager attention would hold."""
+def test_cuda_long_sequence_memory_grows_linearly(ggufs, arch):
+    """SDPA's memory-efficient kernel (causal, no mask tensor; grouped-query heads repeated in float32): the device
+    memory a forward pass adds grows linearly with the sequence (4096 -> 8192 tokens at most 2.5x, where any
+    n x n term makes it 4x) and stays below half of one layer's [heads, n, n] float32 score matrix."""
     from quantkit.runtime import load_model, logits
     from test_runtime import token_ids
 
     model = load_model(ggufs(arch, "mixed"), device="cuda")
     assert model.module.config._attn_implementation == "sdpa"
-    n = 8192
-    ids = token_ids(arch, n)
+    ids = token_ids(arch, 8192)
     logits(model, ids[:64])     # weights placed, kernels compiled
-    torch.cuda.synchronize()
-    base = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    logits(model, ids)
-    scores = model.module.config.num_attention_heads * n * n * 4
-    assert torch.cuda.max_memory_allocated() - base < scores / 8
+    added = {}
+    for n in (4096, 8192):
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        logits(model, ids[:n])
+        added[n] = torch.cuda.max_memory_allocated() - base
+    print(arch, added)
+    assert added[8192] <= 2.5 * added[4096]
+    assert added[8192] < model.module.config.num_attention_heads * 8192 * 8192 * 4 / 2
 
 
 def test_cuda_nan_payload_raises_naming_the_tensor(ggufs, tmp_path):

@@ -335,12 +335,23 @@ def logits(model: RuntimeModel, token_ids: Sequence[int]) -> np.ndarray:
         out = model.module(input_ids=input_ids, use_cache=False).logits[0]
     model.store.check()
     finite = bool(finite_flag(out))         # one reduction where the logits are, not a host pass over them
-    result = out.float().cpu().numpy()
+    result = _host_float32(out)
     if not finite:
         position = int(np.argwhere(~np.isfinite(result))[0][0])
         raise ValidationError(f"non-finite logits at position {position}; first non-finite output: module "
                               f"{_first_non_finite(model.module, input_ids)!r}", path=model.path)
     return result
+
+
+def _host_float32(values: torch.Tensor) -> np.ndarray:
+    """``values`` as a float32 host array.  From CUDA through page-locked memory: torch caches freed pinned
+    blocks, so the next call's buffer is ready, and the copy runs at the link's speed, not the several times
+    slower staged copy into fresh pageable memory (170 ms of a 265 ms call for 2048 x 32000 logits on an H200)."""
+    if values.device.type != "cuda":
+        return values.float().cpu().numpy()
+    host = torch.empty(values.shape, dtype=torch.float32, pin_memory=True)
+    host.copy_(values.float())
+    return host.numpy()
 
 
 def hidden_states(model: RuntimeModel, token_ids: Sequence[int]) -> list[np.ndarray]:
