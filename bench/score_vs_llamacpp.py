@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
 import re
 import shutil
 import statistics
@@ -194,11 +195,11 @@ def run_llama_bench(binary: Path, path: Path, lengths: list[int], log: Path) -> 
            "-fa", "0,1", "-r", "3", "-o", "json"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     log.write_text(" ".join(cmd) + "\n" + proc.stdout + proc.stderr)
-    if proc.returncode != 0:
+    try:
+        return [{"tokens": r["n_prompt"], "flash_attn": r["flash_attn"], "tokens_per_s": r["avg_ts"]}
+                for r in json.loads(proc.stdout)]
+    except (ValueError, KeyError, TypeError):     # a failed run: its log says why
         return []
-    import json
-    return [{"tokens": r["n_prompt"], "flash_attn": r["flash_attn"], "tokens_per_s": r["avg_ts"]}
-            for r in json.loads(proc.stdout)]
 
 
 # -- report -----------------------------------------------------------------------------------------------------
