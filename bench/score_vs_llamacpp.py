@@ -170,6 +170,40 @@ def score_quantkit(path: Path, lengths: list[int], repeats: int, dtype: torch.dt
     return records
 
 
+_STAMP = r"(\d+)\.(\d+)\.(\d+)\.(\d+) I "
+
+
+def _seconds(match, first: int) -> float:
+    minutes, seconds, ms, us = (int(match.group(i)) for i in range(first, first + 4))
+    return minutes * 60 + seconds + ms / 1e3 + us / 1e6
+
+
+def perplexity_speed(log: str) -> dict | None:
+    """Tokens/s of a llama-perplexity run from its log's timestamps (``M.SS.mmm.uuu``; its perf summary is not
+    printed at the default verbosity): ``tokens_per_s`` from the start of scoring to the final estimate (every
+    pass, the first one's warm-up and the NLL arithmetic on the CPU included), ``steady_tokens_per_s`` without
+    the first pass (the figure to compare with warmed-up quantkit calls)."""
+    start = re.search(_STAMP + r"perplexity: calculating perplexity over (\d+) chunks, n_ctx=(\d+), "
+                      r"batch_size=\d+, n_seq=(\d+)", log)
+    first = re.search(r"perplexity: ([\d.]+) seconds per pass", log)
+    end = re.search(_STAMP + r"Final estimate", log)
+    if start is None or end is None or first is None:
+        return None
+    chunks, n_ctx, n_seq = int(start.group(5)), int(start.group(6)), int(start.group(7))
+    total = _seconds(end, 1) - _seconds(start, 1)
+    rec = {"chunks": chunks, "scored_tokens": chunks * n_ctx, "seconds": total,
+           "tokens_per_s": chunks * n_ctx / total, "first_pass_s": float(first.group(1))}
+    if chunks > n_seq and total > rec["first_pass_s"]:
+        rec["steady_tokens_per_s"] = (chunks - n_seq) * n_ctx / (total - rec["first_pass_s"])
+    return rec
+
+
+def _append(log: Path, cmd: list[str], proc: subprocess.CompletedProcess) -> None:
+    """Every llama.cpp run's command line and output, one after another in one log."""
+    with log.open("a") as f:
+        f.write(f"==== {' '.join(cmd)}\n{proc.stdout}{proc.stderr}\n")
+
+
 def run_perplexity(binary: Path, path: Path, text: Path, n: int, log: Path) -> dict:
     chunks = max(2, PERPLEXITY_TOKENS // n)
     cmd = [str(binary), "-m", str(path), "-f", str(text), "-c", str(n), "--chunks", str(chunks), "-ngl", "999",
@@ -179,13 +213,11 @@ def run_perplexity(binary: Path, path: Path, text: Path, n: int, log: Path) -> d
         t0 = time.perf_counter()
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
         wall = time.perf_counter() - t0
-    log.write_text(" ".join(cmd) + "\n" + proc.stdout + proc.stderr)
-    found = re.search(r"prompt eval time =\s*([\d.]+) ms /\s*(\d+) tokens", proc.stderr + proc.stdout)
-    if proc.returncode != 0 or found is None:
+    _append(log, cmd, proc)
+    rec = perplexity_speed(proc.stdout + proc.stderr) if proc.returncode == 0 else None
+    if rec is None:
         return {"tokens": n, "error": f"exit {proc.returncode}, see {log.name}"}
-    ms, count = float(found.group(1)), int(found.group(2))
-    rec = {"tokens": n, "chunks": chunks, "scored_tokens": count, "tokens_per_s": count / (ms / 1e3),
-           "wall_s": wall, "peak_device_mib": mem.peak - idle}
+    rec.update(tokens=n, wall_s=wall, peak_device_mib=mem.peak - idle)
     emit({"name": f"llama-perplexity {path.stem} {n}", **rec})
     return rec
 
@@ -194,7 +226,7 @@ def run_llama_bench(binary: Path, path: Path, lengths: list[int], log: Path) -> 
     cmd = [str(binary), "-m", str(path), "-p", ",".join(map(str, lengths)), "-n", "0", "-ngl", "999",
            "-fa", "0,1", "-r", "3", "-o", "json"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-    log.write_text(" ".join(cmd) + "\n" + proc.stdout + proc.stderr)
+    _append(log, cmd, proc)
     try:
         return [{"tokens": r["n_prompt"], "flash_attn": r["flash_attn"], "tokens_per_s": r["avg_ts"]}
                 for r in json.loads(proc.stdout)]
@@ -209,19 +241,20 @@ def markdown(results: dict, dtypes: list[str]) -> str:
     for name, r in results.items():
         lines += [f"### {name}: {r['parameters'] / 1e9:.2f}B parameters, file {r['file_bytes'] / 2**30:.2f} GiB", "",
                   "| tokens | " + " | ".join(f"quantkit {d} tok/s" for d in dtypes) +
-                  " | llama-perplexity tok/s | " + " | ".join(f"ratio {d}" for d in dtypes) +
+                  " | llama-perplexity tok/s (steady; all passes) | " + " | ".join(f"ratio {d}" for d in dtypes) +
                   " | quantkit peak GiB (" + ", ".join(dtypes) + ") | llama.cpp peak GiB |",
                   "|---" * (3 + 2 * len(dtypes)) + "|---|"]
         ppl = {p["tokens"]: p for p in r.get("perplexity", [])}
         for n in r["lengths"]:
             ours = [next((q for q in r["quantkit"] if q["tokens"] == n and q["dtype"] == d), None) for d in dtypes]
             ref = ppl.get(n, {})
-            ref_tps = ref.get("tokens_per_s")
+            ref_tps = ref.get("steady_tokens_per_s", ref.get("tokens_per_s"))
             cells = [f"{q['tokens_per_s']:,.0f}" if q else "-" for q in ours]
             ratios = [f"{q['tokens_per_s'] / ref_tps:.2f}x" if q and ref_tps else "-" for q in ours]
             peaks = ", ".join(f"{q['peak_device_bytes'] / 2**30:.2f}" if q else "-" for q in ours)
             ref_peak = f"{ref['peak_device_mib'] / 1024:.2f}" if "peak_device_mib" in ref else ref.get("error", "-")
-            lines.append(f"| {n} | {' | '.join(cells)} | {f'{ref_tps:,.0f}' if ref_tps else '-'} | "
+            ref_cell = f"{ref_tps:,.0f}; {ref['tokens_per_s']:,.0f}" if ref_tps else "-"
+            lines.append(f"| {n} | {' | '.join(cells)} | {ref_cell} | "
                          f"{' | '.join(ratios)} | {peaks} | {ref_peak} |")
         if r.get("llama_bench"):
             lines += ["", "llama-bench (last-position logits only): " + ", ".join(
@@ -278,9 +311,9 @@ def main() -> None:
         if build is not None:
             tools = args.build / "out" / "bin"
             r["perplexity"] = [run_perplexity(tools / "llama-perplexity", r["path"], text, n,
-                                              args.logs / f"perplexity-{name}-{n}.log") for n in r["lengths"]]
+                                              args.logs / "llama.log") for n in r["lengths"]]
             r["llama_bench"] = run_llama_bench(tools / "llama-bench", r["path"], lengths,
-                                               args.logs / f"bench-{name}.log")
+                                               args.logs / "llama.log")
         if args.markdown:       # after each model: a run cut short keeps what it measured
             args.markdown.write_text(markdown(results, dtypes))
     print(markdown(results, dtypes))
