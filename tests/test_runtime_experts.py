@@ -51,6 +51,16 @@ def test_grouped_experts_give_the_eager_logits(ggufs, arch, monkeypatch):
     assert float(np.abs(got - eager).max()) <= RELATIVE_TOLERANCE * scale
 
 
+def test_layers_over_the_decode_budget_run_the_eager_loop(ggufs, monkeypatch):
+    calls = []
+    monkeypatch.setattr(grouped, "MAX_DECODED_BYTES", 0)
+    monkeypatch.setattr(grouped, "grouped_linear", lambda *a, **k: calls.append(1))
+    path = ggufs("qwen3_moe", "mixed")
+    ids = token_ids("qwen3_moe", 64)
+    assert np.array_equal(logits(load_model(path, experts="grouped"), ids), logits(load_model(path), ids))
+    assert not calls
+
+
 def test_unknown_experts_mode_is_refused(ggufs):
     with pytest.raises(UnsupportedError, match="experts mode"):
         load_model(ggufs("qwen3_moe", "mixed"), experts="fast")

@@ -15,6 +15,8 @@ interface as :data:`GROUPED`) instead:
 
 Weights are therefore materialized in global memory, one layer's experts at a time, for the length of the
 layer (about ``4 x experts x rows x cols`` bytes in float32): a transient scratch, not a fused dequantizing GEMM.
+A projection whose decoded experts would exceed :data:`MAX_DECODED_BYTES` (a 671B model's layer: 256 experts of
+7168 x 2048, 15 GB per projection in float32) runs the eager loop instead, so memory stays bounded by one expert.
 Decoding all experts costs what one forward of a long sequence (which routes to every expert anyway) must read;
 for few tokens (fewer (token, expert) pairs than experts: decoding with a KV cache) the eager loop, which decodes
 only the routed experts, runs instead.  Experts with biases, a post-expert norm, interleaved gate/up rows or
@@ -26,6 +28,9 @@ import torch
 
 #: The name the runtime registers :func:`grouped_experts_forward` under in transformers' experts interface.
 GROUPED = "quantkit_grouped"
+#: The most bytes one projection's decoded experts (all of them, in the compute dtype) may take for the grouped
+#: path; larger layers run the eager loop.
+MAX_DECODED_BYTES = 4 << 30
 #: Values of ``load_model(experts=)``: ``auto`` is grouped on CUDA (float32 arithmetic), eager elsewhere.
 EXPERTS_MODES = ("auto", "grouped", "eager")
 
@@ -59,6 +64,12 @@ def _unpacked(weight: torch.Tensor) -> torch.Tensor:
     return materialize() if materialize is not None else weight
 
 
+def _decoded_bytes(module) -> int:
+    """Bytes of the largest projection's weights decoded whole (shape queries decode nothing)."""
+    up = module.gate_up_proj if module.has_gate else module.up_proj
+    return max(w.numel() * w.element_size() for w in (up, module.down_proj))
+
+
 def _eager(module):
     """The experts class's own (eager) forward, which transformers' experts decorator wraps."""
     return type(module).forward.__wrapped__
@@ -69,7 +80,7 @@ def grouped_experts_forward(self, hidden_states: torch.Tensor, top_k_index: torc
     """A transformers experts module's forward as grouped products (see the module doc)."""
     # the attributes are set by transformers' experts decorator, the only caller
     if (self.has_bias or self.has_post_expert_norm or not self.is_concatenated or self._is_expert_parallel
-            or top_k_index.numel() < self.num_experts):
+            or top_k_index.numel() < self.num_experts or _decoded_bytes(self) > MAX_DECODED_BYTES):
         return _eager(self)(self, hidden_states, top_k_index, top_k_weights)
     tokens, top_k = top_k_index.shape
     pairs = top_k_index.reshape(-1)
