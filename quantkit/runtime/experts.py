@@ -7,7 +7,8 @@ interface as :data:`GROUPED`) instead:
 
 1. sorts the (token, expert) pairs by expert and counts the tokens of each expert;
 2. decodes each stacked expert tensor of the layer whole (all experts, one Triton launch per GGUF tensor: the
-   bit-exact decoders of :mod:`quantkit.kernels.triton_dequant`) into a transient buffer in the compute dtype;
+   bit-exact decoders of :mod:`quantkit.kernels.triton_dequant`, float32) and places it in a transient tensor of
+   the compute dtype (the packed weight's ordinary rebuild, :meth:`.packed.PackedTensor.materialize`);
 3. multiplies every expert's tokens by its weights in one grouped product: ``torch.nn.functional.grouped_mm``
    (``torch._grouped_mm`` in older torch) for bfloat16 on CUDA, otherwise one batched product over the experts'
    rows padded to the busiest expert's count (:func:`grouped_linear`), exact float32 products as the eager loop
@@ -16,7 +17,7 @@ interface as :data:`GROUPED`) instead:
 Weights are therefore materialized in global memory, one layer's experts at a time, for the length of the
 layer (about ``4 x experts x rows x cols`` bytes in float32): a transient scratch, not a fused dequantizing GEMM.
 A projection whose decoded experts would exceed :data:`MAX_DECODED_BYTES` (a 671B model's layer: 256 experts of
-7168 x 2048, 15 GB per projection in float32) runs the eager loop instead, so memory stays bounded by one expert.
+7168 x 2048, 15-30 GB per projection in float32) runs the eager loop instead, so memory stays bounded by one expert.
 Decoding all experts costs what one forward of a long sequence (which routes to every expert anyway) must read;
 for few tokens (fewer (token, expert) pairs than experts: decoding with a KV cache) the eager loop, which decodes
 only the routed experts, runs instead.  Experts with biases, a post-expert norm, interleaved gate/up rows or
