@@ -106,15 +106,17 @@ def _random_payload(qtype: GGMLType, shape: tuple[int, ...], rng) -> np.ndarray:
     return raw
 
 
-def write_synthetic(path: Path, config: dict) -> int:
-    """A qwen3moe GGUF of random blocks for ``config``; returns the parameter count."""
+def write_synthetic(path: Path, config: dict, extra_metadata: tuple = ()) -> int:
+    """A qwen3moe GGUF of random blocks for ``config`` (plus ``extra_metadata`` keys: a tokenizer); returns the
+    parameter count."""
     amap = get_arch("qwen3_moe").bind(config)
     skeleton = model_skeleton(config)
     shapes = {name: tuple(t.shape) for name, t in skeleton.state_dict().items()}
     outputs = amap.outputs(shapes)
     kind = {o.gguf_name: (GGMLType.F32 if len(o.shape) < 2 else
                           GGMLType.Q4_K if o.tensor_class.startswith("routed_") else GGMLType.Q8_0) for o in outputs}
-    meta = amap.metadata(None) + [(SOURCE_CONFIG_KEY, KV(json.dumps(config), GGUFValueType.STRING))]
+    meta = amap.metadata(None) + [(SOURCE_CONFIG_KEY, KV(json.dumps(config), GGUFValueType.STRING)),
+                                  *extra_metadata]
     layout = plan_layout(meta, [TensorSpec(o.gguf_name, o.shape, kind[o.gguf_name]) for o in outputs])
     rng = np.random.default_rng(0)
     with GGUFWriter(path, layout, overwrite=True) as writer:

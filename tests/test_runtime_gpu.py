@@ -1,5 +1,6 @@
 """CUDA: every Triton dequantization kernel is bit-identical to the numba decoder it stands for, and the runtime on
-CUDA (payloads on the device, and streamed from the file) gives the CPU runtime's logits.  Skipped without a CUDA
+CUDA (payloads on the device, and streamed from the file; routed experts as grouped products) gives the CPU runtime's
+logits (eager per-expert loop).  Skipped without a CUDA
 device (CI has none: these run on the H200 whenever GPU code changes; the note records the run)."""
 from __future__ import annotations
 
@@ -63,6 +64,49 @@ def test_cuda_runtime_matches_cpu(ggufs, arch):
     scale = float(np.abs(cpu).max())
     assert float(np.abs(cuda - cpu).max()) <= RELATIVE_TOLERANCE * scale
     assert np.array_equal(streamed, cuda)
+
+
+@pytest.mark.parametrize("transposed", [False, True])
+def test_grouped_mm_bf16_equals_per_expert_products(transposed):
+    """The bfloat16 grouped product (torch's grouped_mm) against float32 per-expert products of the same bfloat16
+    inputs: within bfloat16's rounding of the output (2^-8 relative) on a max-normalized scale."""
+    from quantkit.runtime.experts import grouped_linear
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    n_experts, rows_in, rows_out = 8, 256, 192
+    experts = torch.sort(torch.randint(0, n_experts - 1, (1000,), generator=gen, device="cuda")).values
+    counts = torch.bincount(experts, minlength=n_experts)
+    x = torch.randn(1000, rows_in, generator=gen, device="cuda").bfloat16()
+    shape = (n_experts, rows_in, rows_out) if transposed else (n_experts, rows_out, rows_in)
+    weight = torch.randn(*shape, generator=gen, device="cuda").bfloat16()
+    got = grouped_linear(x, weight, experts, counts, transposed).float()
+    w32 = weight.float() if transposed else weight.float().transpose(-2, -1)
+    ref = torch.cat([x[experts == e].float() @ w32[e] for e in range(n_experts)])
+    assert float((got - ref).abs().max()) <= 2 ** -7 * float(ref.abs().max())
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v3"])
+def test_cuda_long_sequence_memory_grows_linearly(ggufs, arch):
+    """SDPA's memory-efficient kernel (causal, no mask tensor; grouped-query heads repeated in float32): the device
+    memory a forward pass adds grows linearly with the sequence (4096 -> 8192 tokens at most 2.5x, where any
+    n x n term makes it 4x) and stays below half of one layer's [heads, n, n] float32 score matrix."""
+    from quantkit.runtime import load_model, logits
+    from test_runtime import token_ids
+
+    model = load_model(ggufs(arch, "mixed"), device="cuda")
+    assert model.module.config._attn_implementation == "sdpa"
+    ids = token_ids(arch, 8192)
+    logits(model, ids[:64])     # weights placed, kernels compiled
+    added = {}
+    for n in (4096, 8192):
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        logits(model, ids[:n])
+        added[n] = torch.cuda.max_memory_allocated() - base
+    print(arch, added)
+    assert added[8192] <= 2.5 * added[4096]
+    assert added[8192] < model.module.config.num_attention_heads * 8192 * 8192 * 4 / 2
 
 
 def test_cuda_nan_payload_raises_naming_the_tensor(ggufs, tmp_path):

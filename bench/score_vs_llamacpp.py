@@ -1,0 +1,323 @@
+"""All-position scoring on one GPU: quantkit's CUDA runtime vs llama.cpp's CUDA build, same synthetic GGUFs, one run.
+
+    python bench/score_vs_llamacpp.py --llama-src .devkit/llama-src.tar.gz [--build /tmp/llama-build] [--jobs 14]
+        [--models 1b,7b] [--tokens 512,2048] [--long 16384] [--dtypes float32,bfloat16] [--repeats 3] [--skip-llama]
+        [--markdown FILE] [--logs DIR]
+
+1. Starts building llama.cpp's ``llama-perplexity`` and ``llama-bench`` with CUDA for sm_90 from the vendored
+   source (a tarball or a directory) in the background (about 5 minutes on 16 cores).
+2. Writes synthetic Qwen3-MoE GGUFs (random Q4_K routed experts, Q8_0 other matrices, F32 vectors: the builder
+   of bench/runtime_gpu.py) with a small SentencePiece vocabulary so llama-perplexity can tokenize a text:
+   ``1b`` (1.02B, 16 experts top-4, 8 layers) and ``7b`` (7.6B, 64 experts top-8, 24 layers), and a text of
+   random words (one token each).
+3. quantkit: :func:`quantkit.runtime.logits` (every position's logits, copied to the host) on random tokens of
+   each ``--tokens`` length (and ``--long`` for the first model), per compute dtype; tokens/s from the median of ``--repeats`` calls after a warm-up;
+   peak device memory is torch's allocator peak for that load and length.
+4. llama.cpp (after the build): ``llama-perplexity -c N`` (every position's logits; flash attention on, all layers
+   on the GPU) over enough chunks of the text; tokens/s is its ``prompt eval`` figure (the decode calls, logits
+   to the host included; its NLL arithmetic excluded); peak memory is the most ``nvidia-smi`` saw in use during
+   the run less the idle figure.  ``llama-bench -p N -n 0 -fa 0,1`` (last position only) is shown as context.
+
+Prints one JSON object per measurement, then a markdown table (also written to ``--markdown``).
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import tarfile
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from gguf.constants import GGUFValueType
+
+from _common import commit, emit
+from runtime_gpu import SYNTHETIC, write_synthetic
+
+from quantkit.io.gguf import KV, ArrayOf
+from quantkit.runtime import load_model, logits
+
+MODELS = {
+    "1b": SYNTHETIC,
+    "7b": {**SYNTHETIC, "num_hidden_layers": 24, "num_experts": 64, "num_experts_per_tok": 8,
+           "moe_intermediate_size": 768},
+}
+#: Tokens llama-perplexity scores per context length: enough chunks for a steady figure.
+PERPLEXITY_TOKENS = 16384
+CMAKE_FLAGS = ["-DGGML_CUDA=ON", "-DCMAKE_CUDA_ARCHITECTURES=90", "-DCMAKE_BUILD_TYPE=Release",
+               "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_SERVER=OFF",
+               "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF"]
+# SentencePiece token types (llama.cpp's llama_token_type)
+NORMAL, UNKNOWN, CONTROL, BYTE = 1, 2, 3, 6
+
+
+# -- llama.cpp build --------------------------------------------------------------------------------------------
+
+def start_build(source: Path, build: Path, jobs: int, log: Path) -> subprocess.Popen:
+    """Configure and build llama-perplexity and llama-bench in the background; the process writes ``log``."""
+    build.mkdir(parents=True, exist_ok=True)
+    if source.is_file():
+        tree = build / "src"
+        if not (tree / "CMakeLists.txt").is_file():
+            with tarfile.open(source) as tar:
+                tar.extractall(tree, filter="data")
+    else:
+        tree = source
+    script = (f"cmake -S {tree} -B {build / 'out'} {' '.join(CMAKE_FLAGS)} && "
+              f"cmake --build {build / 'out'} --target llama-perplexity llama-bench -j {jobs}")
+    return subprocess.Popen(["bash", "-c", script], stdout=log.open("w"), stderr=subprocess.STDOUT)
+
+
+# -- synthetic files --------------------------------------------------------------------------------------------
+
+def vocabulary(size: int) -> list[str]:
+    """Specials, the 256 byte tokens, then SentencePiece pieces of one to three letters (with and without the
+    word-start mark), ``size`` in all."""
+    letters = "abcdefghijklmnopqrstuvwxyz"
+    pieces = [a for a in letters] + [a + b for a in letters for b in letters] + \
+             [a + b + c for a in letters for b in letters for c in letters]
+    words = ["\u2581" + p for p in pieces] + pieces
+    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)] + words
+    if len(tokens) < size:
+        raise ValueError(f"vocabulary of {size} tokens exceeds the {len(tokens)} pieces generated")
+    return tokens[:size]
+
+
+def tokenizer_metadata(size: int) -> tuple:
+    tokens = vocabulary(size)
+    types = [UNKNOWN, CONTROL, CONTROL] + [BYTE] * 256 + [NORMAL] * (size - 259)
+    scores = [0.0] * 259 + [-float(i) for i in range(size - 259)]
+    return (("tokenizer.ggml.model", KV("llama", GGUFValueType.STRING)),
+            ("tokenizer.ggml.tokens", KV(tokens, ArrayOf(GGUFValueType.STRING))),
+            ("tokenizer.ggml.scores", KV(scores, ArrayOf(GGUFValueType.FLOAT32))),
+            ("tokenizer.ggml.token_type", KV(types, ArrayOf(GGUFValueType.INT32))),
+            ("tokenizer.ggml.unknown_token_id", KV(0, GGUFValueType.UINT32)),
+            ("tokenizer.ggml.bos_token_id", KV(1, GGUFValueType.UINT32)),
+            ("tokenizer.ggml.eos_token_id", KV(2, GGUFValueType.UINT32)))
+
+
+def write_text(path: Path, words: int, vocab_size: int) -> None:
+    """Random three-letter words of the vocabulary (each one token), one space apart."""
+    three = [t[1:] for t in vocabulary(vocab_size) if t.startswith("\u2581") and len(t) == 4]
+    rng = np.random.default_rng(2)
+    path.write_text(" ".join(three[i] for i in rng.integers(0, len(three), words)) + "\n")
+
+
+# -- measurements -----------------------------------------------------------------------------------------------
+
+class GpuMemoryPeak:
+    """The most device memory ``nvidia-smi`` reports in use while the context is open (MiB, sampled every 50 ms)."""
+
+    def __enter__(self):
+        self.peak = 0
+        self._proc = subprocess.Popen(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits",
+                                       "-lms", "50"], stdout=subprocess.PIPE, text=True)
+        self._thread = threading.Thread(target=self._read, daemon=True)
+        self._thread.start()
+        return self
+
+    def _read(self):
+        for line in self._proc.stdout:
+            try:
+                self.peak = max(self.peak, int(line.split()[0]))
+            except (ValueError, IndexError):
+                pass
+
+    def __exit__(self, *exc):
+        time.sleep(0.2)
+        self._proc.terminate()
+        self._proc.wait()
+
+
+def idle_mib() -> int:
+    out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
+                         capture_output=True, text=True, check=True).stdout
+    return int(out.split()[0])
+
+
+def score_quantkit(path: Path, lengths: list[int], repeats: int, dtype: torch.dtype, vocab: int) -> list[dict]:
+    records = []
+    model = load_model(path, device="cuda", dtype=dtype)
+    try:
+        for n in lengths:
+            ids = np.random.default_rng(n).integers(3, vocab, size=n).tolist()
+            logits(model, ids)           # warm-up: Triton compiles, cuBLAS picks kernels
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            times = []
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                logits(model, ids)
+                times.append(time.perf_counter() - t0)
+            records.append({"tokens": n, "dtype": str(dtype).removeprefix("torch."),
+                            "tokens_per_s": n / statistics.median(times), "seconds": times,
+                            "peak_device_bytes": torch.cuda.max_memory_allocated(),
+                            "payload_device_bytes": model.store.device_bytes})
+            emit({"name": f"quantkit {path.stem} {n} {dtype}", **records[-1]})
+    finally:
+        model.close()
+        del model
+        gc.collect()
+        torch.cuda.empty_cache()
+    return records
+
+
+_STAMP = r"(\d+)\.(\d+)\.(\d+)\.(\d+) I "
+
+
+def _seconds(match, first: int) -> float:
+    minutes, seconds, ms, us = (int(match.group(i)) for i in range(first, first + 4))
+    return minutes * 60 + seconds + ms / 1e3 + us / 1e6
+
+
+def perplexity_speed(log: str) -> dict | None:
+    """Tokens/s of a llama-perplexity run from its log's timestamps (``M.SS.mmm.uuu``; its perf summary is not
+    printed at the default verbosity): ``tokens_per_s`` from the start of scoring to the final estimate (every
+    pass, the first one's warm-up and the NLL arithmetic on the CPU included), ``steady_tokens_per_s`` without
+    the first pass (the figure to compare with warmed-up quantkit calls)."""
+    start = re.search(_STAMP + r"perplexity: calculating perplexity over (\d+) chunks, n_ctx=(\d+), "
+                      r"batch_size=\d+, n_seq=(\d+)", log)
+    first = re.search(r"perplexity: ([\d.]+) seconds per pass", log)
+    end = re.search(_STAMP + r"Final estimate", log)
+    if start is None or end is None or first is None:
+        return None
+    chunks, n_ctx, n_seq = int(start.group(5)), int(start.group(6)), int(start.group(7))
+    total = _seconds(end, 1) - _seconds(start, 1)
+    rec = {"chunks": chunks, "scored_tokens": chunks * n_ctx, "seconds": total,
+           "tokens_per_s": chunks * n_ctx / total, "first_pass_s": float(first.group(1))}
+    if chunks > n_seq and total > rec["first_pass_s"]:
+        rec["steady_tokens_per_s"] = (chunks - n_seq) * n_ctx / (total - rec["first_pass_s"])
+    return rec
+
+
+def _append(log: Path, cmd: list[str], proc: subprocess.CompletedProcess) -> None:
+    """Every llama.cpp run's command line and output, one after another in one log."""
+    with log.open("a") as f:
+        f.write(f"==== {' '.join(cmd)}\n{proc.stdout}{proc.stderr}\n")
+
+
+def run_perplexity(binary: Path, path: Path, text: Path, n: int, log: Path) -> dict:
+    chunks = max(2, PERPLEXITY_TOKENS // n)
+    cmd = [str(binary), "-m", str(path), "-f", str(text), "-c", str(n), "--chunks", str(chunks), "-ngl", "999",
+           "-fa", "on"]
+    idle = idle_mib()
+    with GpuMemoryPeak() as mem:
+        t0 = time.perf_counter()
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+        wall = time.perf_counter() - t0
+    _append(log, cmd, proc)
+    rec = perplexity_speed(proc.stdout + proc.stderr) if proc.returncode == 0 else None
+    if rec is None:
+        return {"tokens": n, "error": f"exit {proc.returncode}, see {log.name}"}
+    rec.update(tokens=n, wall_s=wall, peak_device_mib=mem.peak - idle)
+    emit({"name": f"llama-perplexity {path.stem} {n}", **rec})
+    return rec
+
+
+def run_llama_bench(binary: Path, path: Path, lengths: list[int], log: Path) -> list[dict]:
+    cmd = [str(binary), "-m", str(path), "-p", ",".join(map(str, lengths)), "-n", "0", "-ngl", "999",
+           "-fa", "0,1", "-r", "3", "-o", "json"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    _append(log, cmd, proc)
+    try:
+        return [{"tokens": r["n_prompt"], "flash_attn": r["flash_attn"], "tokens_per_s": r["avg_ts"]}
+                for r in json.loads(proc.stdout)]
+    except (ValueError, KeyError, TypeError):     # a failed run: its log says why
+        return []
+
+
+# -- report -----------------------------------------------------------------------------------------------------
+
+def markdown(results: dict, dtypes: list[str]) -> str:
+    lines = [f"Device: {torch.cuda.get_device_name()}, torch {torch.__version__}, commit {commit()}", ""]
+    for name, r in results.items():
+        lines += [f"### {name}: {r['parameters'] / 1e9:.2f}B parameters, file {r['file_bytes'] / 2**30:.2f} GiB", "",
+                  "| tokens | " + " | ".join(f"quantkit {d} tok/s" for d in dtypes) +
+                  " | llama-perplexity tok/s (steady; all passes) | " + " | ".join(f"ratio {d}" for d in dtypes) +
+                  " | quantkit peak GiB (" + ", ".join(dtypes) + ") | llama.cpp peak GiB |",
+                  "|---" * (3 + 2 * len(dtypes)) + "|---|"]
+        ppl = {p["tokens"]: p for p in r.get("perplexity", [])}
+        for n in r["lengths"]:
+            ours = [next((q for q in r["quantkit"] if q["tokens"] == n and q["dtype"] == d), None) for d in dtypes]
+            ref = ppl.get(n, {})
+            ref_tps = ref.get("steady_tokens_per_s", ref.get("tokens_per_s"))
+            cells = [f"{q['tokens_per_s']:,.0f}" if q else "-" for q in ours]
+            ratios = [f"{q['tokens_per_s'] / ref_tps:.2f}x" if q and ref_tps else "-" for q in ours]
+            peaks = ", ".join(f"{q['peak_device_bytes'] / 2**30:.2f}" if q else "-" for q in ours)
+            ref_peak = f"{ref['peak_device_mib'] / 1024:.2f}" if "peak_device_mib" in ref else ref.get("error", "-")
+            ref_cell = f"{ref_tps:,.0f}; {ref['tokens_per_s']:,.0f}" if ref_tps else "-"
+            lines.append(f"| {n} | {' | '.join(cells)} | {ref_cell} | "
+                         f"{' | '.join(ratios)} | {peaks} | {ref_peak} |")
+        if r.get("llama_bench"):
+            lines += ["", "llama-bench (last-position logits only): " + ", ".join(
+                f"pp{b['tokens']} fa={int(b['flash_attn'])} {b['tokens_per_s']:,.0f} tok/s" for b in r["llama_bench"])]
+        lines.append("")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--llama-src", type=Path)
+    parser.add_argument("--build", type=Path, default=Path("/tmp/llama-build"))
+    parser.add_argument("--jobs", type=int, default=14)
+    parser.add_argument("--models", default="1b,7b")
+    parser.add_argument("--tokens", default="512,2048")
+    parser.add_argument("--long", default="", help="extra lengths scored on the first model only")
+    parser.add_argument("--dtypes", default="float32,bfloat16")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--skip-llama", action="store_true")
+    parser.add_argument("--workdir", type=Path, default=Path("/tmp/score-vs-llamacpp"))
+    parser.add_argument("--logs", type=Path, default=Path("/tmp/score-vs-llamacpp/logs"))
+    parser.add_argument("--markdown", type=Path)
+    args = parser.parse_args()
+    args.logs.mkdir(parents=True, exist_ok=True)
+    args.workdir.mkdir(parents=True, exist_ok=True)
+    lengths = [int(n) for n in args.tokens.split(",")]
+    dtypes = args.dtypes.split(",")
+    build = None
+    if not args.skip_llama:
+        if args.llama_src is None or shutil.which("cmake") is None:
+            sys.exit("--llama-src and cmake are needed unless --skip-llama")
+        build = start_build(args.llama_src, args.build, args.jobs, args.logs / "build.log")
+    results = {}
+    text = args.workdir / "text.txt"
+    long = [int(n) for n in args.long.split(",") if n]
+    for number, name in enumerate(args.models.split(",")):
+        config = MODELS[name]
+        path = args.workdir / f"synthetic-{name}.gguf"
+        t0 = time.perf_counter()
+        params = write_synthetic(path, config, tokenizer_metadata(config["vocab_size"]))
+        emit({"name": f"wrote {path.name}", "parameters": params, "seconds": time.perf_counter() - t0})
+        results[name] = {"path": path, "parameters": params, "file_bytes": path.stat().st_size,
+                         "lengths": lengths + (long if number == 0 else []),
+                         "quantkit": []}
+    write_text(text, 2 * PERPLEXITY_TOKENS + 2 * max(lengths + long) + 1000, SYNTHETIC["vocab_size"])
+    if build is not None:      # quiet machine for the timings: the build finishes first
+        if build.wait() != 0:
+            print((args.logs / "build.log").read_text()[-3000:], file=sys.stderr)
+            sys.exit("llama.cpp build failed")
+    for name, r in results.items():
+        for d in dtypes:
+            r["quantkit"] += score_quantkit(r["path"], r["lengths"], args.repeats, getattr(torch, d),
+                                            MODELS[name]["vocab_size"])
+        if build is not None:
+            tools = args.build / "out" / "bin"
+            r["perplexity"] = [run_perplexity(tools / "llama-perplexity", r["path"], text, n,
+                                              args.logs / "llama.log") for n in r["lengths"]]
+            r["llama_bench"] = run_llama_bench(tools / "llama-bench", r["path"], lengths,
+                                               args.logs / "llama.log")
+        if args.markdown:       # after each model: a run cut short keeps what it measured
+            args.markdown.write_text(markdown(results, dtypes))
+    print(markdown(results, dtypes))
+
+
+if __name__ == "__main__":
+    main()

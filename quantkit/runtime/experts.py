@@ -1,0 +1,108 @@
+"""Routed experts as grouped products: tokens sorted by expert, every active expert of a layer in one product.
+
+transformers' eager experts loop over the experts in Python, one expert's weights decoded and two small products
+per routed expert; on CUDA that is thousands of launches per forward pass and the reason the runtime scored at a
+few percent of llama.cpp's speed.  :func:`grouped_experts_forward` (registered with transformers' experts
+interface as :data:`GROUPED`) instead:
+
+1. sorts the (token, expert) pairs by expert and counts the tokens of each expert;
+2. decodes each stacked expert tensor of the layer whole (all experts, one Triton launch per GGUF tensor: the
+   bit-exact decoders of :mod:`quantkit.kernels.triton_dequant`, float32) and places it in a transient tensor of
+   the compute dtype (the packed weight's ordinary rebuild, :meth:`.packed.PackedTensor.materialize`);
+3. multiplies every expert's tokens by its weights in one grouped product: ``torch.nn.functional.grouped_mm``
+   (``torch._grouped_mm`` in older torch) for bfloat16 on CUDA, otherwise one batched product over the experts'
+   rows padded to the busiest expert's count (:func:`grouped_linear`), exact float32 products as the eager loop
+   computes them, only summed in another order.
+
+Weights are therefore materialized in global memory, one layer's experts at a time, for the length of the
+layer (about ``4 x experts x rows x cols`` bytes in float32): a transient scratch, not a fused dequantizing GEMM.
+A projection whose decoded experts would exceed :data:`MAX_DECODED_BYTES` (a 671B model's layer: 256 experts of
+7168 x 2048, 15-30 GB per projection in float32) runs the eager loop instead, so memory stays bounded by one expert.
+Decoding all experts costs what one forward of a long sequence (which routes to every expert anyway) must read;
+for few tokens (fewer (token, expert) pairs than experts: decoding with a KV cache) the eager loop, which decodes
+only the routed experts, runs instead.  Experts with biases, a post-expert norm, interleaved gate/up rows or
+expert parallelism also run the eager loop.
+"""
+from __future__ import annotations
+
+import torch
+
+#: The name the runtime registers :func:`grouped_experts_forward` under in transformers' experts interface.
+GROUPED = "quantkit_grouped"
+#: The most bytes one projection's decoded experts (all of them, in the compute dtype) may take for the grouped
+#: path; larger layers run the eager loop.
+MAX_DECODED_BYTES = 4 << 30
+#: Values of ``load_model(experts=)``: ``auto`` is grouped on CUDA (float32 arithmetic), eager elsewhere.
+EXPERTS_MODES = ("auto", "grouped", "eager")
+
+
+def _grouped_mm():
+    return getattr(torch.nn.functional, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+
+
+def grouped_linear(x: torch.Tensor, weight: torch.Tensor, experts: torch.Tensor, counts: torch.Tensor,
+                   transposed: bool = False) -> torch.Tensor:
+    """``x[i] @ weight[experts[i]].T`` for every row ``i`` of ``x`` (rows sorted by expert; ``counts[e]`` rows
+    per expert), in one product.  ``weight``: ``[experts, out, in]``, or ``[experts, in, out]`` if ``transposed``.
+    """
+    mat_b = weight if transposed else weight.transpose(-2, -1)         # [experts, in, out]
+    grouped = _grouped_mm()
+    if grouped is not None and x.is_cuda and x.dtype == torch.bfloat16:
+        offsets = torch.cumsum(counts, 0, dtype=torch.int32)
+        return grouped(x, mat_b, offs=offsets)
+    # one batched product over [experts, busiest, in]: an expert's rows padded with zeros to the busiest count
+    busiest = int(counts.max())      # the one wait for the device per product
+    starts = torch.cumsum(counts, 0) - counts
+    slot = torch.arange(x.shape[0], device=x.device) - starts[experts]
+    padded = x.new_zeros(weight.shape[0], busiest, x.shape[1])
+    padded[experts, slot] = x
+    return torch.bmm(padded, mat_b)[experts, slot]
+
+
+def _unpacked(weight: torch.Tensor) -> torch.Tensor:
+    """A packed weight decoded whole (all experts, into a fresh transient tensor); any other tensor as itself."""
+    materialize = getattr(weight, "materialize", None)
+    return materialize() if materialize is not None else weight
+
+
+def _decoded_bytes(module) -> int:
+    """Bytes of the largest projection's weights decoded whole (shape queries decode nothing)."""
+    up = module.gate_up_proj if module.has_gate else module.up_proj
+    return max(w.numel() * w.element_size() for w in (up, module.down_proj))
+
+
+def _eager(module):
+    """The experts class's own (eager) forward, which transformers' experts decorator wraps."""
+    return type(module).forward.__wrapped__
+
+
+def grouped_experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                            top_k_weights: torch.Tensor) -> torch.Tensor:
+    """A transformers experts module's forward as grouped products (see the module doc)."""
+    # the attributes are set by transformers' experts decorator, the only caller
+    if (self.has_bias or self.has_post_expert_norm or not self.is_concatenated or self._is_expert_parallel
+            or top_k_index.numel() < self.num_experts or _decoded_bytes(self) > MAX_DECODED_BYTES):
+        return _eager(self)(self, hidden_states, top_k_index, top_k_weights)
+    tokens, top_k = top_k_index.shape
+    pairs = top_k_index.reshape(-1)
+    order = torch.argsort(pairs, stable=True)
+    experts = pairs[order]
+    counts = torch.bincount(pairs, minlength=self.num_experts)
+    x = hidden_states[order // top_k]
+    transposed = self.is_transposed
+    if self.has_gate:
+        h = self._apply_gate(grouped_linear(x, _unpacked(self.gate_up_proj), experts, counts, transposed))
+    else:
+        h = self.act_fn(grouped_linear(x, _unpacked(self.up_proj), experts, counts, transposed))
+    out = grouped_linear(h, _unpacked(self.down_proj), experts, counts, transposed)
+    out = out * top_k_weights.reshape(-1)[order, None].to(out.dtype)
+    unsorted = torch.empty_like(out)
+    unsorted[order] = out
+    return unsorted.view(tokens, top_k, -1).sum(dim=1).to(hidden_states.dtype)
+
+
+def register() -> None:
+    """Make :data:`GROUPED` a valid ``experts_implementation`` of transformers (idempotent)."""
+    from transformers.integrations.moe import ExpertsInterface
+
+    ExpertsInterface.register(GROUPED, grouped_experts_forward)
