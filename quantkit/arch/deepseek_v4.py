@@ -14,8 +14,11 @@ Three source layouts are read, all onto the same GGUF names:
 * transformers' internal names (``save_original_format=False``): ``self_attn.{q_a_proj, kv_proj, o_a_proj, sinks,
   compressor.{kv_proj, position_bias, indexer.*}}``, ``attn_hc.fn``, ``mlp.experts.gate_up_proj`` [E, 2*ff, embd] ...
 
-The MTP block (``mtp.*``) is left out, as llama.cpp's converter does for the main model file; ``convert --support
-mtp`` writes it as llama.cpp's ``--mtp`` export does (:data:`MTP_SUPPORT_RULES`).  Hash-routed layers
+The MTP block (``mtp.*``) is kept in a converted main file unless the recipe skips class ``mtp``: as llama.cpp's
+loader reads it (:data:`MTP_MAIN_RULES`, blocks past the trunk with ``nextn.*``; llama.cpp's own converter leaves
+it out of the main file) or under ds4's ``mtp.K.*`` names (:data:`MTP_DS4_RULES`).  The map bound without a dialect
+(runtime, imatrix, swapsets) drops it.  ``convert --support mtp`` writes it as llama.cpp's ``--mtp`` export does
+(:data:`MTP_SUPPORT_RULES`).  Hash-routed layers
 (the first ``num_hash_layers``) route through ``tid2eid`` (written as I32); their unused ``gate.bias`` is dropped.
 
 Metadata: the converter's ``DeepseekV4Model``.  transformers saves neither ``compress_ratios`` nor
@@ -129,18 +132,46 @@ RULES = (
 )
 
 M = "mtp.{M}"
-#: The ``--support mtp`` file (llama.cpp's ``--mtp`` export): MTP block K becomes block ``num_hidden_layers + K``
-#: with the block rules; ``e_proj`` and ``h_proj`` side by side are ``nextn.eh_proj``; ``enorm``/``hnorm``/``norm``
-#: are the NextN norms; the block's own ``hc_head_*`` replace the model's as the output hyper-connection.
-MTP_SUPPORT_RULES = (
-    *(rule(f"{M}.hc_head_{leaf}", f"output_hc_{leaf}.weight", "hc") for leaf in ("fn", "base", "scale")),
-    drop("hc_head_{*}", "hc", "the MTP file takes the MTP block's own hc_head as output hyper-connection"),
+#: The MTP block's decoder layer: the block rules with ``mtp.K`` for ``layers.N`` (block ``num_hidden_layers + K``).
+_MTP_BLOCK = tuple(dataclasses.replace(r, pattern=M + r.pattern[len(L):]) for r in RULES
+                   if r.pattern.startswith(L + "."))
+#: llama.cpp's NextN names (``LLM_TENSOR_NEXTN_*``): ``e_proj`` and ``h_proj`` side by side are ``nextn.eh_proj``
+#: (its converter's ``torch.cat((e_proj, h_proj), dim=1)``), ``enorm``/``hnorm``/``norm`` the NextN norms.
+_MTP_NEXTN = (
     column_part(f"{M}.e_proj.weight", "blk.{layer}.nextn.eh_proj.weight", "mtp", 0),
     column_part(f"{M}.h_proj.weight", "blk.{layer}.nextn.eh_proj.weight", "mtp", 1),
     rule(f"{M}.enorm.weight", "blk.{layer}.nextn.enorm.weight", "mtp"),
     rule(f"{M}.hnorm.weight", "blk.{layer}.nextn.hnorm.weight", "mtp"),
     rule(f"{M}.norm.weight", "blk.{layer}.nextn.shared_head_norm.weight", "mtp"),
-    *(dataclasses.replace(r, pattern=M + r.pattern[len(L):]) for r in RULES if r.pattern.startswith(L + ".")),
+)
+#: The ``--support mtp`` file (llama.cpp's ``--mtp`` export): the MTP blocks, whose own ``hc_head_*`` replace the
+#: model's as the output hyper-connection.
+MTP_SUPPORT_RULES = (
+    *(rule(f"{M}.hc_head_{leaf}", f"output_hc_{leaf}.weight", "hc") for leaf in ("fn", "base", "scale")),
+    drop("hc_head_{*}", "hc", "the MTP file takes the MTP block's own hc_head as output hyper-connection"),
+    *_MTP_NEXTN,
+    *_MTP_BLOCK,
+)
+#: A main file keeping the MTP blocks, as llama.cpp's deepseek4 loader reads one (src/models/deepseek4.cpp: blocks
+#: ``n_layer .. n_layer_all`` with the NextN tensors, ``nextn_predict_layers``, per-block arrays of ``block_count``
+#: entries).  That loader runs the MTP block with the model's ``output_hc_*`` and has no name for the block's own
+#: ``hc_head``, so it is left out here (``convert --support mtp`` and the ds4 dialect carry it).
+MTP_MAIN_RULES = (
+    drop(f"{M}.hc_head_{{*}}", "mtp", "llama.cpp's deepseek4 loader has no name for the MTP block's own hc_head "
+                                      "in a main file (its MTP graph uses output_hc_*); --support mtp carries it"),
+    *_MTP_NEXTN,
+    *_MTP_BLOCK,
+)
+#: The same blocks under ds4's names (ds4.c ``mtp_weights_bind``: ``mtp.K.<block tensor>``, ``e_proj`` and
+#: ``h_proj`` apart, ``enorm``/``hnorm``/``norm``, the block's own ``hc_head_{base,fn,scale}``); ds4 loads them from
+#: the file given to ``--mtp``, so a main file carrying them serves as its own MTP file.  They are not blocks of
+#: the file (ds4 requires ``block_count`` = the trunk's).
+MTP_DS4_RULES = (
+    *(rule(f"{M}.hc_head_{leaf}", f"mtp.{{mtp}}.hc_head_{leaf}.weight", "hc") for leaf in ("fn", "base", "scale")),
+    *(rule(f"{M}.{leaf}.weight", f"mtp.{{mtp}}.{leaf}.weight", "mtp")
+      for leaf in ("e_proj", "h_proj", "enorm", "hnorm", "norm")),
+    *(dataclasses.replace(r, targets=tuple(dataclasses.replace(t, gguf=t.gguf.replace("blk.{layer}.", "mtp.{mtp}."))
+                                           for t in r.targets)) for r in _MTP_BLOCK),
 )
 
 #: ``wo_a`` multiplies each group of heads' output by its own ``o_lora_rank`` rows (llama.cpp loads it
@@ -274,5 +305,5 @@ ARCH = Arch(
     metadata=metadata, block_count=lambda hp: hp["num_hidden_layers"],
     expert_count=lambda hp: hp["n_routed_experts"], aliases=ALIASES, conditions={"hash_layer": hash_layer},
     default_chat_template=default_chat_template, input_groups=INPUT_GROUPS,
-    support_rules={"mtp": MTP_SUPPORT_RULES},
+    support_rules={"mtp": MTP_SUPPORT_RULES}, mtp_rules={"llama.cpp": MTP_MAIN_RULES, "ds4": MTP_DS4_RULES},
 )

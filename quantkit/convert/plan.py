@@ -43,8 +43,8 @@ import numpy as np
 
 from ..arch import ROW_TABLE_CLASSES, OutputTensor, get_arch
 from ..arch import transforms
-from ..arch.dialects import (LAYOUT_A_LOG, LAYOUT_CONV, LLAMA_CPP, relaid_dialect, relaid_metadata,
-                              relaid_tensors, translate)
+from ..arch.dialects import (LAYOUT_A_LOG, LAYOUT_CONV, LLAMA_CPP, arch_dialect, is_native, relaid_dialect,
+                              relaid_metadata, relaid_tensors, translate)
 from ..errors import RecipeError, SourceError, UnsupportedError
 from ..formats.api import tensor_nbytes
 from ..formats.registry import GGMLType, ImatrixUse, get_format
@@ -386,7 +386,9 @@ def build_plan(source: str | os.PathLike, recipe: Recipe | str | os.PathLike, *,
                               field="model_type")
         arch = get_arch(model_type)
         recipe.check_architecture(model_type)
-        amap = arch.bind(ckpt.config, support)
+        # the main file keeps the MTP blocks the default map drops, under the dialect's names, unless skipped
+        keep_mtp = support is None and "mtp" not in recipe.skipped_classes
+        amap = arch.bind(ckpt.config, support, mtp_dialect=dialect if keep_mtp else None)
         shapes, encodings = inspect_sources(ckpt)
         outputs = amap.outputs(shapes)
         by_name = {o.gguf_name: o for o in outputs}
@@ -452,8 +454,8 @@ def support_plan(plan: Plan, kind: str, hp: Mapping[str, Any]) -> Plan:
     blocks = [t for t in plan.tensors if t.output.layer is not None and t.output.layer >= main]
     if not blocks:
         raise UnsupportedError(f"--support mtp: the {plan.model_type} map writes no MTP block from this checkpoint "
-                               f"(num_nextn_predict_layers {hp.get('num_nextn_predict_layers', 0)}; the deepseek_v4 "
-                               f"and qwen4_exp maps drop mtp.*, as llama.cpp's converter does for their main file)",
+                               f"(num_nextn_predict_layers {hp.get('num_nextn_predict_layers', 0)}; the qwen4_exp "
+                               f"map drops mtp.*: neither llama.cpp nor ds4 has published a GGUF layout for it)",
                                field="support")
     kept = [t for t in plan.tensors if t.name in MTP_SHARED_TENSORS or t in blocks
             or all(m.hf_name.startswith("mtp.") for m in t.output.sources)]
@@ -467,8 +469,14 @@ _DIALECT_STEPS = {LAYOUT_A_LOG: {"neg_exp": None}, LAYOUT_CONV: {"conv_4d": "con
 def in_dialect(plan: Plan, dialect: str) -> Plan:
     """The plan with GGUF names, shapes, order and metadata of ``dialect``; payloads are built the same way except
     where the dialect stores another layout (the transform steps of :data:`_DIALECT_STEPS`)."""
-    translation = translate(plan.metadata, [(t.name, t.output.shape, t.qtype) for t in plan.tensors], to=dialect)
-    by_name = {t.name: t for t in plan.tensors}
+    table = arch_dialect(_arch_of_plan(plan), dialect)
+    native = [t for t in plan.tensors if is_native(table, t.name)]   # built in the dialect's names already
+    translated = [t for t in plan.tensors if not is_native(table, t.name)]
+    translation = translate(plan.metadata, [(t.name, t.output.shape, t.qtype) for t in translated], to=dialect)
+    if native and not table.keep_order:
+        raise SourceError(f"{native[0].name}: a tensor built in the {dialect} dialect's names needs the table to "
+                          f"keep the plan's order (a bug in the dialect tables)")
+    by_name = {t.name: t for t in translated}
     tensors = []
     for move in translation.moves:
         t = by_name[move.source]
@@ -477,7 +485,14 @@ def in_dialect(plan: Plan, dialect: str) -> Plan:
                         for m in t.output.sources)
         tensors.append(replace(t, output=replace(t.output, gguf_name=move.name, shape=move.shape, sources=sources),
                                llama_cpp_name=move.source))
+    if native:   # the dialect keeps the plan's order: put them back where the plan has them
+        moved = iter(tensors)
+        tensors = [t if is_native(table, t.name) else next(moved) for t in plan.tensors]
     return replace(plan, tensors=tensors, metadata=translation.metadata, dialect=dialect)
+
+
+def _arch_of_plan(plan: Plan) -> str:
+    return str(dict(plan.metadata)["general.architecture"].value)
 
 
 def relaid_plan(plan: Plan, table, hp: Mapping[str, Any], source_shapes: Mapping[str, tuple[int, ...]]) -> Plan:

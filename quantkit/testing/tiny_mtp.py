@@ -60,10 +60,11 @@ def write_glm_with_nextn(out: Path, seed: int = 0) -> Path:
 
 def write_v4_with_mtp(out: Path, seed: int = 0) -> Path:
     """The tiny DeepSeek V4 checkpoint (official layout, FP8 + FP4 experts: the release encoding llama.cpp's
-    converter reads) with one MTP block as the release lays it out: ``mtp.0.*`` holds a decoder block (a copy of
-    the last layer's tensors, its float ones perturbed), ``e_proj`` / ``h_proj`` ``[hidden, hidden]`` (FP8 with
-    E8M0 block scales), ``enorm``, ``hnorm``, ``norm`` and its own ``hc_head_{fn,base,scale}``;
-    ``num_nextn_predict_layers`` 1 and one more compression ratio (the copied layer's)."""
+    converter reads) with one MTP block as the release lays it out: ``mtp.0.*`` holds an uncompressed decoder
+    block (a copy of the last layer's tensors but its compressor and indexer, the float ones perturbed), ``e_proj``
+    / ``h_proj`` ``[hidden, hidden]`` (FP8 with E8M0 block scales), ``enorm``, ``hnorm``, ``norm`` and its own
+    ``hc_head_{fn,base,scale}``; ``num_nextn_predict_layers`` 1 and one more compression ratio, 0 (ds4.c's
+    ``mtp_weights_bind`` binds no compressor)."""
     out = Path(out)
     with tempfile.TemporaryDirectory(prefix="quantkit-mtp-") as tmp:
         write_checkpoint("deepseek_v4", Path(tmp), layout="official", encoding="fp4-experts", seed=seed)
@@ -81,7 +82,7 @@ def write_v4_with_mtp(out: Path, seed: int = 0) -> Path:
         dtypes[name] = dtypes[like]
 
     last = f"layers.{n - 1}."
-    for name in [k for k in tensors if k.startswith(last)]:
+    for name in [k for k in tensors if k.startswith(last) and ".compressor." not in k and ".indexer." not in k]:
         values = tensors[name]
         if dtypes[name] in ("F32", "BF16"):
             values = values.astype(np.float32) * (1 + 0.05 * rng.standard_normal())
@@ -96,6 +97,6 @@ def write_v4_with_mtp(out: Path, seed: int = 0) -> Path:
         put(f"mtp.0.hc_head_{leaf}", tensors[f"hc_head_{leaf}"].astype(np.float32) * 1.1, f"hc_head_{leaf}")
     write_safetensors(out / "model.safetensors", tensors, SAFETENSORS_METADATA, dtypes=dtypes, overwrite=True)
     config["num_nextn_predict_layers"] = 1
-    config["compress_ratios"] = list(config["compress_ratios"]) + [config["compress_ratios"][-1]]
+    config["compress_ratios"] = list(config["compress_ratios"]) + [0]
     (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     return out
