@@ -202,3 +202,19 @@ def test_mtp_block_of_the_main_file_equals_llama_cpp_mtp_export(v4, tmp_path):
     for key in ("deepseek4.block_count", "deepseek4.nextn_predict_layers", "deepseek4.attention.compress_ratios",
                 "deepseek4.swiglu_clamp_exp"):
         assert field(ours, key) == field(theirs, key), key
+
+
+def test_ds4_mtp_support_file_holds_what_ds4_binds_and_pairs_only_with_its_checkpoint(v4, tmp_path):
+    from quantkit.testing.tiny_mtp import write_v4_with_mtp
+
+    src, root, _ = v4
+    support = convert(src, tmp_path / "mtp-ds4.gguf", "q8_0", "--dialect", "ds4", "--support", "mtp")
+    assert set(tensors(support)) == {r["ds4_name"] for r in ds4_rows()}   # ds4.c binds nothing else from it
+    assert field(support, "quantkit.support.kind") == "mtp"
+    target = convert(src, tmp_path / "target-ds4.gguf", "q8_0", "--dialect", "ds4")
+    ok = run("validate", str(support), "--source", str(src), "--payload", "full", "--target", str(target))
+    assert ok.exit_code == 0, ok.output
+    other = write_v4_with_mtp(tmp_path / "other", seed=1)
+    foreign = convert(other, tmp_path / "other-ds4.gguf", "q8_0", "--dialect", "ds4")
+    bad = run("validate", str(support), "--source", str(src), "--target", str(foreign))
+    assert bad.exit_code == 1 and "from another one" in bad.output, bad.output

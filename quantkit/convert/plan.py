@@ -387,8 +387,12 @@ def build_plan(source: str | os.PathLike, recipe: Recipe | str | os.PathLike, *,
         arch = get_arch(model_type)
         recipe.check_architecture(model_type)
         # the main file keeps the MTP blocks the default map drops, under the dialect's names, unless skipped
-        keep_mtp = support is None and "mtp" not in recipe.skipped_classes
-        amap = arch.bind(ckpt.config, support, mtp_dialect=dialect if keep_mtp else None)
+        keep_mtp = "mtp" not in recipe.skipped_classes
+        # a support file in a dialect whose engine names the MTP block itself (ds4's mtp.K.*) is cut from that
+        # main file; llama.cpp's is its --mtp export (the map's support rules)
+        native_support = support == "mtp" and dialect != LLAMA_CPP and dialect in arch.mtp_rules
+        amap = arch.bind(ckpt.config, None if native_support else support,
+                         mtp_dialect=dialect if keep_mtp and (support is None or native_support) else None)
         shapes, encodings = inspect_sources(ckpt)
         outputs = amap.outputs(shapes)
         by_name = {o.gguf_name: o for o in outputs}
@@ -432,33 +436,35 @@ def build_plan(source: str | os.PathLike, recipe: Recipe | str | os.PathLike, *,
                 imatrix_entries=len(imatrix) if imatrix is not None else None, skipped=skipped,
                 unused_rules=[resolution.explain_unused(r) for r in resolution.unused_rules], resolution=resolution)
     if support is not None:
-        plan = support_plan(plan, support, amap.hp)
+        plan = support_plan(plan, support, amap.hp, shared=frozenset() if native_support else MTP_SHARED_TENSORS)
     if dialect == LLAMA_CPP:
         return plan
     table = relaid_dialect(arch.gguf_arch, dialect)
     return in_dialect(plan, dialect) if table is None else relaid_plan(plan, table, amap.hp, shapes)
 
 
-def support_plan(plan: Plan, kind: str, hp: Mapping[str, Any]) -> Plan:
-    """The plan of a support file: for ``mtp``, the NextN/MTP blocks (blocks from ``num_hidden_layers`` on) with
-    the token embedding, output norm and head, and the model's metadata, as llama.cpp's converter exports a draft
-    with ``--mtp``; the executor records the target's checkpoint identity (``quantkit.support.*``).  Refused
-    when the architecture map writes no MTP block from this checkpoint, and for ``dspark`` (no map has the
-    DSpark drafter's tensors)."""
+def support_plan(plan: Plan, kind: str, hp: Mapping[str, Any], shared: frozenset[str] = MTP_SHARED_TENSORS
+                 ) -> Plan:
+    """The plan of a support file: for ``mtp``, the NextN/MTP blocks (blocks from ``num_hidden_layers`` on, and
+    tensors built from ``mtp.*`` alone) with the ``shared`` tensors -- the token embedding, output norm and head,
+    as llama.cpp's converter exports a draft with ``--mtp``; none for ds4's MTP file, whose ``mtp.K.*`` are all
+    ds4.c binds from it -- and the model's metadata; the executor records the target's checkpoint identity
+    (``quantkit.support.*``).  Refused when the architecture map writes no MTP block from this checkpoint, and
+    for ``dspark`` (no map has the DSpark drafter's tensors)."""
     if kind not in SUPPORT_KINDS:
         raise UnsupportedError(f"unknown support kind {kind!r}; known: {', '.join(SUPPORT_KINDS)}", field="support")
     if kind == "dspark":
         raise UnsupportedError("--support dspark: no architecture map has the DSpark drafter's tensors yet (V4.1's "
                                "dspark.* are dropped from the main file)", field="support")
     main = hp["num_hidden_layers"]
-    blocks = [t for t in plan.tensors if t.output.layer is not None and t.output.layer >= main]
+    blocks = [t for t in plan.tensors if (t.output.layer is not None and t.output.layer >= main)
+              or all(m.hf_name.startswith("mtp.") for m in t.output.sources)]
     if not blocks:
         raise UnsupportedError(f"--support mtp: the {plan.model_type} map writes no MTP block from this checkpoint "
                                f"(num_nextn_predict_layers {hp.get('num_nextn_predict_layers', 0)}; the qwen4_exp "
                                f"map drops mtp.*: neither llama.cpp nor ds4 has published a GGUF layout for it)",
                                field="support")
-    kept = [t for t in plan.tensors if t.name in MTP_SHARED_TENSORS or t in blocks
-            or all(m.hf_name.startswith("mtp.") for m in t.output.sources)]
+    kept = [t for t in plan.tensors if t.name in shared or t in blocks]
     return replace(plan, tensors=kept, support=kind)
 
 
