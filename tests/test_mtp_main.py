@@ -218,3 +218,26 @@ def test_ds4_mtp_support_file_holds_what_ds4_binds_and_pairs_only_with_its_check
     foreign = convert(other, tmp_path / "other-ds4.gguf", "q8_0", "--dialect", "ds4")
     bad = run("validate", str(support), "--source", str(src), "--target", str(foreign))
     assert bad.exit_code == 1 and "from another one" in bad.output, bad.output
+
+
+@pytest.mark.parametrize("shipped", ["deepseek-v4-flash-iq2xxs-w2q2k", "deepseek-v4-flash-layers37-42-q4k"])
+def test_shipped_v4_q2_recipes_give_the_mtp_experts_q4_k_in_both_dialects(v4, tmp_path, shipped):
+    """The MTP block of V4 Flash is block num_hidden_layers (transformers' default, 43); no imatrix of the trunk
+    covers it, so the Q2 recipes give its experts Q4_K (ds4's MTP file) and keep their name tags."""
+    from quantkit.arch.deepseek_v4 import DEFAULTS
+    from quantkit.convert.plan import build_plan
+    from quantkit.recipes import load_recipe
+
+    src, root, _ = v4
+    flash_mtp_block = str(DEFAULTS["num_hidden_layers"])
+    text = load_recipe(shipped).text
+    assert f'layers = "{flash_mtp_block}"' in text
+    n = json.loads((src / "config.json").read_text())["num_hidden_layers"]
+    recipe = tmp_path / "r.toml"
+    recipe.write_text(text.replace(f'layers = "{flash_mtp_block}"', f'layers = "{n}"'))
+    for dialect, prefix in (("llama.cpp", f"blk.{n}."), ("ds4", "mtp.0.")):
+        plan = build_plan(src, str(recipe), dialect=dialect, pre_tokenizer=PRE, bootstrap=True)
+        experts = {t.name: t.qtype.name for t in plan.tensors if t.name.startswith(prefix) and "_exps" in t.name}
+        assert len(experts) == 3 and set(experts.values()) == {"Q4_K"}, experts
+        assert plan.name_tag == build_plan(src, shipped, dialect=dialect, pre_tokenizer=PRE,
+                                           bootstrap=True).name_tag

@@ -284,7 +284,8 @@ class Arch:
     """GGUF dialect -> rules tried before the others when a main file keeps the MTP blocks its default rules drop
     (``convert`` unless the recipe skips class ``mtp``), under the names that dialect's engine loads them by.
     Blocks named ``blk.{layer}`` are counted as :attr:`support_rules`' are; others (``{mtp}``: the MTP block's
-    own index) are not blocks of the file."""
+    own index) are not blocks of the file, though their tensors keep the block index ``num_hidden_layers + K``
+    (recipe ``layers``)."""
 
     def group_counts(self, names: Iterable[str], count: Callable[[InputGroups], int]) -> dict[str, int]:
         """Number of input groups of each of ``names`` that has more than one; ``count`` reads a declaration's
@@ -414,8 +415,10 @@ class ArchMap:
             if not r.targets:
                 return (TensorMapping(hf_name, None, r.tensor_class, layer, expert, shard, (), dropped=r.dropped),)
             # a GGUF tensor without a block index (e.g. the PLE table) belongs to no layer
+            # an MTP block's tensors keep its block index under any name (recipes select them by layers)
             return tuple(TensorMapping(hf_name, t.gguf.format(layer=layer, mtp=mtp), t.tensor_class,
-                                       layer if "{layer}" in t.gguf else None, expert, shard, t.steps, t.part)
+                                       layer if "{layer}" in t.gguf or mtp is not None else None, expert, shard,
+                                       t.steps, t.part)
                          for t in r.targets)
         return None
 
@@ -462,8 +465,9 @@ class ArchMap:
                 if m.role == "weight" and m.gguf_name is not None:
                     groups.setdefault(m.gguf_name, []).append((m, tuple(int(d) for d in shape)))
         outputs = [self._output(name, members) for name, members in groups.items()]
-        n = self.block_count
-        self.mtp_blocks = len({o.layer for o in outputs if o.layer is not None and o.layer >= n})
+        n = self.block_count   # MTP blocks named as blocks of the file (blk.N) count as blocks; ds4's mtp.K do not
+        self.mtp_blocks = len({o.layer for o in outputs
+                               if o.layer is not None and o.layer >= n and o.gguf_name.startswith("blk.")})
         self._check_blocks(outputs)
         return outputs
 
