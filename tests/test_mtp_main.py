@@ -241,3 +241,22 @@ def test_shipped_v4_q2_recipes_give_the_mtp_experts_q4_k_in_both_dialects(v4, tm
         assert len(experts) == 3 and set(experts.values()) == {"Q4_K"}, experts
         assert plan.name_tag == build_plan(src, shipped, dialect=dialect, pre_tokenizer=PRE,
                                            bootstrap=True).name_tag
+
+
+@pytest.mark.parametrize("dialect", ["llama.cpp", "ds4"])
+def test_a_main_file_with_the_mtp_block_not_written_by_quantkit_is_proven_with_it(v4, tmp_path, dialect):
+    from test_foreign import strip_quantkit_keys
+
+    src, root, _ = v4
+    ours = convert(src, tmp_path / "ours.gguf", "q8_0", "--dialect", dialect)
+    bare = strip_quantkit_keys(ours, tmp_path / "bare.gguf")
+    result = run("validate", str(bare), "--source", str(src), "--payload", "full", "--json", str(tmp_path / "r.json"))
+    report = json.loads((tmp_path / "r.json").read_text())
+    checks = {c["check"]: c for c in report["checks"]}
+    # every tensor but the hash-routing table (I32: no encoder to prove it with, MTP or not) is proven
+    n = len(tensors(bare)) - 1
+    assert checks["payload.bytes"]["status"] == "passed" and checks["payload.bytes"]["detail"].startswith(f"{n} "), \
+        checks["payload.bytes"]
+    assert checks["inventory.tensors"]["status"] == checks["inventory.metadata"]["status"] == "passed", result.output
+    assert [c for c in checks.values() if c["status"] == "failed"] == [checks["payload.proof"]], result.output
+    assert "1 unproven (1: quantkit cannot encode I32)" in checks["payload.proof"]["detail"]
