@@ -260,3 +260,26 @@ def test_a_main_file_with_the_mtp_block_not_written_by_quantkit_is_proven_with_i
     assert checks["inventory.tensors"]["status"] == checks["inventory.metadata"]["status"] == "passed", result.output
     assert [c for c in checks.values() if c["status"] == "failed"] == [checks["payload.proof"]], result.output
     assert "1 unproven (1: quantkit cannot encode I32)" in checks["payload.proof"]["detail"]
+
+
+def test_the_runtime_runs_a_main_file_with_the_mtp_block_as_the_trunk_alone(v4, tmp_path):
+    """The transformers model has no MTP block: its tensors are left aside, the metadata counting them still checks
+    against the config, and the logits equal those of the same conversion without the block (with the recorded
+    config, the source config, and the config rebuilt from the keys of a file without quantkit's keys)."""
+    from quantkit.runtime import load_model, logits
+    from test_foreign import strip_quantkit_keys
+
+    src, root, _ = v4
+    recipe = tmp_path / "skip.toml"
+    recipe.write_text('name = "skip-mtp"\narchitectures = ["deepseek_v4"]\nskip = ["mtp"]\n\n[defaults]\n'
+                      'type = "Q8_0"\n')
+    trunk = convert(src, tmp_path / "trunk.gguf", str(recipe))
+    config = json.loads((src / "config.json").read_text())
+    ids = list(range(3, 40))
+    expected = logits(load_model(trunk), ids)
+    for dialect in ("llama.cpp", "ds4"):
+        out = convert(src, tmp_path / f"{dialect}.gguf", "q8_0", "--dialect", dialect)
+        bare = strip_quantkit_keys(out, tmp_path / f"{dialect}-bare.gguf")   # config from the keys alone
+        for path, kwargs in ((out, {}), (out, {"config": config}), (bare, {})):
+            got = logits(load_model(path, **kwargs), ids)
+            assert np.array_equal(got, expected), (dialect, path.name, kwargs)
