@@ -283,3 +283,23 @@ def test_the_runtime_runs_a_main_file_with_the_mtp_block_as_the_trunk_alone(v4, 
         for path, kwargs in ((out, {}), (out, {"config": config}), (bare, {})):
             got = logits(load_model(path, **kwargs), ids)
             assert np.array_equal(got, expected), (dialect, path.name, kwargs)
+
+
+def test_dspark_stages_under_mtp_are_not_taken_for_an_mtp_block(v4, tmp_path):
+    """llama.cpp's DeepseekV4DSparkModel (conversion/deepseek.py) reads a DSpark checkpoint's draft stages from
+    ``mtp.*``: with DSpark settings in the config the main file leaves them out, as llama.cpp's main export does."""
+    import shutil
+
+    from quantkit.convert.plan import build_plan
+
+    src, root, _ = v4
+    dspark = tmp_path / "dspark"
+    shutil.copytree(src, dspark)
+    config = json.loads((dspark / "config.json").read_text())
+    config["dspark_block_size"] = 4
+    (dspark / "config.json").write_text(json.dumps(config))
+    n = config["num_hidden_layers"]
+    for dialect in ("llama.cpp", "ds4"):
+        plan = build_plan(dspark, "q8_0", dialect=dialect, pre_tokenizer=PRE)
+        assert not any(t.name.startswith(("mtp.", f"blk.{n}.")) for t in plan.tensors), dialect
+        assert "deepseek4.nextn_predict_layers" not in dict(plan.metadata)

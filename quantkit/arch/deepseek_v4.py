@@ -193,6 +193,12 @@ def hash_layer(hp: Hparams, groups: Mapping[str, int]) -> bool:
     return groups["layer"] < hp["num_hash_layers"]
 
 
+def has_mtp_block(hp: Hparams) -> bool:
+    """A checkpoint with DSpark settings holds the DSpark drafter's stages under ``mtp.*`` (llama.cpp's
+    ``DeepseekV4DSparkModel`` reads them from there), not an MTP block."""
+    return not any(key.startswith("dspark_") for key in hp)
+
+
 def normalize(config: Mapping[str, Any]) -> Hparams:
     hp = text_hparams(config, DEFAULTS)
     n = hp["num_hidden_layers"]
@@ -306,4 +312,5 @@ ARCH = Arch(
     expert_count=lambda hp: hp["n_routed_experts"], aliases=ALIASES, conditions={"hash_layer": hash_layer},
     default_chat_template=default_chat_template, input_groups=INPUT_GROUPS,
     support_rules={"mtp": MTP_SUPPORT_RULES}, mtp_rules={"llama.cpp": MTP_MAIN_RULES, "ds4": MTP_DS4_RULES},
+    mtp_applies=has_mtp_block,
 )
