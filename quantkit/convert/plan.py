@@ -198,8 +198,9 @@ class Plan:
         lines = [f"source      {self.source} ({self.model_type})",
                  f"recipe      {self.recipe.name} ({self.recipe.where()}, sha256 {self.recipe.sha256[:16]})",
                  f"name tag    {self.name_tag}" + (f"  label {self.label}" if self.label else ""),
-                 *([f"support     {self.support} drafter file: the MTP blocks with the embedding, output norm and "
-                    f"head; pair it only with a target of this checkpoint"] if self.support else []),
+                 *([f"support     {self.support} drafter file: the MTP blocks"
+                    + (" with the embedding, output norm and head" if self.dialect == LLAMA_CPP else "")
+                    + "; pair it only with a target of this checkpoint"] if self.support else []),
                  "", f"{'class':<16}{'tensors':>8}  {'bytes':>12}  {'bpw':>7}  types"]
         totals = self.class_totals()
         for cls, e in sorted(totals.items(), key=lambda kv: (-kv[1]["bytes"], kv[0])):
