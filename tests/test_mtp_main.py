@@ -211,6 +211,12 @@ def test_ds4_mtp_support_file_holds_what_ds4_binds_and_pairs_only_with_its_check
     support = convert(src, tmp_path / "mtp-ds4.gguf", "q8_0", "--dialect", "ds4", "--support", "mtp")
     assert set(tensors(support)) == {r["ds4_name"] for r in ds4_rows()}   # ds4.c binds nothing else from it
     assert field(support, "quantkit.support.kind") == "mtp"
+    # the shipped recipe of ds4's MTP file (Q4_K experts, Q8_0, F32): every type ds4.c requires, in its dialect
+    shipped = tensors(convert(src, tmp_path / "mtp-shipped.gguf", "deepseek-v4-flash-mtp-q4k", "--support", "mtp"))
+    for r in ds4_rows():
+        kind = shipped[r["ds4_name"]].tensor_type.name
+        wanted = {"plain": ("F16", "F32"), "routed": ("Q4_K",)}.get(r["ds4_type"], (r["ds4_type"],))
+        assert kind in wanted, (r["ds4_name"], kind)
     target = convert(src, tmp_path / "target-ds4.gguf", "q8_0", "--dialect", "ds4")
     ok = run("validate", str(support), "--source", str(src), "--payload", "full", "--target", str(target))
     assert ok.exit_code == 0, ok.output
