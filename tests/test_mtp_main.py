@@ -309,3 +309,6 @@ def test_dspark_stages_under_mtp_are_not_taken_for_an_mtp_block(v4, tmp_path):
         plan = build_plan(dspark, "q8_0", dialect=dialect, pre_tokenizer=PRE)
         assert not any(t.name.startswith(("mtp.", f"blk.{n}.")) for t in plan.tensors), dialect
         assert "deepseek4.nextn_predict_layers" not in dict(plan.metadata)
+    refused = run("convert", str(dspark), "-o", str(tmp_path / "x.gguf"), "--recipe", "q8_0", "--pre-tokenizer", PRE,
+                  "--support", "mtp", "--dry-run")
+    assert refused.exit_code == 3 and "writes no MTP block" in refused.output, refused.output

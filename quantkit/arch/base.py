@@ -281,8 +281,8 @@ class Arch:
     metadata counts them (block count, ``nextn_predict_layers``), as llama.cpp's converter writes its ``--mtp``
     export."""
     mtp_applies: Callable[[Hparams], bool] = lambda hp: True
-    """Whether :attr:`mtp_rules` describe this checkpoint's ``mtp.*`` tensors (False: they hold something else,
-    e.g. DeepSeek V4 DSpark's draft stages, and the default rules drop them)."""
+    """Whether :attr:`mtp_rules` and :attr:`support_rules` describe this checkpoint's ``mtp.*`` tensors (False:
+    they hold something else, e.g. DeepSeek V4 DSpark's draft stages, and the default rules drop them)."""
     mtp_rules: Mapping[str, tuple[Rule, ...]] = field(default_factory=dict)
     """GGUF dialect -> rules tried before the others when a main file keeps the MTP blocks its default rules drop
     (``convert`` unless the recipe skips class ``mtp``), under the names that dialect's engine loads them by.
@@ -383,10 +383,9 @@ class ArchMap:
         self.mtp_blocks = 0
         """MTP blocks this map adds past the model's own (set by :meth:`outputs` from the blocks found)."""
         self.rules = arch.rules
-        extra = arch.support_rules.get(support) if support is not None else \
-            arch.mtp_rules.get(mtp_dialect) if arch.mtp_applies(hp) else None
+        extra = arch.support_rules.get(support) if support is not None else arch.mtp_rules.get(mtp_dialect)
         self._mtp_limit = 0
-        if extra is not None:
+        if extra is not None and arch.mtp_applies(hp):
             self.rules = extra + arch.rules
             self._mtp_limit = int(hp.get("num_nextn_predict_layers") or 0)
         self.expert_count = arch.expert_count(hp)
