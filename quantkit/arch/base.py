@@ -280,6 +280,9 @@ class Arch:
     default rules drop those blocks: their blocks (placeholder ``{M}``) follow the main ones, and the file's
     metadata counts them (block count, ``nextn_predict_layers``), as llama.cpp's converter writes its ``--mtp``
     export."""
+    support_archs: Mapping[str, "Arch"] = field(default_factory=dict)
+    """Support file kind -> the map of a support file that is a GGUF architecture of its own (DeepSeek V4's DSpark
+    drafter: llama.cpp's ``dflash``), bound to the same config by :meth:`bind`."""
     mtp_applies: Callable[[Hparams], bool] = lambda hp: True
     """Whether :attr:`mtp_rules` and :attr:`support_rules` describe this checkpoint's ``mtp.*`` tensors (False:
     they hold something else, e.g. DeepSeek V4 DSpark's draft stages, and the default rules drop them)."""
@@ -310,6 +313,8 @@ class Arch:
         if model_type != self.model_type:
             raise SourceError(f"config is for model_type {model_type!r}, this map is for {self.model_type!r}",
                               field="model_type")
+        if support in self.support_archs:
+            return self.support_archs[support].bind(config)
         hp = self.normalize(config)
         self.check(hp)
         return ArchMap(self, hp, config, support, mtp_dialect)
@@ -428,7 +433,8 @@ class ArchMap:
     def _check_indices(self, hf_name: str, layer: int | None, expert: int | None, r: Rule) -> None:
         if r.dropped:
             return
-        if layer is not None and layer >= self.block_count + self._mtp_limit:
+        # a drafter of its own blocks alone (block_count 0: DSpark's stages) has them counted from the checkpoint
+        if layer is not None and self.block_count and layer >= self.block_count + self._mtp_limit:
             raise SourceError(f"layer {layer} is outside the model's {self.block_count} blocks "
                               f"(num_hidden_layers and MTP layers of the config)", tensor=hf_name)
         if expert is not None and expert >= self.expert_count:
@@ -613,7 +619,7 @@ class ArchMap:
         hp = dict(self.hp, num_hidden_layers=self.block_count + self.mtp_blocks) if self.mtp_blocks else self.hp
         self.arch.metadata(meta, hp, MetadataInputs(tensor_values, tensor_shapes,
                                                     Path(tokenizer_dir) if tokenizer_dir is not None else None))
-        if self.mtp_blocks:
+        if self.mtp_blocks and self.block_count:   # a drafter of its own blocks alone (DSpark) has no trunk
             meta.u32("{arch}.nextn_predict_layers", self.mtp_blocks)
         if tokenizer_dir is not None:
             if chat_template is None and self.arch.default_chat_template is not None:

@@ -37,7 +37,7 @@ from typing import Any, Mapping
 
 from gguf.constants import GGUFValueType
 
-from ..errors import SourceError
+from ..errors import SourceError, UnsupportedError
 from .base import (Arch, Hparams, InputGroups, MetadataBuilder, MetadataInputs, column_part, drop, expert_rules,
                    require, rope_parameters, rule, text_hparams, text_model_metadata)
 
@@ -174,6 +174,28 @@ MTP_DS4_RULES = (
                                            for t in r.targets)) for r in _MTP_BLOCK),
 )
 
+#: The DSpark drafter of a checkpoint with DSpark settings (``convert --support dspark``), as llama.cpp's
+#: ``DeepseekV4DSparkModel`` exports it (conversion/deepseek.py; loader src/models/dflash.cpp): stage K
+#: (``mtp.K.*``) is block K of a ``dflash`` GGUF with V4's block names, the stage-0 heads are root tensors
+#: (``main_proj`` -> ``fc``, ``main_norm`` -> ``enc.output_norm``, the Markov and confidence heads, ``norm`` and
+#: ``hc_head``); the target's own tensors are not part of it.
+S = "mtp.{L}"
+DSPARK_RULES = (
+    rule(f"{S}.main_proj.weight", "fc.weight", "mtp"),
+    rule(f"{S}.main_norm.weight", "enc.output_norm.weight", "norm"),
+    rule(f"{S}.markov_head.markov_w1.weight", "markov_w1.weight", "mtp"),
+    rule(f"{S}.markov_head.markov_w2.weight", "markov_w2.weight", "mtp"),
+    rule(f"{S}.confidence_head.proj.weight", "conf_proj.weight", "mtp"),
+    rule(f"{S}.norm.weight", "output_norm.weight", "norm"),
+    *(rule(f"{S}.hc_head_{leaf}", f"output_hc_{leaf}.weight", "hc") for leaf in ("fn", "base", "scale")),
+    drop(f"{S}.ffn.gate.bias_vl", "bias", "image-token routing bias: not part of the dflash drafter"),
+    *(dataclasses.replace(r, pattern=S + r.pattern[len(L):]) for r in RULES if r.pattern.startswith(L + ".")),
+    *(drop(p, "metadata", "the target model's tensor: the DSpark drafter runs beside the target")
+      for p in ("layers.{*}", "embed.weight", "head.weight", "lm_head.weight", "norm.weight", "hc_head_{*}")),
+    *(drop(p, "vision", "vision tower and aligner: not part of the drafter")
+      for p in ("vision.{*}", "aligner.{*}", "image_{*}")),
+)
+
 #: ``wo_a`` multiplies each group of heads' output by its own ``o_lora_rank`` rows (llama.cpp loads it
 #: ``[o_group_dim, o_lora_rank, o_groups]``): llama-imatrix stores one sum per group.
 INPUT_GROUPS = (
@@ -296,6 +318,34 @@ def metadata(meta: MetadataBuilder, hp: Hparams, inputs: MetadataInputs) -> None
     meta.u32("{arch}.embedding_length_out", hp["hidden_size"] * hp["hc_mult"])
 
 
+def dspark_normalize(config: Mapping[str, Any]) -> Hparams:
+    hp = normalize(config)
+    hp["num_hash_layers"] = 0      # the converter's: stages route by score
+    hp["mlp_layer_types"] = ["moe"] * len(hp["mlp_layer_types"])
+    return hp
+
+
+def dspark_check(hp: Hparams) -> None:
+    if has_mtp_block(hp):
+        raise UnsupportedError("--support dspark: this checkpoint holds no DSpark drafter (config.json has no "
+                               "dspark_* settings; its mtp.* are an MTP block: --support mtp)", field="support")
+    check(hp)
+    for key in ("dspark_block_size", "dspark_target_layer_ids", "dspark_noise_token_id"):
+        require(hp, key, list if key == "dspark_target_layer_ids" else int)
+
+
+def dspark_metadata(meta: MetadataBuilder, hp: Hparams, inputs: MetadataInputs) -> None:
+    """The converter's ``DeepseekV4DSparkModel.set_gguf_parameters``: V4's keys for the stages (uncompressed,
+    ``num_hidden_layers`` = stages), without ``embedding_length_out`` (written for deepseek4 only), plus the
+    draft block size, the target layers it reads (one-based) and the noise token as mask token."""
+    stages = hp["num_hidden_layers"]
+    metadata(meta, dict(hp, compress_ratios=[0] * stages), inputs)
+    meta.entries.pop(f"{meta.arch}.embedding_length_out")
+    meta.u32("{arch}.block_size", hp["dspark_block_size"])
+    meta.array("{arch}.target_layers", [int(i) + 1 for i in hp["dspark_target_layer_ids"]], GGUFValueType.INT32)
+    meta.u32("tokenizer.ggml.mask_token_id", hp["dspark_noise_token_id"])
+
+
 TEMPLATES = Path(__file__).parent / "templates"
 
 
@@ -306,11 +356,20 @@ def default_chat_template(checkpoint_name: str) -> str:
     return (TEMPLATES / name).read_text(encoding="utf-8")
 
 
+DSPARK = Arch(
+    model_type="deepseek_v4", gguf_arch="dflash", rules=DSPARK_RULES, normalize=dspark_normalize, check=dspark_check,
+    metadata=dspark_metadata, block_count=lambda hp: 0, expert_count=lambda hp: hp["n_routed_experts"],
+    aliases=ALIASES, conditions={"hash_layer": hash_layer}, default_chat_template=default_chat_template,
+    input_groups=INPUT_GROUPS,
+)
+"""The DSpark drafter's map: its stages are the blocks past a trunk of none (``block_count`` 0; they are counted
+from the checkpoint as MTP blocks are, and set ``num_hidden_layers`` of the metadata)."""
+
 ARCH = Arch(
     model_type="deepseek_v4", gguf_arch="deepseek4", rules=RULES, normalize=normalize, check=check,
     metadata=metadata, block_count=lambda hp: hp["num_hidden_layers"],
     expert_count=lambda hp: hp["n_routed_experts"], aliases=ALIASES, conditions={"hash_layer": hash_layer},
     default_chat_template=default_chat_template, input_groups=INPUT_GROUPS,
     support_rules={"mtp": MTP_SUPPORT_RULES}, mtp_rules={"llama.cpp": MTP_MAIN_RULES, "ds4": MTP_DS4_RULES},
-    mtp_applies=has_mtp_block,
+    mtp_applies=has_mtp_block, support_archs={"dspark": DSPARK},
 )

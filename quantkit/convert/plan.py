@@ -437,26 +437,31 @@ def build_plan(source: str | os.PathLike, recipe: Recipe | str | os.PathLike, *,
                 imatrix_entries=len(imatrix) if imatrix is not None else None, skipped=skipped,
                 unused_rules=[resolution.explain_unused(r) for r in resolution.unused_rules], resolution=resolution)
     if support is not None:
-        plan = support_plan(plan, support, amap.hp, shared=frozenset() if native_support else MTP_SHARED_TENSORS)
+        plan = support_plan(plan, support, amap.hp, shared=frozenset() if native_support else MTP_SHARED_TENSORS,
+                            own_arch=support in arch.support_archs)
     if dialect == LLAMA_CPP:
         return plan
     table = relaid_dialect(arch.gguf_arch, dialect)
     return in_dialect(plan, dialect) if table is None else relaid_plan(plan, table, amap.hp, shapes)
 
 
-def support_plan(plan: Plan, kind: str, hp: Mapping[str, Any], shared: frozenset[str] = MTP_SHARED_TENSORS
-                 ) -> Plan:
+def support_plan(plan: Plan, kind: str, hp: Mapping[str, Any], shared: frozenset[str] = MTP_SHARED_TENSORS,
+                 own_arch: bool = False) -> Plan:
     """The plan of a support file: for ``mtp``, the NextN/MTP blocks (blocks from ``num_hidden_layers`` on, and
     tensors built from ``mtp.*`` alone) with the ``shared`` tensors -- the token embedding, output norm and head,
     as llama.cpp's converter exports a draft with ``--mtp``; none for ds4's MTP file, whose ``mtp.K.*`` are all
     ds4.c binds from it -- and the model's metadata; the executor records the target's checkpoint identity
-    (``quantkit.support.*``).  Refused when the architecture map writes no MTP block from this checkpoint, and
-    for ``dspark`` (no map has the DSpark drafter's tensors)."""
+    (``quantkit.support.*``).  ``own_arch``: the plan is already the support file's own map's (the DSpark
+    drafter, :attr:`quantkit.arch.base.Arch.support_archs`), kept whole.  Refused when the architecture map writes
+    no MTP block from this checkpoint, and for ``dspark`` where no map has the drafter's tensors."""
     if kind not in SUPPORT_KINDS:
         raise UnsupportedError(f"unknown support kind {kind!r}; known: {', '.join(SUPPORT_KINDS)}", field="support")
+    if own_arch:
+        return replace(plan, support=kind)
     if kind == "dspark":
-        raise UnsupportedError("--support dspark: no architecture map has the DSpark drafter's tensors yet (V4.1's "
-                               "dspark.* are dropped from the main file)", field="support")
+        raise UnsupportedError(f"--support dspark: the {plan.model_type} map has no DSpark drafter (DeepSeek V4's "
+                               f"is read from a checkpoint with dspark_* settings; V4.1's dspark.* have no public "
+                               f"GGUF layout)", field="support")
     main = hp["num_hidden_layers"]
     blocks = [t for t in plan.tensors if (t.output.layer is not None and t.output.layer >= main)
               or all(m.hf_name.startswith("mtp.") for m in t.output.sources)]
