@@ -198,8 +198,10 @@ class Plan:
         lines = [f"source      {self.source} ({self.model_type})",
                  f"recipe      {self.recipe.name} ({self.recipe.where()}, sha256 {self.recipe.sha256[:16]})",
                  f"name tag    {self.name_tag}" + (f"  label {self.label}" if self.label else ""),
-                 *([f"support     {self.support} drafter file: the MTP blocks"
-                    + (" with the embedding, output norm and head" if self.dialect == LLAMA_CPP else "")
+                 *([f"support     {self.support} drafter file: "
+                    + ("the DSpark drafter's stages and heads" if self.support == "dspark" else "the MTP blocks")
+                    + (" with the embedding, output norm and head"
+                       if self.support == "mtp" and self.dialect == LLAMA_CPP else "")
                     + "; pair it only with a target of this checkpoint"] if self.support else []),
                  "", f"{'class':<16}{'tensors':>8}  {'bytes':>12}  {'bpw':>7}  types"]
         totals = self.class_totals()
