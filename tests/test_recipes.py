@@ -48,6 +48,7 @@ PUBLISHED = {
 #: The tags of the other shipped recipes, by the documented derivation.
 DERIVED = {
     "deepseek-v4-flash-q4k-experts": "Q4KExperts-AProjQ8-SExpQ8-OutQ8",
+    "deepseek-v4-flash-mtp-q4k": "Q4KExperts",
     "glm-5.3-flash-q2": "IQ2XXS-w2Q2K-KDAqkQ4K-KDAQ8-MLAQ8-SExpQ8-DenseQ8-EmbdQ8-OutQ8",
     "glm-5.3-flash-q4k": "Q4KExperts-KDAqkQ4K-KDAQ8-MLAQ8-SExpQ8-DenseQ8-EmbdQ8-OutQ8",
     "qwen3.8-flash-next-q2": "IQ2XXS-w2Q2K-AProjQ8-SExpQ8-OutQ8",

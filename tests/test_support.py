@@ -74,7 +74,7 @@ def test_validate_pairs_a_support_file_only_with_its_own_checkpoint(glm, tmp_pat
 
 
 @pytest.mark.parametrize("arch, kind, message", [("deepseek_v4", "mtp", "writes no MTP block"),
-                                                 ("deepseek_v4", "dspark", "DSpark")])
+                                                 ("deepseek_v4", "dspark", "holds no DSpark drafter")])
 def test_support_files_the_maps_cannot_write_are_refused(tiny_checkpoints, tmp_path, arch, kind, message):
     src = tiny_checkpoints.get(arch, "official", "fp4-experts")
     result = CliRunner().invoke(main, ["convert", str(src), "-o", str(tmp_path / "x.gguf"), "--recipe", "q8_0",
@@ -161,6 +161,71 @@ def test_v4_mtp_support_file_equals_llama_cpp_mtp_export(v4_mtp, tmp_path):
     recipe = v4_recipe(tmp_path / "r.toml")
     result = CliRunner().invoke(main, ["convert", str(v4_mtp), "-o", str(ours), "--recipe", recipe, "--no-progress",
                                        "-j", "1", "--pre-tokenizer", "deepseek-v3", "--support", "mtp"])
+    assert result.exit_code == 0, result.output
+    a, b = gguf.GGUFReader(ours), gguf.GGUFReader(theirs)
+    assert tensor_differences(a, b) == []
+    assert metadata_differences(a, b) == []
+
+
+# -- the DSpark drafter (DeepSeek V4) -------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def dspark(tmp_path_factory):
+    from quantkit.testing.tiny_mtp import write_v4_dspark
+
+    root = tmp_path_factory.mktemp("dspark")
+    return write_v4_dspark(root / "ds"), write_v4_dspark(root / "ds-other", seed=1), root
+
+
+def dspark_recipe(path: Path) -> str:
+    """llama.cpp's converter's choices for V4, and for the drafter's heads: Q8_0 for the FP8 fc, BF16 as stored for
+    the Markov and confidence heads."""
+    from test_convert_interop import V4_CONVERTER_RECIPE
+
+    path.write_text(V4_CONVERTER_RECIPE + "[[rule]]\nclass = \"mtp\"\nname = 'fc\\.weight'\ntype = \"Q8_0\"\n"
+                    "[[rule]]\nclass = \"mtp\"\nname = 'markov_w\\d\\.weight|conf_proj\\.weight'\n"
+                    "type = \"source\"\n")
+    return str(path)
+
+
+def test_dspark_support_file_loads_in_llama_cpp_and_pairs_only_with_its_checkpoint(dspark, tmp_path):
+    import llama_cpp
+
+    src, other, root = dspark
+    support = convert(src, tmp_path / "dspark.gguf", "q8_0", "--pre-tokenizer", "deepseek-v3", "--support", "dspark")
+    reader = gguf.GGUFReader(support)
+    assert reader.fields["general.architecture"].contents() == "dflash"
+    assert reader.fields["quantkit.support.kind"].contents() == "dspark"
+    assert {"fc.weight", "markov_w1.weight", "blk.1.attn_q_a.weight"} <= {t.name for t in reader.tensors}
+    model = llama_cpp.llama_model_load_from_file(str(support).encode(), llama_cpp.llama_model_default_params())
+    assert model, "llama.cpp's dflash loader refused the drafter"
+    llama_cpp.llama_model_free(model)
+    # the target: the same checkpoint's main file, which leaves the drafter's stages out
+    target = convert(src, tmp_path / "target.gguf", "q8_0", "--pre-tokenizer", "deepseek-v3")
+    assert not any(t.name.startswith(("mtp.", "fc.", "markov")) for t in gguf.GGUFReader(target).tensors)
+    ok = CliRunner().invoke(main, ["validate", str(support), "--source", str(src), "--payload", "full", "--target",
+                                   str(target)])
+    assert ok.exit_code == 0, ok.output
+    foreign = convert(other, tmp_path / "other-target.gguf", "q8_0", "--pre-tokenizer", "deepseek-v3")
+    bad = CliRunner().invoke(main, ["validate", str(support), "--source", str(src), "--target", str(foreign)])
+    assert bad.exit_code == 1 and "from another one" in bad.output, bad.output
+
+
+@pytest.mark.interop
+@pytest.mark.slow
+def test_dspark_support_file_equals_llama_cpp_dspark_export(dspark, tmp_path):
+    from test_arch import LLAMA_CPP_SRC, run_converter
+    from test_convert_interop import metadata_differences, tensor_differences
+
+    src, _, root = dspark
+    if not (LLAMA_CPP_SRC / "convert_hf_to_gguf.py").is_file():
+        pytest.fail(f"llama.cpp's converter not found under {LLAMA_CPP_SRC}")
+    theirs = tmp_path / "dspark-converter.gguf"
+    run_converter(src, theirs, "deepseek-v3", "--dspark", "--target-model-dir", str(src))
+    ours = tmp_path / "dspark-quantkit.gguf"
+    result = CliRunner().invoke(main, ["convert", str(src), "-o", str(ours), "--recipe",
+                                       dspark_recipe(tmp_path / "r.toml"), "--no-progress", "-j", "1",
+                                       "--pre-tokenizer", "deepseek-v3", "--support", "dspark"])
     assert result.exit_code == 0, result.output
     a, b = gguf.GGUFReader(ours), gguf.GGUFReader(theirs)
     assert tensor_differences(a, b) == []

@@ -276,9 +276,22 @@ class Arch:
     input_groups: tuple[InputGroups, ...] = ()
     """Weights llama.cpp multiplies as several matrices of input slices (see :class:`InputGroups`)."""
     support_rules: Mapping[str, tuple[Rule, ...]] = field(default_factory=dict)
-    """Support file kind (``mtp``) -> rules tried before the others when writing that file, for a map whose main
-    file drops those blocks: their blocks (placeholder ``{M}``) follow the main ones, and the file's metadata
-    counts them (block count, ``nextn_predict_layers``), as llama.cpp's converter writes its ``--mtp`` export."""
+    """Support file kind (``mtp``) -> rules tried before the others when writing that file, for a map whose
+    default rules drop those blocks: their blocks (placeholder ``{M}``) follow the main ones, and the file's
+    metadata counts them (block count, ``nextn_predict_layers``), as llama.cpp's converter writes its ``--mtp``
+    export."""
+    support_archs: Mapping[str, "Arch"] = field(default_factory=dict)
+    """Support file kind -> the map of a support file that is a GGUF architecture of its own (DeepSeek V4's DSpark
+    drafter: llama.cpp's ``dflash``), bound to the same config by :meth:`bind`."""
+    mtp_applies: Callable[[Hparams], bool] = lambda hp: True
+    """Whether :attr:`mtp_rules` and :attr:`support_rules` describe this checkpoint's ``mtp.*`` tensors (False:
+    they hold something else, e.g. DeepSeek V4 DSpark's draft stages, and the default rules drop them)."""
+    mtp_rules: Mapping[str, tuple[Rule, ...]] = field(default_factory=dict)
+    """GGUF dialect -> rules tried before the others when a main file keeps the MTP blocks its default rules drop
+    (``convert`` unless the recipe skips class ``mtp``), under the names that dialect's engine loads them by.
+    Blocks named ``blk.{layer}`` are counted as :attr:`support_rules`' are; others (``{mtp}``: the MTP block's
+    own index) are not blocks of the file, though their tensors keep the block index ``num_hidden_layers + K``
+    (recipe ``layers``)."""
 
     def group_counts(self, names: Iterable[str], count: Callable[[InputGroups], int]) -> dict[str, int]:
         """Number of input groups of each of ``names`` that has more than one; ``count`` reads a declaration's
@@ -291,16 +304,20 @@ class Arch:
                 out.update(dict.fromkeys(matched, groups))
         return out
 
-    def bind(self, config: Mapping[str, Any], support: str | None = None) -> "ArchMap":
+    def bind(self, config: Mapping[str, Any], support: str | None = None, mtp_dialect: str | None = None
+             ) -> "ArchMap":
         """Normalize and check ``config``; the result resolves names and derives metadata (of the ``support``
-        file of that kind, when given: :attr:`support_rules`)."""
+        file of that kind, when given: :attr:`support_rules`; of a main file keeping the MTP blocks under
+        ``mtp_dialect``'s names, when given: :attr:`mtp_rules`)."""
         model_type = config.get("model_type")
         if model_type != self.model_type:
             raise SourceError(f"config is for model_type {model_type!r}, this map is for {self.model_type!r}",
                               field="model_type")
+        if support in self.support_archs:
+            return self.support_archs[support].bind(config)
         hp = self.normalize(config)
         self.check(hp)
-        return ArchMap(self, hp, config, support)
+        return ArchMap(self, hp, config, support, mtp_dialect)
 
 
 @dataclass(frozen=True)
@@ -362,17 +379,20 @@ def _as_int(value: Any, key: str) -> int:
 class ArchMap:
     """An :class:`Arch` bound to one normalized config."""
 
-    def __init__(self, arch: Arch, hp: Hparams, config: Mapping[str, Any], support: str | None = None):
+    def __init__(self, arch: Arch, hp: Hparams, config: Mapping[str, Any], support: str | None = None,
+                 mtp_dialect: str | None = None):
         self.arch = arch
         self.hp = hp
         self.config = config
         self.block_count = arch.block_count(hp)
-        self.support_blocks = 0
+        self.mtp_blocks = 0
+        """MTP blocks this map adds past the model's own (set by :meth:`outputs` from the blocks found)."""
         self.rules = arch.rules
-        if support in arch.support_rules:
-            self.rules = arch.support_rules[support] + arch.rules
-            self.support_blocks = int(hp.get("num_nextn_predict_layers") or 0)
-            self.block_count += self.support_blocks
+        extra = arch.support_rules.get(support) if support is not None else arch.mtp_rules.get(mtp_dialect)
+        self._mtp_limit = 0
+        if extra is not None and arch.mtp_applies(hp):
+            self.rules = extra + arch.rules
+            self._mtp_limit = int(hp.get("num_nextn_predict_layers") or 0)
         self.expert_count = arch.expert_count(hp)
         self._aliases = tuple((re.compile(p), r) for p, r in arch.aliases)
 
@@ -390,8 +410,12 @@ class ArchMap:
             if m is None:
                 continue
             groups = {k: int(v) for k, v in m.groupdict().items() if v is not None}
-            if "mtp" in groups:   # MTP block K of a support file is block num_hidden_layers + K
-                groups["layer"] = self.hp["num_hidden_layers"] + groups.pop("mtp")
+            mtp = groups.pop("mtp", None)
+            if mtp is not None:   # MTP block K is block num_hidden_layers + K
+                if mtp >= self._mtp_limit:
+                    raise SourceError(f"MTP block {mtp} is outside the config's {self._mtp_limit} "
+                                      f"(num_nextn_predict_layers)", tensor=hf_name)
+                groups["layer"] = self.hp["num_hidden_layers"] + mtp
             if r.when is not None and not self.arch.conditions[r.when](self.hp, groups):
                 continue
             layer, expert, shard = groups.get("layer"), groups.get("expert"), groups.get("shard")
@@ -399,15 +423,18 @@ class ArchMap:
             if not r.targets:
                 return (TensorMapping(hf_name, None, r.tensor_class, layer, expert, shard, (), dropped=r.dropped),)
             # a GGUF tensor without a block index (e.g. the PLE table) belongs to no layer
-            return tuple(TensorMapping(hf_name, t.gguf.format(layer=layer), t.tensor_class,
-                                       layer if "{layer}" in t.gguf else None, expert, shard, t.steps, t.part)
+            # an MTP block's tensors keep its block index under any name (recipes select them by layers)
+            return tuple(TensorMapping(hf_name, t.gguf.format(layer=layer, mtp=mtp), t.tensor_class,
+                                       layer if "{layer}" in t.gguf or mtp is not None else None, expert, shard,
+                                       t.steps, t.part)
                          for t in r.targets)
         return None
 
     def _check_indices(self, hf_name: str, layer: int | None, expert: int | None, r: Rule) -> None:
         if r.dropped:
             return
-        if layer is not None and layer >= self.block_count:
+        # a drafter of its own blocks alone (block_count 0: DSpark's stages) has them counted from the checkpoint
+        if layer is not None and self.block_count and layer >= self.block_count + self._mtp_limit:
             raise SourceError(f"layer {layer} is outside the model's {self.block_count} blocks "
                               f"(num_hidden_layers and MTP layers of the config)", tensor=hf_name)
         if expert is not None and expert >= self.expert_count:
@@ -447,6 +474,9 @@ class ArchMap:
                 if m.role == "weight" and m.gguf_name is not None:
                     groups.setdefault(m.gguf_name, []).append((m, tuple(int(d) for d in shape)))
         outputs = [self._output(name, members) for name, members in groups.items()]
+        n = self.block_count   # MTP blocks named as blocks of the file (blk.N) count as blocks; ds4's mtp.K do not
+        self.mtp_blocks = len({o.layer for o in outputs
+                               if o.layer is not None and o.layer >= n and o.gguf_name.startswith("blk.")})
         self._check_blocks(outputs)
         return outputs
 
@@ -520,10 +550,12 @@ class ArchMap:
 
     def _check_blocks(self, outputs: Iterable[OutputTensor]) -> None:
         seen = {o.layer for o in outputs if o.layer is not None}
-        missing = sorted(set(range(self.block_count)) - seen)
+        blocks = self.block_count + self.mtp_blocks
+        missing = sorted(set(range(blocks)) - seen)
         if missing:
-            raise SourceError(f"the config declares {self.block_count} blocks but no tensor maps to blocks "
-                              f"{missing[:8]}", field="num_hidden_layers")
+            raise SourceError(f"the config declares {self.block_count} blocks and the checkpoint holds "
+                              f"{self.mtp_blocks} MTP blocks, but no tensor maps to blocks {missing[:8]}",
+                              field="num_hidden_layers")
 
     def assemble(self, output: OutputTensor, load: Callable[[str], np.ndarray],
                  out: np.ndarray | None = None) -> np.ndarray:
@@ -584,11 +616,11 @@ class ArchMap:
 
         meta = MetadataBuilder(self.arch.gguf_arch)
         meta.string("general.architecture", self.arch.gguf_arch)
-        hp = dict(self.hp, num_hidden_layers=self.block_count) if self.support_blocks else self.hp
+        hp = dict(self.hp, num_hidden_layers=self.block_count + self.mtp_blocks) if self.mtp_blocks else self.hp
         self.arch.metadata(meta, hp, MetadataInputs(tensor_values, tensor_shapes,
                                                     Path(tokenizer_dir) if tokenizer_dir is not None else None))
-        if self.support_blocks:
-            meta.u32("{arch}.nextn_predict_layers", self.support_blocks)
+        if self.mtp_blocks and self.block_count:   # a drafter of its own blocks alone (DSpark) has no trunk
+            meta.u32("{arch}.nextn_predict_layers", self.mtp_blocks)
         if tokenizer_dir is not None:
             if chat_template is None and self.arch.default_chat_template is not None:
                 chat_template = self.arch.default_chat_template(Path(tokenizer_dir).absolute().name)

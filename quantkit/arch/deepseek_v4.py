@@ -14,8 +14,11 @@ Three source layouts are read, all onto the same GGUF names:
 * transformers' internal names (``save_original_format=False``): ``self_attn.{q_a_proj, kv_proj, o_a_proj, sinks,
   compressor.{kv_proj, position_bias, indexer.*}}``, ``attn_hc.fn``, ``mlp.experts.gate_up_proj`` [E, 2*ff, embd] ...
 
-The MTP block (``mtp.*``) is left out, as llama.cpp's converter does for the main model file; ``convert --support
-mtp`` writes it as llama.cpp's ``--mtp`` export does (:data:`MTP_SUPPORT_RULES`).  Hash-routed layers
+The MTP block (``mtp.*``) is kept in a converted main file unless the recipe skips class ``mtp``: as llama.cpp's
+loader reads it (:data:`MTP_MAIN_RULES`, blocks past the trunk with ``nextn.*``; llama.cpp's own converter leaves
+it out of the main file) or under ds4's ``mtp.K.*`` names (:data:`MTP_DS4_RULES`).  The map bound without a dialect
+(runtime, imatrix, swapsets) drops it.  ``convert --support mtp`` writes it as llama.cpp's ``--mtp`` export does
+(:data:`MTP_SUPPORT_RULES`).  Hash-routed layers
 (the first ``num_hash_layers``) route through ``tid2eid`` (written as I32); their unused ``gate.bias`` is dropped.
 
 Metadata: the converter's ``DeepseekV4Model``.  transformers saves neither ``compress_ratios`` nor
@@ -34,7 +37,7 @@ from typing import Any, Mapping
 
 from gguf.constants import GGUFValueType
 
-from ..errors import SourceError
+from ..errors import SourceError, UnsupportedError
 from .base import (Arch, Hparams, InputGroups, MetadataBuilder, MetadataInputs, column_part, drop, expert_rules,
                    require, rope_parameters, rule, text_hparams, text_model_metadata)
 
@@ -129,18 +132,68 @@ RULES = (
 )
 
 M = "mtp.{M}"
-#: The ``--support mtp`` file (llama.cpp's ``--mtp`` export): MTP block K becomes block ``num_hidden_layers + K``
-#: with the block rules; ``e_proj`` and ``h_proj`` side by side are ``nextn.eh_proj``; ``enorm``/``hnorm``/``norm``
-#: are the NextN norms; the block's own ``hc_head_*`` replace the model's as the output hyper-connection.
-MTP_SUPPORT_RULES = (
-    *(rule(f"{M}.hc_head_{leaf}", f"output_hc_{leaf}.weight", "hc") for leaf in ("fn", "base", "scale")),
-    drop("hc_head_{*}", "hc", "the MTP file takes the MTP block's own hc_head as output hyper-connection"),
+#: The MTP block's decoder layer: the block rules with ``mtp.K`` for ``layers.N`` (block ``num_hidden_layers + K``).
+_MTP_BLOCK = tuple(dataclasses.replace(r, pattern=M + r.pattern[len(L):]) for r in RULES
+                   if r.pattern.startswith(L + "."))
+#: llama.cpp's NextN names (``LLM_TENSOR_NEXTN_*``): ``e_proj`` and ``h_proj`` side by side are ``nextn.eh_proj``
+#: (its converter's ``torch.cat((e_proj, h_proj), dim=1)``), ``enorm``/``hnorm``/``norm`` the NextN norms.
+_MTP_NEXTN = (
     column_part(f"{M}.e_proj.weight", "blk.{layer}.nextn.eh_proj.weight", "mtp", 0),
     column_part(f"{M}.h_proj.weight", "blk.{layer}.nextn.eh_proj.weight", "mtp", 1),
     rule(f"{M}.enorm.weight", "blk.{layer}.nextn.enorm.weight", "mtp"),
     rule(f"{M}.hnorm.weight", "blk.{layer}.nextn.hnorm.weight", "mtp"),
     rule(f"{M}.norm.weight", "blk.{layer}.nextn.shared_head_norm.weight", "mtp"),
-    *(dataclasses.replace(r, pattern=M + r.pattern[len(L):]) for r in RULES if r.pattern.startswith(L + ".")),
+)
+#: The ``--support mtp`` file (llama.cpp's ``--mtp`` export): the MTP blocks, whose own ``hc_head_*`` replace the
+#: model's as the output hyper-connection.
+MTP_SUPPORT_RULES = (
+    *(rule(f"{M}.hc_head_{leaf}", f"output_hc_{leaf}.weight", "hc") for leaf in ("fn", "base", "scale")),
+    drop("hc_head_{*}", "hc", "the MTP file takes the MTP block's own hc_head as output hyper-connection"),
+    *_MTP_NEXTN,
+    *_MTP_BLOCK,
+)
+#: A main file keeping the MTP blocks, as llama.cpp's deepseek4 loader reads one (src/models/deepseek4.cpp: blocks
+#: ``n_layer .. n_layer_all`` with the NextN tensors, ``nextn_predict_layers``, per-block arrays of ``block_count``
+#: entries).  That loader runs the MTP block with the model's ``output_hc_*`` and has no name for the block's own
+#: ``hc_head``, so it is left out here (``convert --support mtp`` and the ds4 dialect carry it).
+MTP_MAIN_RULES = (
+    drop(f"{M}.hc_head_{{*}}", "mtp", "llama.cpp's deepseek4 loader has no name for the MTP block's own hc_head "
+                                      "in a main file (its MTP graph uses output_hc_*); --support mtp carries it"),
+    *_MTP_NEXTN,
+    *_MTP_BLOCK,
+)
+#: The same blocks under ds4's names (ds4.c ``mtp_weights_bind``: ``mtp.K.<block tensor>``, ``e_proj`` and
+#: ``h_proj`` apart, ``enorm``/``hnorm``/``norm``, the block's own ``hc_head_{base,fn,scale}``); ds4 loads them from
+#: the file given to ``--mtp``, so a main file carrying them serves as its own MTP file.  They are not blocks of
+#: the file (ds4 requires ``block_count`` = the trunk's).
+MTP_DS4_RULES = (
+    *(rule(f"{M}.hc_head_{leaf}", f"mtp.{{mtp}}.hc_head_{leaf}.weight", "hc") for leaf in ("fn", "base", "scale")),
+    *(rule(f"{M}.{leaf}.weight", f"mtp.{{mtp}}.{leaf}.weight", "mtp")
+      for leaf in ("e_proj", "h_proj", "enorm", "hnorm", "norm")),
+    *(dataclasses.replace(r, targets=tuple(dataclasses.replace(t, gguf=t.gguf.replace("blk.{layer}.", "mtp.{mtp}."))
+                                           for t in r.targets)) for r in _MTP_BLOCK),
+)
+
+#: The DSpark drafter of a checkpoint with DSpark settings (``convert --support dspark``), as llama.cpp's
+#: ``DeepseekV4DSparkModel`` exports it (conversion/deepseek.py; loader src/models/dflash.cpp): stage K
+#: (``mtp.K.*``) is block K of a ``dflash`` GGUF with V4's block names, the stage-0 heads are root tensors
+#: (``main_proj`` -> ``fc``, ``main_norm`` -> ``enc.output_norm``, the Markov and confidence heads, ``norm`` and
+#: ``hc_head``); the target's own tensors are not part of it.
+S = "mtp.{L}"
+DSPARK_RULES = (
+    rule(f"{S}.main_proj.weight", "fc.weight", "mtp"),
+    rule(f"{S}.main_norm.weight", "enc.output_norm.weight", "norm"),
+    rule(f"{S}.markov_head.markov_w1.weight", "markov_w1.weight", "mtp"),
+    rule(f"{S}.markov_head.markov_w2.weight", "markov_w2.weight", "mtp"),
+    rule(f"{S}.confidence_head.proj.weight", "conf_proj.weight", "mtp"),
+    rule(f"{S}.norm.weight", "output_norm.weight", "norm"),
+    *(rule(f"{S}.hc_head_{leaf}", f"output_hc_{leaf}.weight", "hc") for leaf in ("fn", "base", "scale")),
+    drop(f"{S}.ffn.gate.bias_vl", "bias", "image-token routing bias: not part of the dflash drafter"),
+    *(dataclasses.replace(r, pattern=S + r.pattern[len(L):]) for r in RULES if r.pattern.startswith(L + ".")),
+    *(drop(p, "metadata", "the target model's tensor: the DSpark drafter runs beside the target")
+      for p in ("layers.{*}", "embed.weight", "head.weight", "lm_head.weight", "norm.weight", "hc_head_{*}")),
+    *(drop(p, "vision", "vision tower and aligner: not part of the drafter")
+      for p in ("vision.{*}", "aligner.{*}", "image_{*}")),
 )
 
 #: ``wo_a`` multiplies each group of heads' output by its own ``o_lora_rank`` rows (llama.cpp loads it
@@ -160,6 +213,12 @@ ALIASES = (
 def hash_layer(hp: Hparams, groups: Mapping[str, int]) -> bool:
     """Condition: the block routes by token id (one of the first ``num_hash_layers``)."""
     return groups["layer"] < hp["num_hash_layers"]
+
+
+def has_mtp_block(hp: Hparams) -> bool:
+    """A checkpoint with DSpark settings holds the DSpark drafter's stages under ``mtp.*`` (llama.cpp's
+    ``DeepseekV4DSparkModel`` reads them from there), not an MTP block."""
+    return not any(key.startswith("dspark_") for key in hp)
 
 
 def normalize(config: Mapping[str, Any]) -> Hparams:
@@ -259,6 +318,34 @@ def metadata(meta: MetadataBuilder, hp: Hparams, inputs: MetadataInputs) -> None
     meta.u32("{arch}.embedding_length_out", hp["hidden_size"] * hp["hc_mult"])
 
 
+def dspark_normalize(config: Mapping[str, Any]) -> Hparams:
+    hp = normalize(config)
+    hp["num_hash_layers"] = 0      # the converter's: stages route by score
+    hp["mlp_layer_types"] = ["moe"] * len(hp["mlp_layer_types"])
+    return hp
+
+
+def dspark_check(hp: Hparams) -> None:
+    if has_mtp_block(hp):
+        raise UnsupportedError("--support dspark: this checkpoint holds no DSpark drafter (config.json has no "
+                               "dspark_* settings; its mtp.* are an MTP block: --support mtp)", field="support")
+    check(hp)
+    for key in ("dspark_block_size", "dspark_target_layer_ids", "dspark_noise_token_id"):
+        require(hp, key, list if key == "dspark_target_layer_ids" else int)
+
+
+def dspark_metadata(meta: MetadataBuilder, hp: Hparams, inputs: MetadataInputs) -> None:
+    """The converter's ``DeepseekV4DSparkModel.set_gguf_parameters``: V4's keys for the stages (uncompressed,
+    ``num_hidden_layers`` = stages), without ``embedding_length_out`` (written for deepseek4 only), plus the
+    draft block size, the target layers it reads (one-based) and the noise token as mask token."""
+    stages = hp["num_hidden_layers"]
+    metadata(meta, dict(hp, compress_ratios=[0] * stages), inputs)
+    meta.entries.pop(f"{meta.arch}.embedding_length_out")
+    meta.u32("{arch}.block_size", hp["dspark_block_size"])
+    meta.array("{arch}.target_layers", [int(i) + 1 for i in hp["dspark_target_layer_ids"]], GGUFValueType.INT32)
+    meta.u32("tokenizer.ggml.mask_token_id", hp["dspark_noise_token_id"])
+
+
 TEMPLATES = Path(__file__).parent / "templates"
 
 
@@ -269,10 +356,20 @@ def default_chat_template(checkpoint_name: str) -> str:
     return (TEMPLATES / name).read_text(encoding="utf-8")
 
 
+DSPARK = Arch(
+    model_type="deepseek_v4", gguf_arch="dflash", rules=DSPARK_RULES, normalize=dspark_normalize, check=dspark_check,
+    metadata=dspark_metadata, block_count=lambda hp: 0, expert_count=lambda hp: hp["n_routed_experts"],
+    aliases=ALIASES, conditions={"hash_layer": hash_layer}, default_chat_template=default_chat_template,
+    input_groups=INPUT_GROUPS,
+)
+"""The DSpark drafter's map: its stages are the blocks past a trunk of none (``block_count`` 0; they are counted
+from the checkpoint as MTP blocks are, and set ``num_hidden_layers`` of the metadata)."""
+
 ARCH = Arch(
     model_type="deepseek_v4", gguf_arch="deepseek4", rules=RULES, normalize=normalize, check=check,
     metadata=metadata, block_count=lambda hp: hp["num_hidden_layers"],
     expert_count=lambda hp: hp["n_routed_experts"], aliases=ALIASES, conditions={"hash_layer": hash_layer},
     default_chat_template=default_chat_template, input_groups=INPUT_GROUPS,
-    support_rules={"mtp": MTP_SUPPORT_RULES},
+    support_rules={"mtp": MTP_SUPPORT_RULES}, mtp_rules={"llama.cpp": MTP_MAIN_RULES, "ds4": MTP_DS4_RULES},
+    mtp_applies=has_mtp_block, support_archs={"dspark": DSPARK},
 )

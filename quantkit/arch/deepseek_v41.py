@@ -20,7 +20,8 @@ input groups are :mod:`deepseek_v4`'s.  What V4.1 adds:
 What is *not* claimed: the exact key set of any V4.1 GGUF engine besides the Engram keys (the trunk keys are
 V4's under the ``deepseek41`` prefix), nor a V4.1 forward pass (scoring refuses V4.1, saying what it needs:
 :data:`quantkit.runtime.loader.UNRUNNABLE`).  The DSpark drafter (``dspark.*``) and MTP blocks (``mtp.*``) are
-dropped from the main file, as for V4.
+dropped from the main file: V4's MTP and DSpark layouts (llama.cpp's nextn / dflash, ds4's ``mtp.K.*``) are not
+claimed for V4.1, whose engines publish neither.
 
 Sources: the config fields and the tensor names of the Engram module (``engram.embed.{weight,scale}``,
 ``engram.wkv``, ``engram.q_weight``/``k_weight``) and the GGUF names ``blk.L.engram_embd`` / ``engram_q`` /

@@ -210,13 +210,15 @@ def _glm5_next(r: KeyReader, c: dict) -> None:
 
 
 def _deepseek4(r: KeyReader, c: dict) -> None:
-    n = c["num_hidden_layers"]
+    blocks = c["num_hidden_layers"]       # with the MTP blocks a main file keeps (nextn_predict_layers)
+    nextn = r.get("nextn_predict_layers", 0)
+    c["num_hidden_layers"], c["num_nextn_predict_layers"] = blocks - nextn, nextn
     c["scoring_func"] = _scoring(r, ("sqrtsoftplus", "sigmoid", "softmax"))
     c["norm_topk_prob"] = bool(r.get("expert_weights_norm", False))
     c["swiglu_limit"] = f32_decimal(_first(r.get("swiglu_clamp_exp")))
     ratios = r.get("attention.compress_ratios")
-    if len(ratios) != n:
-        raise FormatError(f"expected {n} ratios, found {len(ratios)}", path=r.path,
+    if len(ratios) < blocks:   # llama.cpp's converter writes the config's list, the MTP block's ratio included
+        raise FormatError(f"expected at least {blocks} ratios, found {len(ratios)}", path=r.path,
                           field=r.full("attention.compress_ratios"))
     c["compress_ratios"] = [int(x) for x in ratios]        # transformers' legacy keys, folded into layer_types
     c["num_hash_layers"] = r.get("hash_layer_count")
@@ -354,7 +356,7 @@ def llama_cpp_view(metadata: Mapping[str, KV], tensors: Mapping[str, Any]) -> Ll
     validation) goes through it, and payloads are read under the stored names.  ``tensors``: the file's tensor
     infos by name, in file order (``.shape`` in numpy order, ``.type``).
     """
-    from .dialects import DS4, LAYOUT_SAME, LLAMA_CPP, dialect_of, translate
+    from .dialects import DS4, LAYOUT_SAME, LLAMA_CPP, arch_dialect, dialect_of, is_native, translate
     from .dialects.ds4 import RELAID
 
     if "general.architecture" not in metadata or dialect_of(metadata) != DS4:
@@ -363,8 +365,12 @@ def llama_cpp_view(metadata: Mapping[str, KV], tensors: Mapping[str, Any]) -> Ll
     if relaid is not None:
         renamed = {**metadata, "general.architecture": KV(relaid.gguf_arch, metadata["general.architecture"].type)}
         return LlamaCppView(renamed, {name: name for name in tensors}, {}, relaid)
-    translation = translate(metadata, [(n, tuple(t.shape), t.type) for n, t in tensors.items()], to=LLAMA_CPP)
-    return LlamaCppView(dict(translation.metadata), {m.name: m.source for m in translation.moves},
+    table = arch_dialect(metadata["general.architecture"].value, DS4)
+    native = [n for n in tensors if is_native(table, n)]   # no llama.cpp name (V4's mtp.K.*): kept as stored
+    translation = translate(metadata, [(n, tuple(t.shape), t.type) for n, t in tensors.items() if n not in native],
+                            to=LLAMA_CPP)
+    return LlamaCppView(dict(translation.metadata), {**{m.name: m.source for m in translation.moves},
+                                                     **{n: n for n in native}},
                         {m.name: m for m in translation.moves if m.layout != LAYOUT_SAME})
 
 

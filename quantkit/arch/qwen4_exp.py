@@ -8,7 +8,9 @@ gated attention layers with a QSA indexer (``self_attn.{q,k,v,o}_proj``, ``{q,k}
 ``indexer.{index_qk_proj, q_layernorm, k_layernorm}``), MoE with a gated shared expert, and on the
 ``ple_layer_ids`` layer a PLE n-gram embedding whose table is stored in ``split_ngram_parts`` row shards
 (``ple.ple_embedding.ngram_embedding.shard_S.weight``, concatenated in shard order into ``per_layer_token_embd``)
-and whose int64 hash constants become metadata.  The MTP block is not converted (as in llama.cpp).
+and whose int64 hash constants become metadata.  The MTP block is not converted: llama.cpp's qwen4exp (gguf-py
+``MODEL_TENSORS``, ``src/models/qwen4exp.cpp``) has no NextN tensors and ds4's Qwen3.8 builder
+(``gguf-tools/qwen38_quantize.py``) leaves ``mtp.*`` out, so there is no engine layout to write it in.
 
 Transforms (the converter's Qwen3.5 chain): V heads of the gated delta net reordered from grouped-by-K to tiled order
 (``gdn_*`` steps), ``A = -exp(A_log)``, convolutions squeezed to [C, K], zero-centred norm weights + 1 (every
@@ -71,8 +73,8 @@ def _hyper(part: str, source: str) -> tuple:
 
 RULES = (
     drop("model.visual.{*}", "vision", "vision tower: converted into the separate mmproj file"),
-    drop("mtp.{*}", "mtp", "MTP draft block: the converter does not export it for qwen4exp"),
-    drop("model.mtp.{*}", "mtp", "MTP draft block: the converter does not export it for qwen4exp"),
+    *(drop(p, "mtp", "MTP draft block: no engine publishes a GGUF layout for it (llama.cpp's qwen4exp has no "
+                     "NextN tensors; ds4's qwen38_quantize.py leaves mtp.* out)") for p in ("mtp.{*}", "model.mtp.{*}")),
     rule("model.embed_tokens.weight", "token_embd.weight", "token_embd"),
     rule("lm_head.weight", "output.weight", "output"),
     rule("model.hyper_connection_mixer.hc_norm.weight", "output_hc_norm.weight", "hc", "plus_one"),

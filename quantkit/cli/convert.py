@@ -46,8 +46,9 @@ from .executors import check_executor, default_jobs
                    "[default: <output stem>.release.json beside the output]")
 @click.option("--progress/--no-progress", default=True, show_default=True, help="show a progress bar")
 @click.option("--support", type=click.Choice(["mtp", "dspark"]),
-              help="write the support (drafter) file instead: the MTP blocks with the embedding and head, recording "
-                   "the checkpoint identity its target must share")
+              help="write the support (drafter) file instead: mtp, the MTP blocks (with the embedding and head in "
+                   "llama.cpp's dialect; ds4's mtp.K.* alone with --dialect ds4); dspark, DeepSeek V4's DSpark "
+                   "drafter (llama.cpp's dflash); each records the checkpoint identity its target must share")
 @click.option("--device", default="cpu", show_default=True, metavar="cpu|cuda[:N]",
               help="encode Q8_0, MXFP4, NVFP4, Q4_K, Q2_K and IQ2_XXS tensors on this torch device (same bytes as "
                    "the CPU; other types stay on the CPU); with cuda, use few jobs: each worker holds the GPU")

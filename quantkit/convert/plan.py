@@ -43,8 +43,8 @@ import numpy as np
 
 from ..arch import ROW_TABLE_CLASSES, OutputTensor, get_arch
 from ..arch import transforms
-from ..arch.dialects import (LAYOUT_A_LOG, LAYOUT_CONV, LLAMA_CPP, relaid_dialect, relaid_metadata,
-                              relaid_tensors, translate)
+from ..arch.dialects import (LAYOUT_A_LOG, LAYOUT_CONV, LLAMA_CPP, arch_dialect, is_native, relaid_dialect,
+                              relaid_metadata, relaid_tensors, translate)
 from ..errors import RecipeError, SourceError, UnsupportedError
 from ..formats.api import tensor_nbytes
 from ..formats.registry import GGMLType, ImatrixUse, get_format
@@ -198,8 +198,11 @@ class Plan:
         lines = [f"source      {self.source} ({self.model_type})",
                  f"recipe      {self.recipe.name} ({self.recipe.where()}, sha256 {self.recipe.sha256[:16]})",
                  f"name tag    {self.name_tag}" + (f"  label {self.label}" if self.label else ""),
-                 *([f"support     {self.support} drafter file: the MTP blocks with the embedding, output norm and "
-                    f"head; pair it only with a target of this checkpoint"] if self.support else []),
+                 *([f"support     {self.support} drafter file: "
+                    + ("the DSpark drafter's stages and heads" if self.support == "dspark" else "the MTP blocks")
+                    + (" with the embedding, output norm and head"
+                       if self.support == "mtp" and self.dialect == LLAMA_CPP else "")
+                    + "; pair it only with a target of this checkpoint"] if self.support else []),
                  "", f"{'class':<16}{'tensors':>8}  {'bytes':>12}  {'bpw':>7}  types"]
         totals = self.class_totals()
         for cls, e in sorted(totals.items(), key=lambda kv: (-kv[1]["bytes"], kv[0])):
@@ -386,7 +389,13 @@ def build_plan(source: str | os.PathLike, recipe: Recipe | str | os.PathLike, *,
                               field="model_type")
         arch = get_arch(model_type)
         recipe.check_architecture(model_type)
-        amap = arch.bind(ckpt.config, support)
+        # the main file keeps the MTP blocks the default map drops, under the dialect's names, unless skipped
+        keep_mtp = "mtp" not in recipe.skipped_classes
+        # a support file in a dialect whose engine names the MTP block itself (ds4's mtp.K.*) is cut from that
+        # main file; llama.cpp's is its --mtp export (the map's support rules)
+        native_support = support == "mtp" and dialect != LLAMA_CPP and dialect in arch.mtp_rules
+        amap = arch.bind(ckpt.config, None if native_support else support,
+                         mtp_dialect=dialect if keep_mtp and (support is None or native_support) else None)
         shapes, encodings = inspect_sources(ckpt)
         outputs = amap.outputs(shapes)
         by_name = {o.gguf_name: o for o in outputs}
@@ -430,33 +439,40 @@ def build_plan(source: str | os.PathLike, recipe: Recipe | str | os.PathLike, *,
                 imatrix_entries=len(imatrix) if imatrix is not None else None, skipped=skipped,
                 unused_rules=[resolution.explain_unused(r) for r in resolution.unused_rules], resolution=resolution)
     if support is not None:
-        plan = support_plan(plan, support, amap.hp)
+        plan = support_plan(plan, support, amap.hp, shared=frozenset() if native_support else MTP_SHARED_TENSORS,
+                            own_arch=support in arch.support_archs)
     if dialect == LLAMA_CPP:
         return plan
     table = relaid_dialect(arch.gguf_arch, dialect)
     return in_dialect(plan, dialect) if table is None else relaid_plan(plan, table, amap.hp, shapes)
 
 
-def support_plan(plan: Plan, kind: str, hp: Mapping[str, Any]) -> Plan:
-    """The plan of a support file: for ``mtp``, the NextN/MTP blocks (blocks from ``num_hidden_layers`` on) with
-    the token embedding, output norm and head, and the model's metadata, as llama.cpp's converter exports a draft
-    with ``--mtp``; the executor records the target's checkpoint identity (``quantkit.support.*``).  Refused
-    when the architecture map writes no MTP block from this checkpoint, and for ``dspark`` (no map has the
-    DSpark drafter's tensors)."""
+def support_plan(plan: Plan, kind: str, hp: Mapping[str, Any], shared: frozenset[str] = MTP_SHARED_TENSORS,
+                 own_arch: bool = False) -> Plan:
+    """The plan of a support file: for ``mtp``, the NextN/MTP blocks (blocks from ``num_hidden_layers`` on, and
+    tensors built from ``mtp.*`` alone) with the ``shared`` tensors -- the token embedding, output norm and head,
+    as llama.cpp's converter exports a draft with ``--mtp``; none for ds4's MTP file, whose ``mtp.K.*`` are all
+    ds4.c binds from it -- and the model's metadata; the executor records the target's checkpoint identity
+    (``quantkit.support.*``).  ``own_arch``: the plan is already the support file's own map's (the DSpark
+    drafter, :attr:`quantkit.arch.base.Arch.support_archs`), kept whole.  Refused when the architecture map writes
+    no MTP block from this checkpoint, and for ``dspark`` where no map has the drafter's tensors."""
     if kind not in SUPPORT_KINDS:
         raise UnsupportedError(f"unknown support kind {kind!r}; known: {', '.join(SUPPORT_KINDS)}", field="support")
+    if own_arch:
+        return replace(plan, support=kind)
     if kind == "dspark":
-        raise UnsupportedError("--support dspark: no architecture map has the DSpark drafter's tensors yet (V4.1's "
-                               "dspark.* are dropped from the main file)", field="support")
+        raise UnsupportedError(f"--support dspark: the {plan.model_type} map has no DSpark drafter (DeepSeek V4's "
+                               f"is read from a checkpoint with dspark_* settings; V4.1's dspark.* have no public "
+                               f"GGUF layout)", field="support")
     main = hp["num_hidden_layers"]
-    blocks = [t for t in plan.tensors if t.output.layer is not None and t.output.layer >= main]
+    blocks = [t for t in plan.tensors if (t.output.layer is not None and t.output.layer >= main)
+              or all(m.hf_name.startswith("mtp.") for m in t.output.sources)]
     if not blocks:
         raise UnsupportedError(f"--support mtp: the {plan.model_type} map writes no MTP block from this checkpoint "
-                               f"(num_nextn_predict_layers {hp.get('num_nextn_predict_layers', 0)}; the deepseek_v4 "
-                               f"and qwen4_exp maps drop mtp.*, as llama.cpp's converter does for their main file)",
+                               f"(num_nextn_predict_layers {hp.get('num_nextn_predict_layers', 0)}; the qwen4_exp "
+                               f"map drops mtp.*: neither llama.cpp nor ds4 has published a GGUF layout for it)",
                                field="support")
-    kept = [t for t in plan.tensors if t.name in MTP_SHARED_TENSORS or t in blocks
-            or all(m.hf_name.startswith("mtp.") for m in t.output.sources)]
+    kept = [t for t in plan.tensors if t.name in shared or t in blocks]
     return replace(plan, tensors=kept, support=kind)
 
 
@@ -467,8 +483,14 @@ _DIALECT_STEPS = {LAYOUT_A_LOG: {"neg_exp": None}, LAYOUT_CONV: {"conv_4d": "con
 def in_dialect(plan: Plan, dialect: str) -> Plan:
     """The plan with GGUF names, shapes, order and metadata of ``dialect``; payloads are built the same way except
     where the dialect stores another layout (the transform steps of :data:`_DIALECT_STEPS`)."""
-    translation = translate(plan.metadata, [(t.name, t.output.shape, t.qtype) for t in plan.tensors], to=dialect)
-    by_name = {t.name: t for t in plan.tensors}
+    table = arch_dialect(_arch_of_plan(plan), dialect)
+    native = [t for t in plan.tensors if is_native(table, t.name)]   # built in the dialect's names already
+    translated = [t for t in plan.tensors if not is_native(table, t.name)]
+    translation = translate(plan.metadata, [(t.name, t.output.shape, t.qtype) for t in translated], to=dialect)
+    if native and not table.keep_order:
+        raise SourceError(f"{native[0].name}: a tensor built in the {dialect} dialect's names needs the table to "
+                          f"keep the plan's order (a bug in the dialect tables)")
+    by_name = {t.name: t for t in translated}
     tensors = []
     for move in translation.moves:
         t = by_name[move.source]
@@ -477,7 +499,14 @@ def in_dialect(plan: Plan, dialect: str) -> Plan:
                         for m in t.output.sources)
         tensors.append(replace(t, output=replace(t.output, gguf_name=move.name, shape=move.shape, sources=sources),
                                llama_cpp_name=move.source))
+    if native:   # the dialect keeps the plan's order: put them back where the plan has them
+        moved = iter(tensors)
+        tensors = [t if is_native(table, t.name) else next(moved) for t in plan.tensors]
     return replace(plan, tensors=tensors, metadata=translation.metadata, dialect=dialect)
+
+
+def _arch_of_plan(plan: Plan) -> str:
+    return str(dict(plan.metadata)["general.architecture"].value)
 
 
 def relaid_plan(plan: Plan, table, hp: Mapping[str, Any], source_shapes: Mapping[str, tuple[int, ...]]) -> Plan:

@@ -239,6 +239,7 @@ def _load(weights, device: torch.device, dtype: torch.dtype, stream: bool, keep_
                                field="model_type")
     amap = get_arch(model_type).bind(weights.config)
     gguf_arch = weights.metadata.get("general.architecture") if weights.metadata is not None else None
+    mtp = _mtp_tensors(weights, amap)
     if gguf_arch is not None and gguf_arch.value != amap.arch.gguf_arch:
         raise FormatError(f"the file is a {gguf_arch.value!r} model, the config a {model_type!r} one "
                           f"({amap.arch.gguf_arch!r})", path=weights.path, field="general.architecture")
@@ -273,7 +274,7 @@ def _load(weights, device: torch.device, dtype: torch.dtype, stream: bool, keep_
             value = assembler.build(plan, dtype if tensor.is_floating_point() else tensor.dtype)
         for module, attr, _, is_parameter in owners:
             _set(module, attr, value, is_parameter)
-    unused = sorted(set(weights.tensors) - used - {scale_companion(n) for n in used})
+    unused = sorted(set(weights.tensors) - used - mtp - {scale_companion(n) for n in used})
     if unused:
         raise FormatError(f"{len(unused)} GGUF tensors match no parameter of the {model_type} model: "
                           f"{', '.join(unused[:8])}", path=weights.path)
@@ -283,6 +284,20 @@ def _load(weights, device: torch.device, dtype: torch.dtype, stream: bool, keep_
                 module._buffers[attr] = buffer.to(device)
     store.check()
     return RuntimeModel(model, store, weights.config, device, dtype, _vocab_size(model), packed)
+
+
+def _mtp_tensors(weights, amap: ArchMap) -> set[str]:
+    """The tensors of the MTP blocks a main file keeps past the model's own (:attr:`~quantkit.arch.base.Arch.
+    mtp_rules`; the transformers model has no MTP block): ``blk.N`` from ``num_hidden_layers`` on when the file
+    counts them (``nextn_predict_layers``, also counted in the metadata checked), and ds4's ``mtp.K.*``."""
+    if not amap.arch.mtp_rules or weights.metadata is None:
+        return set()
+    arch = amap.arch.gguf_arch
+    nextn = weights.metadata.get(f"{arch}.nextn_predict_layers")
+    amap.mtp_blocks = int(nextn.value) if nextn is not None else 0
+    n = amap.hp["num_hidden_layers"]
+    blocks = tuple(f"blk.{n + k}." for k in range(amap.mtp_blocks))
+    return {name for name in weights.tensors if name.startswith(blocks) or name.startswith("mtp.")}
 
 
 def _vocab_size(model) -> int:

@@ -136,7 +136,8 @@ def foreign_plan(f: GGUFFile, source: str, imatrix: str | None) -> tuple[Foreign
         if not isinstance(model_type, str):
             raise SourceError(f"config.json gives no model_type (found {model_type!r})", path=ckpt.path,
                               field="model_type")
-        amap = get_arch(model_type).bind(ckpt.config)
+        table = get_arch(model_type)
+        amap = table.bind(ckpt.config, mtp_dialect=dialect_of(f.metadata) if _keeps_mtp(f, table.gguf_arch) else None)
         shapes, encodings = inspect_sources(ckpt)
         outputs = {o.gguf_name: o for o in amap.outputs(shapes)}
         expected = dict(amap.metadata(None, tensor_values=lambda name: _source_values(ckpt, name),
@@ -176,6 +177,12 @@ def foreign_plan(f: GGUFFile, source: str, imatrix: str | None) -> tuple[Foreign
     plan.notes.append("not written by quantkit: the plan is the file's own tensor types (each tensor re-encoded "
                       "from the source to its stored type)")
     return plan, problems
+
+
+def _keeps_mtp(f: GGUFFile, gguf_arch: str) -> bool:
+    """Whether the file carries the MTP blocks the architecture's default map drops (:attr:`quantkit.arch.base.Arch.
+    mtp_rules`): llama.cpp counts them (``nextn_predict_layers``), ds4 names them ``mtp.K.*``."""
+    return f"{gguf_arch}.nextn_predict_layers" in f.metadata or any(n.startswith("mtp.") for n in f.tensors)
 
 
 # -- checks -------------------------------------------------------------------------------------------------------

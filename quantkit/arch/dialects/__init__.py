@@ -105,6 +105,12 @@ class ArchDialect:
     passthrough_arch_keys: bool = False
     ds4_arch: str | None = None
     """ds4's ``general.architecture`` where it is not llama.cpp's (Qwen3.8: ``qwen38-next``)."""
+    native: tuple[str, ...] = ()
+    """ds4 tensor names (``{L}``: an index) ``convert`` builds from the checkpoint with no llama.cpp counterpart
+    (DeepSeek V4's ``mtp.K.*``: llama.cpp names the MTP block otherwise and lacks some of its tensors): a plan
+    carries them as they are, a re-dialect refuses them (and the llama.cpp tensors they replace) with
+    ``native_note``."""
+    native_note: str = ""
     relaid: tuple["RelaidRow", ...] = ()
     """Tensors ds4 lays out differently (a :class:`RelaidRow` per ds4 tensor, in ds4's order within a block):
     such an architecture converts from the checkpoint only (:func:`relaid_tensors`), never by re-dialecting."""
@@ -437,10 +443,11 @@ def _translate_tensors(tensors: Sequence[tuple[str, tuple[int, ...], Any]], md: 
     moves, keys = [], []
     first_block = next(i for i, r in enumerate(table.tensors) if "{L}" in r.ds4)
     for position, (name, shape, qtype) in enumerate(tensors):
-        found = _match(table, name, side_in, linear)
+        found = None if is_native(table, name) else _match(table, name, side_in, linear)
         if found is None:
             raise FormatError(f"no {to} name in the {table.gguf_arch} table (a tensor the {to} dialect does not "
-                              f"know): nothing written", tensor=name)
+                              f"know): nothing written" + (f"; {table.native_note}" if table.native_note else ""),
+                              tensor=name)
         index, row, layer = found
         shape = tuple(shape)
         if row.layout == LAYOUT_CONV:
@@ -457,6 +464,11 @@ def _translate_tensors(tensors: Sequence[tuple[str, tuple[int, ...], Any]], md: 
                               field=STASH_PREFIX + _SLUG[to] + ".tensors")
         return [by_name[n] for n in order.value]
     return [m for _, m in sorted(zip(keys, moves), key=lambda p: p[0])]
+
+
+def is_native(table: ArchDialect | None, name: str) -> bool:
+    """Whether ``name`` is one of ``table``'s :attr:`~ArchDialect.native` tensors."""
+    return table is not None and any(table.pattern(t).fullmatch(name) for t in table.native)
 
 
 # -- relaid architectures (converted from the checkpoint only) ------------------------------------------------------
@@ -597,4 +609,5 @@ def convert_payload(move: TensorMove, raw: bytes | memoryview | np.ndarray, to: 
 
 __all__ = ["DIALECTS", "DS4", "LAYOUT_A_LOG", "LAYOUT_CONV", "LAYOUT_SAME", "LLAMA_CPP", "ArchDialect", "KeyRow",
            "RelaidRow", "TensorMove", "TensorRow", "Translation", "arch_dialect", "convert_payload", "dialect_of",
+           "is_native",
            "relaid_dialect", "relaid_metadata", "relaid_tensors", "to_dialect_name", "to_llamacpp_name", "translate"]

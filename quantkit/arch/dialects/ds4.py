@@ -13,7 +13,8 @@ Tables only (see :mod:`quantkit.arch.dialects` for how they are applied).  Each 
   attention, ffn_norm, feed-forward, nextn; ``output_norm`` and ``output`` last.
 * ``deepseek4`` (DeepSeek V4 Flash): ds4.c binds llama.cpp's own names (``weights_bind``), in the order of the
   template GGUF its quantizer copies (the llama.cpp converter's); the dialect adds the keys ds4.c requires that
-  llama.cpp's converter does not write (``deepseek4.vocab_size``).
+  llama.cpp's converter does not write (``deepseek4.vocab_size``).  The MTP block is ``mtp.K.*``
+  (``mtp_weights_bind``; :data:`_V4_MTP`), built from the checkpoint only (``native``).
 * ``qwen4exp`` (Qwen3.8 Flash Next): ds4's engine for it (``general.architecture = qwen38-next``, antirez/ds4's
   ``gguf-tools/qwen38_quantize.py``) is not a renaming of llama.cpp's ``qwen4exp``: it splits the fused gated-delta-net
   ``in_proj_qkv`` and its convolution into ``kda_{q,k,v}`` / ``kda_{q,k,v}_conv`` in the checkpoint's head order
@@ -158,10 +159,27 @@ _V4_BLOCK = _same(
     "blk.{L}.ffn_gate_tid2eid.weight",
 )
 
+#: ds4.c ``mtp_weights_bind``: the MTP block K as ``mtp.K.*`` (the tensors it binds; ``e_proj``/``h_proj`` apart
+#: where llama.cpp concatenates them into ``nextn.eh_proj``, and the block's own ``hc_head``, which llama.cpp's main
+#: file has no name for).  The block binds no compressor, indexer or ``tid2eid``: the MTP block is uncompressed and
+#: routed by score.
+_V4_MTP = tuple(f"mtp.{{L}}.{leaf}" for leaf in (
+    "hc_head_base.weight", "hc_head_fn.weight", "hc_head_scale.weight", "e_proj.weight", "h_proj.weight",
+    "enorm.weight", "hnorm.weight", "norm.weight",
+    "hc_attn_fn.weight", "hc_attn_scale.weight", "hc_attn_base.weight", "attn_norm.weight", "attn_q_a.weight",
+    "attn_q_a_norm.weight", "attn_q_b.weight", "attn_kv.weight", "attn_kv_a_norm.weight", "attn_sinks.weight",
+    "attn_output_a.weight", "attn_output_b.weight", "hc_ffn_fn.weight", "hc_ffn_scale.weight", "hc_ffn_base.weight",
+    "ffn_norm.weight", "ffn_gate_inp.weight", "exp_probs_b.bias", "ffn_gate_exps.weight", "ffn_up_exps.weight",
+    "ffn_down_exps.weight", "ffn_gate_shexp.weight", "ffn_up_shexp.weight", "ffn_down_shexp.weight"))
+
 DEEPSEEK4 = ArchDialect(
     gguf_arch="deepseek4",
     tensors=(*_same("token_embd.weight", "output_hc_base.weight", "output_hc_fn.weight", "output_hc_scale.weight",
                     "output_norm.weight", "output.weight"), *_V4_BLOCK),
+    native=_V4_MTP,
+    native_note=("DeepSeek V4's MTP block is named mtp.K.* by ds4 (e_proj and h_proj apart, with its own hc_head) "
+                 "and blk.N.* with nextn.eh_proj by llama.cpp (without that hc_head): convert it from the source "
+                 "checkpoint with `quantkit convert --dialect`, or skip class mtp"),
     keys=(KeyRow("{arch}.vocab_size", U32, None, None, "vocab_from_tokens"),),
     keep_order=True,   # ds4's quantizer keeps its template's (the llama.cpp converter's) tensor order
     passthrough_arch_keys=True,   # every other deepseek4.* key is llama.cpp's, read by ds4.c as it is
