@@ -226,16 +226,21 @@ def check(path):
               show_default=True, help="ds4: score_official's 26-column table (ds4-nll: its 7 NLL columns) with the "
               "identity record in OUT.tsv.json")
 @ARITHMETIC_OPTION
+@click.option("--dtype", type=click.Choice(["float32", "bfloat16"]), default="float32", show_default=True,
+              help="compute dtype: bfloat16 is a fast GPU mode (decoded weights rounded to bf16), outside float32's "
+                   "tolerance; recorded in the table's evidence")
 @click.option("--support", type=click.Path(exists=True, dir_okay=False, path_type=Path),
               help="a support (drafter) GGUF meant for MODEL: refused unless it comes from MODEL's checkpoint "
                    "(recorded in the table)")
 @executor_options
 def score(model, fixture_dir, out_arg, out, ctx, device, allow_cross_checkpoint, kld_base, save_logits, tokenizer,
-          sidecars, label, table_format, arithmetic, support, executor, address, jobs):
+          sidecars, label, table_format, arithmetic, dtype, support, executor, address, jobs):
     """Score MODEL (GGUF or checkpoint) on FIXTURE; write the per-case table -o OUT.tsv."""
     out = one_output(out, out_arg)
     require_runtime("quantkit score")
     check_executor("quantkit score", executor, address)
+    if dtype != "float32" and arithmetic != "float32":
+        raise click.UsageError(f"--arithmetic {arithmetic} computes in float32: not with --dtype {dtype}")
     if executor == "ray" and (kld_base is not None or save_logits is not None):
         raise click.UsageError("--kld-base and --save-logits evaluate one token stream in order: not with "
                                "--executor ray")
@@ -277,11 +282,11 @@ def score(model, fixture_dir, out_arg, out, ctx, device, allow_cross_checkpoint,
         from ..scoring.rayscore import score_on_ray
 
         scores, width, loaded = score_on_ray(identity, plan.cases, device=device, sidecars=sidecars,
-                                             arithmetic=arithmetic, address=address, workers=jobs,
+                                             arithmetic=arithmetic, dtype=dtype, address=address, workers=jobs,
                                              progress=progress)
         result = run_scoring(loaded, codec, plan, scored=(scores, width))
     else:
-        source = load_source(identity, device=device, replace=replace, arithmetic=arithmetic)
+        source = load_source(identity, device=device, replace=replace, arithmetic=arithmetic, dtype=dtype)
         try:
             result = run_scoring(source, codec, plan, kld_base=kld_base, save_logits_to=save_logits,
                                  progress=progress)

@@ -21,7 +21,7 @@ from typing import Callable, Mapping, Sequence
 
 import numpy as np
 
-from ..errors import FormatError, MissingSourceError, SourceError
+from ..errors import FormatError, MissingSourceError, SourceError, UnsupportedError
 from ..fixtures.tokens import TextCodec
 from ..io.gguf_reader import is_gguf
 from .source import ModelIdentity, checkpoint_identity, gguf_identity
@@ -200,10 +200,24 @@ def open_sidecars(path: str | os.PathLike, names: Sequence[str]) -> dict[str, Ca
 
 def load_source(identity: ModelIdentity, *, device: str = "cpu",
                 replace: Mapping[str, Callable[[], np.ndarray]] | None = None,
-                arithmetic: str = "float32") -> RuntimeSource:
+                arithmetic: str = "float32", dtype: str = "float32") -> RuntimeSource:
     """The model :func:`describe_model` described, loaded through :func:`quantkit.runtime.load_model`;
     ``replace`` (from :func:`open_sidecars`) substitutes checkpoint tensors; ``arithmetic``: ``float32`` or
-    ``ggml-cpu`` (llama.cpp's CPU activation rounding, :mod:`quantkit.runtime.ggml_arithmetic`)."""
+    ``ggml-cpu`` (llama.cpp's CPU activation rounding, :mod:`quantkit.runtime.ggml_arithmetic`); ``dtype``:
+    ``float32`` or ``bfloat16`` (decoded weights rounded to bf16 and bf16 activations: a fast GPU mode outside
+    the float32 tolerance, recorded in the evidence)."""
+    import torch
+
     from ..runtime import load_model
 
-    return RuntimeSource(load_model(identity.path, device=device, replace=replace, arithmetic=arithmetic), identity)
+    if dtype not in SCORE_DTYPES:
+        raise UnsupportedError(f"unknown dtype {dtype!r} (one of {', '.join(SCORE_DTYPES)})", field="dtype")
+    if dtype != "float32" and arithmetic != "float32":
+        raise UnsupportedError(f"--arithmetic {arithmetic} computes in float32: not with --dtype {dtype}",
+                               field="dtype")
+    return RuntimeSource(load_model(identity.path, device=device, replace=replace, arithmetic=arithmetic,
+                                    dtype=getattr(torch, dtype)), identity)
+
+
+#: The compute dtypes ``score`` offers.
+SCORE_DTYPES = ("float32", "bfloat16")

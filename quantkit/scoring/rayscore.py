@@ -32,11 +32,11 @@ class Loaded:
 class ScoreWorker:
     """One model per actor."""
 
-    def __init__(self, identity, device: str, sidecars: Sequence[str], arithmetic: str):
+    def __init__(self, identity, device: str, sidecars: Sequence[str], arithmetic: str, dtype: str):
         from .loading import load_source, open_sidecars
 
         replace = open_sidecars(identity.path, sidecars) if sidecars else None
-        self.source = load_source(identity, device=device, replace=replace, arithmetic=arithmetic)
+        self.source = load_source(identity, device=device, replace=replace, arithmetic=arithmetic, dtype=dtype)
 
     def describe(self) -> Loaded:
         s = self.source
@@ -54,7 +54,7 @@ class ScoreWorker:
 
 
 def score_on_ray(identity, cases: Sequence[PreparedCase], *, device: str = "cpu", sidecars: Sequence[str] = (),
-                 arithmetic: str = "float32", address: str | None = None, workers: int = 1,
+                 arithmetic: str = "float32", dtype: str = "float32", address: str | None = None, workers: int = 1,
                  progress: Callable[[CaseScore], None] | None = None) -> tuple[list[CaseScore], int, Loaded]:
     """(scores in case order, vocabulary width, what ran) of ``cases`` on the cluster at ``address`` (None: a local
     cluster of ``workers`` CPUs)."""
@@ -62,7 +62,8 @@ def score_on_ray(identity, cases: Sequence[PreparedCase], *, device: str = "cpu"
         resources = {"num_gpus": 1, "num_cpus": 1} if device == "cuda" else {"num_cpus": 1}
         slots = cluster_cpus(ray) if device != "cuda" else max(1, int(ray.cluster_resources().get("GPU", 0)))
         actor = ray.remote(max_restarts=TASK_RETRIES, max_task_retries=TASK_RETRIES, **resources)(ScoreWorker)
-        actors = [actor.remote(identity, device, tuple(sidecars), arithmetic) for _ in range(min(slots, len(cases)))]
+        actors = [actor.remote(identity, device, tuple(sidecars), arithmetic, dtype)
+                  for _ in range(min(slots, len(cases)))]
         try:
             width = task_result(ray, actors[0].width.remote(cases[0]), "scoring actor")
             for case in cases:
