@@ -343,6 +343,56 @@ def test_llama_cpp_files_score_the_nll_llama_cpp_gives(converted, q4_k_m, arch):
     assert abs(plain.mean() - theirs.mean()) <= Q4_MEAN_NLL_TOLERANCE
 
 
+#: scripts/llama_tensors.py: llama.cpp's float32 tensors for a token sequence (its eval callback).
+TENSOR_DUMP = Path(__file__).resolve().parent.parent / "scripts" / "llama_tensors.py"
+
+
+def llama_products(path: Path, ids: list[int], out: Path, repack: bool) -> list[tuple[str, np.ndarray, np.ndarray]]:
+    """Every product of a 2-D GGUF weight in llama.cpp's graph, as (weight name, its float32 input rows, its
+    output rows), read from scripts/llama_tensors.py's dump."""
+    result = subprocess.run([sys.executable, str(TENSOR_DUMP), str(path), str(out), ",".join(map(str, ids)),
+                             *([] if repack else ["--no-repack"])], capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-2000:]
+    tensors = np.load(out)
+    latest: dict[str, str] = {}          # graph name -> the dump key of its latest value
+    products = []
+    for line in Path(str(out) + ".order.txt").read_text().splitlines():
+        key, op, _, sources = line.split("\t")
+        sources = json.loads(sources.replace("'", '"'))
+        if op == "MUL_MAT" and sources[0].endswith(".weight") and sources[1] in latest:
+            x, y = tensors[latest[sources[1]]], tensors[key]
+            if x.ndim == 4 and x.shape[:2] == (1, 1):
+                products.append((sources[0], x[0, 0], y[0, 0]))
+        latest[key.split("#")[0]] = key
+    return products
+
+
+def test_ggml_products_are_llama_cpps_own(q4_k_m, tmp_path):
+    """``ggml_ref.mul_mat`` (one ``ggml_mul_mat`` through libggml-cpu) gives, bit for bit, every product of a 2-D
+    weight that llama.cpp's graph computes on the tiny DeepSeek V3's Q4_K_M file (Q4_K, Q5_0, Q5_K, Q6_K weights),
+    from the same inputs: with the weights repacked (llama.cpp's default, ``repack=True``) and without
+    (``--no-repack``).  The two llama.cpp runs differ from each other (interleaved Q4_K kernels sum in another
+    order), so each must match its own kind."""
+    from quantkit.testing import ggml_ref
+
+    _, path = q4_k_m("deepseek_v3")
+    ids = token_ids("deepseek_v3")
+    with GGUFFile(path) as f:
+        weights = {name: (t.type, np.array(f.data(name)), t.shape[0])
+                   for name, t in f.tensors.items() if len(t.shape) == 2}
+    differ = 0
+    for repack in (True, False):
+        products = llama_products(path, ids, tmp_path / f"tensors-{repack}.npz", repack)
+        assert {weights[name][0].name for name, _, _ in products} >= {"Q4_K", "Q5_0", "Q5_K", "Q6_K"}
+        for name, x, y in products:
+            qtype, payload, rows = weights[name]
+            ours = ggml_ref.mul_mat(qtype, payload, rows, x, repack=repack)
+            assert np.array_equal(ours.view(np.uint32), y.view(np.uint32)), f"{name} (repack={repack})"
+            if repack and qtype.name == "Q4_K":
+                differ += int(np.sum(ggml_ref.mul_mat(qtype, payload, rows, x).view(np.uint32) != y.view(np.uint32)))
+    assert differ > 0       # repacking changes the Q4_K products: the two runs are told apart
+
+
 # -- inspect and imatrix ------------------------------------------------------------------------------------------
 
 def test_inspect_and_imatrix_info_read_the_file(q4_k_m, tmp_path):
