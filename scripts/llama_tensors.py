@@ -6,9 +6,8 @@ runtime (``load_model(..., arithmetic="ggml-cpu")``) and llama.cpp part.
 ``tests/test_foreign.py`` scores against) with an eval callback that copies each F32 result (views and
 permutations read through their strides) into ``OUT.npz`` under the graph's tensor name (``kq-0``, ``kqv-1``;
 ``#1``, ``#2`` for a name met again), and writes ``OUT.npz.order.txt``: one line per tensor, in execution order,
-with its op, ``ne`` and source names.  Only the last position asks for logits (``llama_batch_get_one``), so
-llama.cpp keeps only that row after the last layer's attention.  ``--no-repack`` leaves the weights in ggml's
-plain CPU buffers (llama-cli's ``--no-repack``).
+with its op, ``ne`` and source names.  Every position asks for logits, as when scoring.  ``--no-repack`` leaves
+the weights in ggml's plain CPU buffers (llama-cli's ``--no-repack``).
 
 Example finding (the tiny DeepSeek V3, Q4_K_M): element 100 of head 3, token 35 of ``kqv-0`` (``attn_v_b``'s
 input, rounded to Q8_0 before the product) is 9.4999924 Q8_0 steps with repacking and 9.5000057 without.
@@ -78,9 +77,15 @@ def dump(model_path: str, tokens: list[int], repack: bool = True) -> tuple[dict[
     params.n_threads = params.n_threads_batch = 2
     params.cb_eval = callback
     ctx = llama_cpp.llama_init_from_model(model, params)
-    ids = (llama_cpp.llama_token * len(tokens))(*tokens)
-    if llama_cpp.llama_decode(ctx, llama_cpp.llama_batch_get_one(ids, len(tokens))) != 0:
-        raise SystemExit("llama_decode failed")
+    batch = llama_cpp.llama_batch_init(len(tokens), 0, 1)
+    for i, token in enumerate(tokens):         # every position asks for logits: no row is dropped before the head
+        batch.token[i], batch.pos[i], batch.n_seq_id[i], batch.logits[i] = token, i, 1, 1
+        batch.seq_id[i][0] = 0
+    batch.n_tokens = len(tokens)
+    status = llama_cpp.llama_decode(ctx, batch)
+    llama_cpp.llama_batch_free(batch)
+    if status != 0:
+        raise SystemExit(f"llama_decode failed ({status})")
     llama_cpp.llama_free(ctx)
     llama_cpp.llama_model_free(model)
     return tensors, order
