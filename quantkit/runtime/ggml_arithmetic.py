@@ -21,11 +21,22 @@ two is float32 summation order.  Rounding per ``vec_dot_type`` (x86, the backend
 Attention products (Q·Kᵀ, P·V) are untouched: with an F32 KV cache llama.cpp multiplies them in float32 too.
 MLA attention as llama.cpp runs it (``attn_k_b`` / ``attn_v_b`` absorbed into the query and the output) is
 reproduced by :mod:`.mla` when this mode is on.
+
+Rounding alone leaves float32 summation order: a value within an ulp or two of a Q8 rounding boundary then rounds
+the other way, and every later token attending to it moves (up to 0.009 nat per token on the tiny DeepSeek V3's
+Q4_K_M; llama.cpp's own ``--no-repack`` run differs from its default run by as much).  So when libggml-base and
+libggml-cpu load (llama-cpp-python, the ``interop`` extra; :func:`engine`), the mode hands ggml the operations
+where its arithmetic is its own: every ``F.linear`` with a packed weight (or ``weight[e]`` of one) whose GGUF
+tensors hold whole rows unchanged is one ``ggml_mul_mat`` on the stored payload (:func:`ggml_product`; the weight
+repacked as llama.cpp places it by default, :data:`REPACK`), and ``F.silu`` is ggml's (its vectorized exponential
+is not torch's); the rest keeps the rounding emulation.  On llama.cpp-made Q4_K_M files of the tiny Qwen3-MoE and
+DeepSeek V3 every token's NLL then agrees with llama.cpp's within 1e-7 (tests/test_foreign.py).
 """
 from __future__ import annotations
 
 from contextlib import contextmanager
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
@@ -86,7 +97,8 @@ def _divide(numerator: float, x: torch.Tensor) -> torch.Tensor:
 
 
 class _ActivationMode(TorchFunctionMode):
-    """Rounds the activation operand of every product with a packed weight (see the module doc)."""
+    """Rounds the activation operand of every product with a packed weight (see the module doc); with libggml
+    (:func:`engine`), runs ``F.linear`` on a packed weight and ``F.silu`` in ggml itself instead."""
 
     #: product -> positions of its (activations, weight) operands
     PRODUCTS = {F.linear: (0, 1), torch.matmul: (0, 1), torch.Tensor.matmul: (0, 1), torch.Tensor.__matmul__: (0, 1),
@@ -94,6 +106,15 @@ class _ActivationMode(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        ggml = engine()
+        if ggml is not None:
+            if func is F.linear and len(args) >= 2 and not kwargs and (len(args) == 2 or args[2] is None):
+                out = _ggml_linear(ggml, args[0], args[1])
+                if out is not None:
+                    return out
+            elif func is F.silu and not kwargs.get("inplace") and (len(args) < 2 or not args[1]):
+                x = args[0]
+                return torch.from_numpy(ggml.silu(x.detach().float().cpu().numpy())).to(x.device, x.dtype)
         operands = self.PRODUCTS.get(func)
         if operands is not None and len(args) >= 2:
             kind = weight_activation_type(args[operands[1]])
@@ -115,6 +136,73 @@ def weight_activation_type(w) -> str | None:
 
 #: Attribute naming the packed weight a matrix was taken from (``weight[e]``, ``weight.t()``).
 ACTIVATION_ATTR = "_ggml_activation_type"
+#: Attribute holding ``e`` on a matrix taken as ``weight[e]`` from a packed weight.
+SLICE_ATTR = "_ggml_slice_index"
+
+#: Whether engine products place weights as llama.cpp does by default (interleaved ``CPU_REPACK`` copies).
+REPACK = True
+
+
+def engine():
+    """:mod:`quantkit.testing.ggml_ref` when libggml-base and libggml-cpu load (llama-cpp-python, the interop
+    extra), else None."""
+    from ..testing import ggml_ref
+
+    try:
+        ggml_ref.cpu_library()
+    except ggml_ref.GGMLUnavailable:
+        return None
+    return ggml_ref
+
+
+def ggml_product(ggml, gguf_name: str, store, x: torch.Tensor, index: int | None = None) -> torch.Tensor:
+    """``x @ W.T`` by ggml's CPU backend, ``W`` GGUF tensor ``gguf_name`` (its slice ``index`` of the leading axis
+    when given) as stored in the file: ggml rounds the activations and picks its kernel itself."""
+    weights = store.weights
+    stored = weights.tensors[gguf_name]
+    payload = weights.data(gguf_name)
+    if index is not None:
+        payload = payload[index]
+    rows = stored.shape[-2] if len(stored.shape) >= 2 else 1
+    flat = x.detach().reshape(-1, x.shape[-1]).float().cpu().numpy()
+    out = ggml.mul_mat(GGMLType[stored.qtype.name], np.ascontiguousarray(payload), rows, flat, repack=REPACK)
+    return torch.from_numpy(out).reshape(*x.shape[:-1], rows).to(x.device, x.dtype)
+
+
+def _ggml_linear(ggml, x: torch.Tensor, w) -> torch.Tensor | None:
+    """``F.linear(x, w)`` through ggml when ``w`` is a packed weight (or ``weight[e]`` of one) whose GGUF tensors
+    hold whole rows of it, unchanged in value; None otherwise (the caller rounds and multiplies in torch)."""
+    from .packed import PackedTensor
+
+    index = None
+    if not isinstance(w, PackedTensor):
+        index = getattr(w, SLICE_ATTR, None)
+        w = getattr(w, ACTIVATION_ATTR, None)
+        if not isinstance(w, PackedTensor) or index is None:
+            return None
+    plan = w.plan
+    if plan.sliced != (index is not None) or len(w.shape) - (index is not None) != 2:
+        return None
+    rows, cols = w.shape[-2], w.shape[-1]
+    placed = []
+    for part in plan.parts:
+        if part.values:
+            return None
+        if part.rows is None:
+            placed.append((part.gguf_name, None))
+            continue
+        # part.rows: flat position (within the matrix, or within one slice of a sliced plan) of each GGUF row
+        if part.cols is None or not np.array_equal(part.cols, np.arange(cols)) or np.any(part.rows % cols):
+            return None
+        placed.append((part.gguf_name, torch.as_tensor(part.rows // cols)))
+    if len(placed) == 1 and placed[0][1] is None:
+        return ggml_product(ggml, placed[0][0], w.assembler.store, x, index)
+    out = x.new_empty(*x.shape[:-1], rows, dtype=torch.float32)
+    for name, model_rows in placed:
+        if model_rows is None:
+            return None
+        out[..., model_rows] = ggml_product(ggml, name, w.assembler.store, x, index).float()
+    return out.to(x.dtype)
 
 
 #: transformers RMSNorm classes computing ``weight * x / sqrt(mean(x²) + eps)`` (the form ggml's ``rms_norm``

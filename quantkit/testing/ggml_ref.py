@@ -156,6 +156,11 @@ def _graph_api() -> tuple[ctypes.CDLL, ctypes.CDLL]:
     base.ggml_init.restype, base.ggml_init.argtypes = ptr, [_InitParams]
     base.ggml_new_tensor_2d.restype = ptr
     base.ggml_new_tensor_2d.argtypes = [ptr, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+    base.ggml_new_tensor_3d.restype = ptr
+    base.ggml_new_tensor_3d.argtypes = [ptr, ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64]
+    base.ggml_silu.restype, base.ggml_silu.argtypes = ptr, [ptr, ptr]
+    base.ggml_soft_max_ext.restype = ptr
+    base.ggml_soft_max_ext.argtypes = [ptr, ptr, ptr, ctypes.c_float, ctypes.c_float]
     base.ggml_mul_mat.restype, base.ggml_mul_mat.argtypes = ptr, [ptr, ptr, ptr]
     base.ggml_new_graph.restype, base.ggml_new_graph.argtypes = ptr, [ptr]
     base.ggml_build_forward_expand.argtypes = [ptr, ptr]
@@ -224,19 +229,54 @@ def mul_mat(qtype, payload: np.ndarray, rows: int, x: np.ndarray, *, repack: boo
             ctypes.memmove(_Tensor.from_address(weight).data, raw.ctypes.data, raw.nbytes)
         activations = base.ggml_new_tensor_2d(ctx, 0, k, n)       # GGML_TYPE_F32
         ctypes.memmove(_Tensor.from_address(activations).data, x.ctypes.data, x.nbytes)
-        out = base.ggml_mul_mat(ctx, weight, activations)
-        graph = base.ggml_new_graph(ctx)
-        base.ggml_build_forward_expand(graph, out)
-        plan = cpu.ggml_graph_plan(graph, threads, None)
-        work = np.zeros(max(plan.work_size, 1), dtype=np.uint8)
-        plan.work_data = work.ctypes.data
-        status = cpu.ggml_graph_compute(graph, ctypes.byref(plan))
-        if status != 0:
-            raise RuntimeError(f"ggml_graph_compute failed (status {status})")
-        result = (ctypes.c_float * (n * rows)).from_address(_Tensor.from_address(out).data)
-        return np.ctypeslib.as_array(result).reshape(n, rows).copy()
+        return _compute(ctx, base.ggml_mul_mat(ctx, weight, activations), (n, rows), threads)
     finally:
         if buffer:
             base.ggml_backend_buffer_free(buffer)
         base.ggml_free(ctx)
         base.ggml_free(weights_ctx)
+
+
+def _compute(ctx, out, shape: tuple[int, ...], threads: int) -> np.ndarray:
+    """Run the graph ending in ``out`` (float32) on the CPU backend; its values, numpy ``shape``."""
+    base, cpu = _graph_api()
+    graph = base.ggml_new_graph(ctx)
+    base.ggml_build_forward_expand(graph, out)
+    plan = cpu.ggml_graph_plan(graph, threads, None)
+    work = np.zeros(max(plan.work_size, 1), dtype=np.uint8)
+    plan.work_data = work.ctypes.data
+    status = cpu.ggml_graph_compute(graph, ctypes.byref(plan))
+    if status != 0:
+        raise RuntimeError(f"ggml_graph_compute failed (status {status})")
+    result = (ctypes.c_float * int(np.prod(shape))).from_address(_Tensor.from_address(out).data)
+    return np.ctypeslib.as_array(result).reshape(shape).copy()
+
+
+def _float_op(build, *arrays: np.ndarray, threads: int = 2) -> np.ndarray:
+    """``build(ctx, *tensors)`` on float32 copies of ``arrays`` (at most 3-D, numpy order): ggml's result, the
+    first array's shape."""
+    base, _ = _graph_api()
+    arrays = tuple(np.ascontiguousarray(a, dtype=np.float32) for a in arrays)
+    size = 3 * sum(a.nbytes for a in arrays) + base.ggml_graph_overhead() + (1 << 16)
+    ctx = base.ggml_init(_InitParams(size, None, False))
+    try:
+        tensors = []
+        for a in arrays:
+            ne = a.shape[::-1] + (1,) * (3 - a.ndim)
+            t = base.ggml_new_tensor_3d(ctx, 0, *ne)                    # GGML_TYPE_F32
+            ctypes.memmove(_Tensor.from_address(t).data, a.ctypes.data, a.nbytes)
+            tensors.append(t)
+        return _compute(ctx, build(base, ctx, *tensors), arrays[0].shape, threads)
+    finally:
+        base.ggml_free(ctx)
+
+
+def silu(x: np.ndarray) -> np.ndarray:
+    """ggml's ``silu`` on the CPU (its own vectorized exponential: not ``x * sigmoid(x)`` rounded correctly)."""
+    return _float_op(lambda base, ctx, a: base.ggml_silu(ctx, a), x)
+
+
+def soft_max(x: np.ndarray, mask: np.ndarray, scale: float) -> np.ndarray:
+    """ggml's ``soft_max_ext(x, mask, scale)`` on the CPU over the last axis of ``x[heads, rows, n]``: ``softmax(x *
+    scale + mask)``, ``mask[rows, n]`` (0 or -inf) shared by the heads."""
+    return _float_op(lambda base, ctx, a, m: base.ggml_soft_max_ext(ctx, a, m, scale, 0.0), x, mask)
