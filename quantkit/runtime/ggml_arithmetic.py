@@ -28,8 +28,9 @@ Q4_K_M; llama.cpp's own ``--no-repack`` run differs from its default run by as m
 libggml-cpu load (llama-cpp-python, the ``interop`` extra; :func:`engine`), the mode hands ggml the operations
 where its arithmetic is its own: every ``F.linear`` with a packed weight (or ``weight[e]`` of one) whose GGUF
 tensors hold whole rows unchanged is one ``ggml_mul_mat`` on the stored payload (:func:`ggml_product`; the weight
-repacked as llama.cpp places it by default, :data:`REPACK`), and ``F.silu`` is ggml's (its vectorized exponential
-is not torch's); the rest keeps the rounding emulation.  On llama.cpp-made Q4_K_M files of the tiny Qwen3-MoE and
+repacked as llama.cpp places it by default, :data:`REPACK`), and ``F.silu`` and ``sigmoid`` are ggml's (its
+exponentials are not torch's); the rest keeps the rounding emulation.  :mod:`.mla` runs latent attention's
+products and softmax in ggml too.  On llama.cpp-made Q4_K_M files of the tiny Qwen3-MoE and
 DeepSeek V3 every token's NLL then agrees with llama.cpp's within 1e-7 (tests/test_foreign.py).
 """
 from __future__ import annotations
@@ -98,7 +99,7 @@ def _divide(numerator: float, x: torch.Tensor) -> torch.Tensor:
 
 class _ActivationMode(TorchFunctionMode):
     """Rounds the activation operand of every product with a packed weight (see the module doc); with libggml
-    (:func:`engine`), runs ``F.linear`` on a packed weight and ``F.silu`` in ggml itself instead."""
+    (:func:`engine`), runs ``F.linear`` on a packed weight, ``F.silu`` and ``sigmoid`` in ggml itself instead."""
 
     #: product -> positions of its (activations, weight) operands
     PRODUCTS = {F.linear: (0, 1), torch.matmul: (0, 1), torch.Tensor.matmul: (0, 1), torch.Tensor.__matmul__: (0, 1),
@@ -112,9 +113,10 @@ class _ActivationMode(TorchFunctionMode):
                 out = _ggml_linear(ggml, args[0], args[1])
                 if out is not None:
                     return out
-            elif func is F.silu and not kwargs.get("inplace") and (len(args) < 2 or not args[1]):
+            elif func in _ELEMENTWISE and not any(args[1:]) and not any(kwargs.values()):   # not in place
                 x = args[0]
-                return torch.from_numpy(ggml.silu(x.detach().float().cpu().numpy())).to(x.device, x.dtype)
+                values = getattr(ggml, _ELEMENTWISE[func])(x.detach().float().cpu().numpy())
+                return torch.from_numpy(values).to(x.device, x.dtype)
         operands = self.PRODUCTS.get(func)
         if operands is not None and len(args) >= 2:
             kind = weight_activation_type(args[operands[1]])
@@ -143,6 +145,10 @@ SLICE_ATTR = "_ggml_slice_index"
 REPACK = True
 
 
+#: Element-wise functions ggml computes its own way (vectorized or libm exponentials) -> their ggml_ref function.
+_ELEMENTWISE = {F.silu: "silu", torch.sigmoid: "sigmoid", torch.Tensor.sigmoid: "sigmoid"}
+
+
 def engine():
     """:mod:`quantkit.testing.ggml_ref` when libggml-base and libggml-cpu load (llama-cpp-python, the interop
     extra), else None."""
@@ -155,9 +161,12 @@ def engine():
     return ggml_ref
 
 
-def ggml_product(ggml, gguf_name: str, store, x: torch.Tensor, index: int | None = None) -> torch.Tensor:
+def ggml_product(ggml, gguf_name: str, store, x: torch.Tensor, index: int | None = None, *,
+                 expert: bool = True) -> torch.Tensor:
     """``x @ W.T`` by ggml's CPU backend, ``W`` GGUF tensor ``gguf_name`` (its slice ``index`` of the leading axis
-    when given) as stored in the file: ggml rounds the activations and picks its kernel itself."""
+    when given) as stored in the file: ggml rounds the activations and picks its kernel itself.  A slice of a 3-D
+    tensor multiplies as llama.cpp's ``MUL_MAT_ID`` runs one expert, unless ``expert=False`` (MLA's per-head
+    ``attn_k_b`` / ``attn_v_b``: a batched ``MUL_MAT``)."""
     weights = store.weights
     stored = weights.tensors[gguf_name]
     payload = weights.data(gguf_name)
@@ -165,7 +174,8 @@ def ggml_product(ggml, gguf_name: str, store, x: torch.Tensor, index: int | None
         payload = payload[index]
     rows = stored.shape[-2] if len(stored.shape) >= 2 else 1
     flat = x.detach().reshape(-1, x.shape[-1]).float().cpu().numpy()
-    out = ggml.mul_mat(GGMLType[stored.qtype.name], np.ascontiguousarray(payload), rows, flat, repack=REPACK)
+    out = ggml.mul_mat(GGMLType[stored.qtype.name], np.ascontiguousarray(payload), rows, flat, repack=REPACK,
+                       expert=index is not None and len(stored.shape) == 3 and expert)
     return torch.from_numpy(out).reshape(*x.shape[:-1], rows).to(x.device, x.dtype)
 
 

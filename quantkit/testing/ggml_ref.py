@@ -2,8 +2,9 @@
 its CPU backend's activation quantizers (:func:`cpu_activations`) and matrix product (:func:`mul_mat`, one
 ``ggml_mul_mat`` with the weight in plain or repacked buffers), the judges of llama.cpp's arithmetic.
 
-The library is ``libggml-base.so`` from llama-cpp-python 0.3.36 (the ``interop`` extra).  Nothing here is used
-by quantkit's pipelines; tests and ``bench/`` import it.
+The library is ``libggml-base.so`` from llama-cpp-python 0.3.36 (the ``interop`` extra).  Tests and ``bench/``
+import it; of quantkit's own code only the runtime's ``ggml-cpu`` arithmetic does
+(:mod:`quantkit.runtime.ggml_arithmetic`), when it loads.
 """
 from __future__ import annotations
 
@@ -159,6 +160,7 @@ def _graph_api() -> tuple[ctypes.CDLL, ctypes.CDLL]:
     base.ggml_new_tensor_3d.restype = ptr
     base.ggml_new_tensor_3d.argtypes = [ptr, ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64]
     base.ggml_silu.restype, base.ggml_silu.argtypes = ptr, [ptr, ptr]
+    base.ggml_sigmoid.restype, base.ggml_sigmoid.argtypes = ptr, [ptr, ptr]
     base.ggml_soft_max_ext.restype = ptr
     base.ggml_soft_max_ext.argtypes = [ptr, ptr, ptr, ctypes.c_float, ctypes.c_float]
     base.ggml_mul_mat.restype, base.ggml_mul_mat.argtypes = ptr, [ptr, ptr, ptr]
@@ -196,14 +198,15 @@ def _repack_buffer_type(base: ctypes.CDLL, cpu: ctypes.CDLL):
     raise GGMLUnavailable("this ggml CPU backend has no CPU_REPACK buffer type")
 
 
-def mul_mat(qtype, payload: np.ndarray, rows: int, x: np.ndarray, *, repack: bool = False,
+def mul_mat(qtype, payload: np.ndarray, rows: int, x: np.ndarray, *, repack: bool = False, expert: bool = False,
             threads: int = 2) -> np.ndarray:
     """``x[n, k] @ W.T`` as ggml's CPU backend computes one ``ggml_mul_mat`` (float32 ``[n, rows]``): ``W`` is the
     ``rows x k`` weight whose GGUF payload is ``payload`` (``qtype``), ``x`` float32 activations.  ggml converts the
     activations to the weight's vec_dot_type and picks its kernel (vec_dot, llamafile's sgemm, its tiled K-quant
     kernel) as it does inside llama.cpp's graph.  ``repack=True`` places the weight in the ``CPU_REPACK`` buffer
     first, as llama.cpp does by default (without ``--no-repack``), when ggml has an interleaved layout for it on
-    this CPU; the product then runs ggml's interleaved kernels."""
+    this CPU; the product then runs ggml's interleaved kernels.  ``expert=True``: ``W`` is one expert of a
+    ``MUL_MAT_ID``, whose repacked form multiplies each activation row on its own (ggml's gemv kernel)."""
     base, cpu = _graph_api()
     fmt = get_format(qtype)
     x = np.ascontiguousarray(x, dtype=np.float32)
@@ -227,6 +230,8 @@ def mul_mat(qtype, payload: np.ndarray, rows: int, x: np.ndarray, *, repack: boo
         if weight is None:
             weight = base.ggml_new_tensor_2d(ctx, int(fmt.qtype), k, rows)
             ctypes.memmove(_Tensor.from_address(weight).data, raw.ctypes.data, raw.nbytes)
+        if expert and buffer and weight == packed:
+            return np.concatenate([mul_mat_rows(base, weight, x[i:i + 1], rows, threads) for i in range(n)])
         activations = base.ggml_new_tensor_2d(ctx, 0, k, n)       # GGML_TYPE_F32
         ctypes.memmove(_Tensor.from_address(activations).data, x.ctypes.data, x.nbytes)
         return _compute(ctx, base.ggml_mul_mat(ctx, weight, activations), (n, rows), threads)
@@ -235,6 +240,18 @@ def mul_mat(qtype, payload: np.ndarray, rows: int, x: np.ndarray, *, repack: boo
             base.ggml_backend_buffer_free(buffer)
         base.ggml_free(ctx)
         base.ggml_free(weights_ctx)
+
+
+def mul_mat_rows(base, weight, x: np.ndarray, rows: int, threads: int) -> np.ndarray:
+    """``ggml_mul_mat(weight, x)`` for a weight tensor already placed (in its own context): ``[len(x), rows]``."""
+    ctx = base.ggml_init(_InitParams(x.nbytes + x.shape[0] * rows * 4 + base.ggml_graph_overhead() + (1 << 16),
+                                     None, False))
+    try:
+        activations = base.ggml_new_tensor_2d(ctx, 0, x.shape[1], x.shape[0])
+        ctypes.memmove(_Tensor.from_address(activations).data, np.ascontiguousarray(x).ctypes.data, x.nbytes)
+        return _compute(ctx, base.ggml_mul_mat(ctx, weight, activations), (x.shape[0], rows), threads)
+    finally:
+        base.ggml_free(ctx)
 
 
 def _compute(ctx, out, shape: tuple[int, ...], threads: int) -> np.ndarray:
@@ -269,6 +286,11 @@ def _float_op(build, *arrays: np.ndarray, threads: int = 2) -> np.ndarray:
         return _compute(ctx, build(base, ctx, *tensors), arrays[0].shape, threads)
     finally:
         base.ggml_free(ctx)
+
+
+def sigmoid(x: np.ndarray) -> np.ndarray:
+    """ggml's ``sigmoid`` on the CPU (``1 / (1 + expf(-x))``)."""
+    return _float_op(lambda base, ctx, a: base.ggml_sigmoid(ctx, a), x)
 
 
 def silu(x: np.ndarray) -> np.ndarray:
