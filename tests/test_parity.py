@@ -238,8 +238,8 @@ def test_parity_on_llama_perplexity_base_file(tiny_checkpoints, tmp_path):
     runtime on the same GGUF against the same file.  Measured (qwen3_moe tiny, -c 64, F32 KV, no flash attention):
     mean KLD 0.000174 vs llama-perplexity's 0.000174 (float32 arithmetic: 0.000137), same top 95.601% vs 95.601%
     (products and SiLU in libggml-cpu; with the activation rounding emulated in torch it was 0.000175 and 95.455%:
-    one token of 680, the tiny random model's near-ties flip on last-ulp differences); the assertions keep the
-    emulation's margins, the rounding-only path's bound."""
+    one token of 680, the tiny random model's near-ties flip on last-ulp differences); the assertions keep those
+    earlier margins."""
     import re
     import subprocess
 
