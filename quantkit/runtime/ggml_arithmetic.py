@@ -35,6 +35,7 @@ DeepSeek V3 every token's NLL then agrees with llama.cpp's within 1e-7 (tests/te
 """
 from __future__ import annotations
 
+import functools
 from contextlib import contextmanager
 
 import numpy as np
@@ -113,10 +114,11 @@ class _ActivationMode(TorchFunctionMode):
                 out = _ggml_linear(ggml, args[0], args[1])
                 if out is not None:
                     return out
-            elif func in _ELEMENTWISE and not any(args[1:]) and not any(kwargs.values()):   # not in place
+            elif func in _ELEMENTWISE and not any(args[1:]) and not any(kwargs.values()) \
+                    and args[0].dim() and args[0].numel():                           # not in place, not empty
                 x = args[0]
-                values = getattr(ggml, _ELEMENTWISE[func])(x.detach().float().cpu().numpy())
-                return torch.from_numpy(values).to(x.device, x.dtype)
+                values = getattr(ggml, _ELEMENTWISE[func])(x.detach().reshape(-1, x.shape[-1]).float().cpu().numpy())
+                return torch.from_numpy(values).reshape(x.shape).to(x.device, x.dtype)
         operands = self.PRODUCTS.get(func)
         if operands is not None and len(args) >= 2:
             kind = weight_activation_type(args[operands[1]])
@@ -149,6 +151,7 @@ REPACK = True
 _ELEMENTWISE = {F.silu: "silu", torch.sigmoid: "sigmoid", torch.Tensor.sigmoid: "sigmoid"}
 
 
+@functools.lru_cache(maxsize=1)
 def engine():
     """:mod:`quantkit.testing.ggml_ref` when libggml-base and libggml-cpu load (llama-cpp-python, the interop
     extra), else None."""
@@ -184,6 +187,8 @@ def _ggml_linear(ggml, x: torch.Tensor, w) -> torch.Tensor | None:
     hold whole rows of it, unchanged in value; None otherwise (the caller rounds and multiplies in torch)."""
     from .packed import PackedTensor
 
+    if not x.numel():
+        return None
     index = None
     if not isinstance(w, PackedTensor):
         index = getattr(w, SLICE_ATTR, None)
