@@ -257,8 +257,9 @@ def test_llama_quantize_with_an_imatrix_is_proven_with_it(converted, tmp_path):
     assert "unproven" in result.output and "quantized with an imatrix" in result.output
 
 
-def test_flipped_payload_byte_is_named(q4_k_m, tmp_path):
-    source, path = q4_k_m("qwen3_moe")
+@pytest.mark.parametrize("arch", QUANTIZED)
+def test_flipped_payload_byte_is_named(q4_k_m, arch, tmp_path):
+    source, path = q4_k_m(arch)
     bad = tmp_path / "flipped.gguf"
     shutil.copy(path, bad)
     with GGUFFile(bad) as f:
