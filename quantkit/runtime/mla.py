@@ -68,7 +68,7 @@ def llama_kq_scale(config, head_dim: int) -> float:
 def _engine_attention(ggml, store, parts, q_nope, q_rot, latent, k_rot, mask, scale):
     """Latent attention with every product and the softmax in libggml-cpu (llama.cpp's graph with an F32 KV cache,
     no flash attention): ``q_nope [b, heads, s, nope]``, ``q_rot [b, heads, s, rope]``, ``latent [b, 1, t, rank]``,
-    ``k_rot [b, 1, t, rope]``, ``mask [s, t]`` (0 or -inf); the heads' outputs ``[b, heads, s, v]``."""
+    ``k_rot [b, 1, t, rope]``, ``mask [b, s, t]`` (0 or -inf); the heads' outputs ``[b, heads, s, v]``."""
     from ..formats.registry import GGMLType
 
     key_name, value_name = parts
@@ -79,7 +79,7 @@ def _engine_attention(ggml, store, parts, q_nope, q_rot, latent, k_rot, mask, sc
         query = torch.cat((q_latent, q_rot[b]), dim=-1).float().numpy()               # [heads, s, rank + rope]
         key = np.ascontiguousarray(torch.cat((latent[b, 0], k_rot[b, 0]), dim=-1).float().numpy())
         scores = np.stack([ggml.mul_mat(GGMLType.F32, key.view(np.uint8), key.shape[0], query[h]) for h in heads])
-        weights = ggml.soft_max(scores, mask, scale)
+        weights = ggml.soft_max(scores, mask[b], scale)
         values = np.ascontiguousarray(latent[b, 0].float().numpy().T)                 # [rank, t]
         out_latent = [torch.from_numpy(ggml.mul_mat(GGMLType.F32, values.view(np.uint8), values.shape[0],
                                                     weights[h])) for h in heads]
@@ -132,12 +132,13 @@ def absorbed_forward(module):
         ggml = engine()
         if ggml is not None and parts is not None:
             keys = latent.shape[-2]
-            if attention_mask is not None:
-                blocked = (attention_mask[0, 0, :, :keys] < 0) if attention_mask.dtype != torch.bool \
-                    else ~attention_mask[0, 0, :, :keys]
+            if attention_mask is not None:      # [batch, 1, length, keys]: additive (0 / large negative) or boolean
+                window = attention_mask[:, 0, :, :keys]
+                blocked = ~window if window.dtype == torch.bool else window < 0
             else:
                 blocked = torch.ones(length, keys, dtype=torch.bool).triu(keys - length + 1)
-            mask = np.where(blocked.cpu().numpy(), np.float32(-np.inf), np.float32(0.0)).astype(np.float32)
+            blocked = blocked.expand(batch, length, keys).cpu().numpy()
+            mask = np.where(blocked, np.float32(-np.inf), np.float32(0.0)).astype(np.float32)
             out = _engine_attention(ggml, module.kv_b_proj.weight.assembler.store, parts, q_nope, q_rot, latent,
                                     k_rot, mask, kq_scale)
             out = out.transpose(1, 2).reshape(batch, length, heads * v_dim)
