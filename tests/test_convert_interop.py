@@ -165,6 +165,14 @@ import sys
 import numpy as np
 import llama_cpp
 path, out, tokens = sys.argv[1], sys.argv[2], [int(t) for t in sys.argv[3].split(",")]
+if sys.argv[4] == "no-repack":      # llama-cli's --no-repack: weights stay in ggml's plain CPU buffers
+    default_params = llama_cpp.llama_model_default_params
+
+    def no_repack_params():
+        params = default_params()
+        params.use_extra_bufts = False
+        return params
+    llama_cpp.llama_cpp.llama_model_default_params = no_repack_params
 n = max(64, len(tokens))
 llm = llama_cpp.Llama(model_path=path, n_ctx=n, n_batch=n, n_ubatch=n, logits_all=True, flash_attn=False,
                       type_k=llama_cpp.GGML_TYPE_F32, type_v=llama_cpp.GGML_TYPE_F32, n_threads=2, verbose=False)
@@ -176,10 +184,12 @@ np.save(out, np.array(llm.scores[: len(tokens)], dtype=np.float32))
 GGML_ABORT = re.compile(r"\.(c|cpp|h):\d+: ")   # ggml's "file.cpp:135: message" abort lines
 
 
-def llama_logits(path: Path, tokens: list[int]) -> np.ndarray:
-    out = path.with_suffix(".logits.npy")
-    result = subprocess.run([sys.executable, "-c", LLAMA_RUNNER, str(path), str(out), ",".join(map(str, tokens))],
-                            capture_output=True, text=True, timeout=600)
+def llama_logits(path: Path, tokens: list[int], repack: bool = True) -> np.ndarray:
+    """llama.cpp's float32 logits of every position (F32 KV cache, no flash attention, 2 threads); ``repack=False``
+    is llama.cpp's ``--no-repack`` (no interleaved copies of the weights for its CPU matrix kernels)."""
+    out = path.with_suffix(".logits.npy" if repack else ".no-repack.logits.npy")
+    result = subprocess.run([sys.executable, "-c", LLAMA_RUNNER, str(path), str(out), ",".join(map(str, tokens)),
+                             "repack" if repack else "no-repack"], capture_output=True, text=True, timeout=600)
     if result.returncode != 0:
         errors = [line for line in result.stderr.splitlines() if GGML_ABORT.search(line)]
         raise AssertionError(f"llama.cpp failed on {path.name} (exit {result.returncode}): "

@@ -20,21 +20,30 @@ two is float32 summation order.  Rounding per ``vec_dot_type`` (x86, the backend
 
 Attention products (Q·Kᵀ, P·V) are untouched: with an F32 KV cache llama.cpp multiplies them in float32 too.
 
-Summation order is not reproduced, so agreement is to the last ulps, not bit for bit (measured on the tiny qwen3_moe,
-x86 AVX2 build): llama.cpp's F32 products run llamafile's tinyBLAS (8 FMA lanes along k, then a fixed horizontal
-sum; an emulation of that order gives its values bit for bit, torch's product equals it in 1205 of 8192); its
-Q8_0 products differ from the rounded-activation float32 product in 7026 of 8192 values by <= 3.9e-7.  Where such
-an ulp moves a value across a rounding boundary of the next product's Q8_0/Q8_K activations, that row differs by
-one quantization step, and through attention every later row too (a mixed Q4_K/Q8_0 file, 22 chunks of 64: 16
-chunks hold such a flip; rows either agree within 6e-7 nat or differ by >= 2.5e-4 nat).  An F32 file has no
-rounding to flip: its logits agree within 8.4e-7 nat on every row.
 MLA attention as llama.cpp runs it (``attn_k_b`` / ``attn_v_b`` absorbed into the query and the output) is
 reproduced by :mod:`.mla` when this mode is on.
+
+Rounding alone leaves float32 summation order (torch's products are not ggml's: llama.cpp's F32 products run
+llamafile's tinyBLAS, 8 FMA lanes along k; its Q8_0 products differ from the rounded-activation float32 product in
+7026 of 8192 values by <= 3.9e-7): a value within an ulp or two of a Q8 rounding boundary then rounds the other way,
+and every later token attending to it moves (up to 0.009 nat per token on the tiny DeepSeek V3's Q4_K_M; 16 of 22
+chunks of the tiny Qwen3-MoE's mixed file held such a flip; llama.cpp's own ``--no-repack`` run differs from its
+default run by as much).  So when libggml-base and libggml-cpu load (llama-cpp-python, the ``interop`` extra;
+:func:`engine`), the mode hands ggml the operations where its arithmetic is its own: every ``F.linear`` with a
+packed weight (or ``weight[e]`` of one) whose GGUF tensors hold whole rows unchanged is one ``ggml_mul_mat`` on the
+stored payload (:func:`ggml_product`; the weight repacked as llama.cpp places it by default, :data:`REPACK`), and
+``F.silu`` and ``sigmoid`` are ggml's (its exponentials are not torch's); the rest keeps the rounding emulation.
+:mod:`.mla` runs latent attention's products and softmax in ggml too.  On llama.cpp-made Q4_K_M files of the tiny
+Qwen3-MoE and DeepSeek V3 every token's NLL then agrees with llama.cpp's within 1e-7 (tests/test_foreign.py), and
+``parity`` prints llama-perplexity's Mean KLD and Same top p (tests/test_parity.py).  Not in ggml yet: rope, norms,
+GLM's hyper-connection mixing and gated-delta recurrence (the tiny GLM-5.3's Q4_K_M: 33 of 47 tokens within 1e-3).
 """
 from __future__ import annotations
 
+import functools
 from contextlib import contextmanager
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
@@ -95,7 +104,8 @@ def _divide(numerator: float, x: torch.Tensor) -> torch.Tensor:
 
 
 class _ActivationMode(TorchFunctionMode):
-    """Rounds the activation operand of every product with a packed weight (see the module doc)."""
+    """Rounds the activation operand of every product with a packed weight (see the module doc); with libggml
+    (:func:`engine`), runs ``F.linear`` on a packed weight, ``F.silu`` and ``sigmoid`` in ggml itself instead."""
 
     #: product -> positions of its (activations, weight) operands
     PRODUCTS = {F.linear: (0, 1), torch.matmul: (0, 1), torch.Tensor.matmul: (0, 1), torch.Tensor.__matmul__: (0, 1),
@@ -103,6 +113,17 @@ class _ActivationMode(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        ggml = engine()
+        if ggml is not None:
+            if func is F.linear and len(args) >= 2 and not kwargs and (len(args) == 2 or args[2] is None):
+                out = _ggml_linear(ggml, args[0], args[1])
+                if out is not None:
+                    return out
+            elif func in _ELEMENTWISE and not any(args[1:]) and not any(kwargs.values()) \
+                    and args[0].dim() and args[0].numel():                           # not in place, not empty
+                x = args[0]
+                values = getattr(ggml, _ELEMENTWISE[func])(x.detach().reshape(-1, x.shape[-1]).float().cpu().numpy())
+                return torch.from_numpy(values).reshape(x.shape).to(x.device, x.dtype)
         operands = self.PRODUCTS.get(func)
         if operands is not None and len(args) >= 2:
             kind = weight_activation_type(args[operands[1]])
@@ -124,6 +145,84 @@ def weight_activation_type(w) -> str | None:
 
 #: Attribute naming the packed weight a matrix was taken from (``weight[e]``, ``weight.t()``).
 ACTIVATION_ATTR = "_ggml_activation_type"
+#: Attribute holding ``e`` on a matrix taken as ``weight[e]`` from a packed weight.
+SLICE_ATTR = "_ggml_slice_index"
+
+#: Whether engine products place weights as llama.cpp does by default (interleaved ``CPU_REPACK`` copies).
+REPACK = True
+
+
+#: Element-wise functions ggml computes its own way (vectorized or libm exponentials) -> their ggml_ref function.
+_ELEMENTWISE = {F.silu: "silu", torch.sigmoid: "sigmoid", torch.Tensor.sigmoid: "sigmoid"}
+
+
+@functools.lru_cache(maxsize=1)
+def engine():
+    """:mod:`quantkit.testing.ggml_ref` when libggml-base and libggml-cpu load (llama-cpp-python, the interop
+    extra), else None."""
+    from ..testing import ggml_ref
+
+    try:
+        ggml_ref.cpu_library()
+    except ggml_ref.GGMLUnavailable:
+        return None
+    return ggml_ref
+
+
+def ggml_product(ggml, gguf_name: str, store, x: torch.Tensor, index: int | None = None, *,
+                 expert: bool = True) -> torch.Tensor:
+    """``x @ W.T`` by ggml's CPU backend, ``W`` GGUF tensor ``gguf_name`` (its slice ``index`` of the leading axis
+    when given) as stored in the file: ggml rounds the activations and picks its kernel itself.  A slice of a 3-D
+    tensor multiplies as llama.cpp's ``MUL_MAT_ID`` runs one expert, unless ``expert=False`` (MLA's per-head
+    ``attn_k_b`` / ``attn_v_b``: a batched ``MUL_MAT``)."""
+    weights = store.weights
+    stored = weights.tensors[gguf_name]
+    payload = weights.data(gguf_name)
+    if index is not None:
+        payload = payload[index]
+    rows = stored.shape[-2] if len(stored.shape) >= 2 else 1
+    flat = x.detach().reshape(-1, x.shape[-1]).float().cpu().numpy()
+    out = ggml.mul_mat(GGMLType[stored.qtype.name], np.ascontiguousarray(payload), rows, flat, repack=REPACK,
+                       expert=index is not None and len(stored.shape) == 3 and expert)
+    return torch.from_numpy(out).reshape(*x.shape[:-1], rows).to(x.device, x.dtype)
+
+
+def _ggml_linear(ggml, x: torch.Tensor, w) -> torch.Tensor | None:
+    """``F.linear(x, w)`` through ggml when ``w`` is a packed weight (or ``weight[e]`` of one) whose GGUF tensors
+    hold whole rows of it, unchanged in value; None otherwise (the caller rounds and multiplies in torch)."""
+    from .packed import PackedTensor
+
+    if not x.numel():
+        return None
+    index = None
+    if not isinstance(w, PackedTensor):
+        index = getattr(w, SLICE_ATTR, None)
+        w = getattr(w, ACTIVATION_ATTR, None)
+        if not isinstance(w, PackedTensor) or index is None:
+            return None
+    plan = w.plan
+    if plan.sliced != (index is not None) or len(w.shape) - (index is not None) != 2:
+        return None
+    rows, cols = w.shape[-2], w.shape[-1]
+    placed = []
+    for part in plan.parts:
+        if part.values:
+            return None
+        if part.rows is None:
+            placed.append((part.gguf_name, None))
+            continue
+        # part.rows: flat position (within the matrix, or within one slice of a sliced plan) of each GGUF row
+        if part.cols is None or not np.array_equal(part.cols, np.arange(cols)) or np.any(part.rows % cols):
+            return None
+        placed.append((part.gguf_name, torch.as_tensor(part.rows // cols)))
+    if len(placed) == 1 and placed[0][1] is None:
+        return ggml_product(ggml, placed[0][0], w.assembler.store, x, index)
+    out = x.new_empty(*x.shape[:-1], rows, dtype=torch.float32)
+    for name, model_rows in placed:
+        if model_rows is None:
+            return None
+        out[..., model_rows] = ggml_product(ggml, name, w.assembler.store, x, index).float()
+    return out.to(x.dtype)
 
 
 #: transformers RMSNorm classes computing ``weight * x / sqrt(mean(x²) + eps)`` (the form ggml's ``rms_norm``

@@ -22,8 +22,9 @@
 :func:`logits` runs one sequence and returns float32 logits, raising on token ids outside the vocabulary, on
 weights that decode to NaN/inf (naming the GGUF tensor) and on non-finite logits (naming the first module whose
 output was not finite).  The compute dtype is float32 unless ``dtype=`` says otherwise.  ``arithmetic="ggml-cpu"``
-rounds every product's activations as llama.cpp's CPU backend does (:mod:`.ggml_arithmetic`), to score a GGUF
-with the engine's own figures; the default, ``"float32"``, multiplies the decoded weights in float32.
+computes as llama.cpp's CPU backend does (:mod:`.ggml_arithmetic`: products, SiLU and sigmoid in libggml-cpu
+itself when llama-cpp-python is installed, else activations rounded as ggml rounds them), to score a GGUF with the
+engine's own figures; the default, ``"float32"``, multiplies the decoded weights in float32.
 """
 from __future__ import annotations
 

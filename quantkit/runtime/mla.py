@@ -10,9 +10,12 @@ replaces the attention module's forward while :func:`~.ggml_arithmetic.ggml_acti
 """
 from __future__ import annotations
 
+import math
+
+import numpy as np
 import torch
 
-from .ggml_arithmetic import activation_type, round_activations, weight_activation_type
+from .ggml_arithmetic import activation_type, engine, ggml_product, round_activations, weight_activation_type
 
 
 #: transformers MLA classes whose forward :func:`absorbed_forward` reproduces (others keep their own forward).
@@ -22,6 +25,67 @@ LATENT_ATTENTIONS = ("DeepseekV3Attention",)
 def is_latent_attention(module) -> bool:
     """An MLA module :func:`absorbed_forward` can stand in for."""
     return type(module).__name__ in LATENT_ATTENTIONS
+
+
+def _absorbed_parts(weight) -> tuple[str, str] | None:
+    """The GGUF names of ``kv_b_proj``'s ``attn_k_b`` and ``attn_v_b`` tensors, when it is packed from both."""
+    from .packed import PackedTensor
+
+    if not isinstance(weight, PackedTensor):
+        return None
+    by_suffix = {name.rsplit(".", 2)[-2]: name for name in weight.plan.gguf_names}
+    if {"attn_k_b", "attn_v_b"} - set(by_suffix):
+        return None
+    return by_suffix["attn_k_b"], by_suffix["attn_v_b"]
+
+
+def _logf(x) -> np.float32:
+    """C's ``logf``, taken as correctly rounded (glibc's is, on the values used here)."""
+    return np.float32(math.log(float(x)))
+
+
+def llama_kq_scale(config, head_dim: int) -> float:
+    """llama.cpp's float32 ``kq_scale`` for its ``deepseek2`` graph: ``mscale² / sqrtf(head_dim)`` with YaRN's
+    ``mscale`` computed as llama-context.cpp and deepseek2.cpp compute it (``yarn_attn_factor`` first divided by
+    ``1 + 0.1 ln(factor)``, then multiplied back), in float32: an ulp from ``float32(transformers' scaling)``,
+    which moves the softmax."""
+    f32, one = np.float32, np.float32(1.0)
+    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    attn_factor, freq_scale, log_mul = one, one, f32(0.0)
+    if rope.get("rope_type", rope.get("type")) == "yarn":
+        freq_scale = one / f32(rope["factor"])
+        factor = one / freq_scale
+        if rope.get("mscale_all_dim"):      # the GGUF holds 0.1 * mscale_all_dim; llama.cpp divides by 0.1f
+            log_mul = f32(0.1 * rope["mscale_all_dim"]) / f32(0.1)
+        # get_mscale(factor, m) / get_mscale(factor, mscale_all_dim) with m = mscale_all_dim for deepseek2: 1
+        attn_factor = one if log_mul != 0 else (f32(0.1) * _logf(factor) + one if factor > one else one)
+        attn_factor = attn_factor * (one / (one + f32(0.1) * _logf(factor)))
+    original = attn_factor * (one + f32(0.1) * _logf(one / freq_scale))
+    mscale = original * (one + f32(0.1) * log_mul * _logf(one / freq_scale))
+    return float(one * mscale * mscale / np.sqrt(f32(head_dim)))
+
+
+def _engine_attention(ggml, store, parts, q_nope, q_rot, latent, k_rot, mask, scale):
+    """Latent attention with every product and the softmax in libggml-cpu (llama.cpp's graph with an F32 KV cache,
+    no flash attention): ``q_nope [b, heads, s, nope]``, ``q_rot [b, heads, s, rope]``, ``latent [b, 1, t, rank]``,
+    ``k_rot [b, 1, t, rope]``, ``mask [b, s, t]`` (0 or -inf); the heads' outputs ``[b, heads, s, v]``."""
+    from ..formats.registry import GGMLType
+
+    key_name, value_name = parts
+    outputs = []
+    for b in range(q_nope.shape[0]):
+        heads = range(q_nope.shape[1])
+        q_latent = torch.stack([ggml_product(ggml, key_name, store, q_nope[b, h], h, expert=False) for h in heads])
+        query = torch.cat((q_latent, q_rot[b]), dim=-1).float().numpy()               # [heads, s, rank + rope]
+        key = np.ascontiguousarray(torch.cat((latent[b, 0], k_rot[b, 0]), dim=-1).float().numpy())
+        scores = np.stack([ggml.mul_mat(GGMLType.F32, key.view(np.uint8), key.shape[0], query[h]) for h in heads])
+        weights = ggml.soft_max(scores, mask[b], scale)
+        values = np.ascontiguousarray(latent[b, 0].float().numpy().T)                 # [rank, t]
+        out_latent = [torch.from_numpy(ggml.mul_mat(GGMLType.F32, values.view(np.uint8), values.shape[0],
+                                                    weights[h])) for h in heads]
+        outputs.append(torch.stack([ggml_product(ggml, value_name, store, out_latent[h], h, expert=False)
+                                    for h in heads]))
+    return torch.stack(outputs).to(q_nope.dtype)
 
 
 def _part_activation_types(weight) -> tuple[str, str]:
@@ -43,6 +107,8 @@ def absorbed_forward(module):
         apply_rotary_pos_emb_interleave
 
     key_kind, value_kind = _part_activation_types(module.kv_b_proj.weight)
+    parts = _absorbed_parts(module.kv_b_proj.weight)
+    kq_scale = llama_kq_scale(module.config, module.qk_head_dim)
     heads, nope, v_dim, rank = module.num_heads, module.qk_nope_head_dim, module.v_head_dim, module.kv_lora_rank
 
     def forward(hidden_states, position_embeddings, attention_mask, past_key_values=None, **kwargs):
@@ -62,6 +128,21 @@ def absorbed_forward(module):
         q_rot, k_rot = rotate(q_rot, k_rot, cos, sin)
         if past_key_values is not None:
             latent, k_rot = past_key_values.update(latent, k_rot, module.layer_idx)
+
+        ggml = engine()
+        if ggml is not None and parts is not None:
+            keys = latent.shape[-2]
+            if attention_mask is not None:      # [batch, 1, length, keys]: additive (0 / large negative) or boolean
+                window = attention_mask[:, 0, :, :keys]
+                blocked = ~window if window.dtype == torch.bool else window < 0
+            else:
+                blocked = torch.ones(length, keys, dtype=torch.bool).triu(keys - length + 1)
+            blocked = blocked.expand(batch, length, keys).cpu().numpy()
+            mask = np.where(blocked, np.float32(-np.inf), np.float32(0.0)).astype(np.float32)
+            out = _engine_attention(ggml, module.kv_b_proj.weight.assembler.store, parts, q_nope, q_rot, latent,
+                                    k_rot, mask, kq_scale)
+            out = out.transpose(1, 2).reshape(batch, length, heads * v_dim)
+            return module.o_proj(out), None
 
         kv_b = module.kv_b_proj.weight.float().view(heads, nope + v_dim, rank)
         # [batch, heads, length, nope] x [heads, nope, rank]: each head's query in the latent space (attn_k_b)

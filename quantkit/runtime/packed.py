@@ -36,7 +36,7 @@ from torch.utils._pytree import tree_map
 from ..errors import FormatError, UnsupportedError
 from ..formats.api import decode as cpu_decode
 from ..formats.registry import GGMLType, layout
-from .ggml_arithmetic import ACTIVATION_ATTR, activation_type
+from .ggml_arithmetic import ACTIVATION_ATTR, SLICE_ATTR, activation_type
 from .inverse import VALUE_INVERSES, Part, TensorPlan
 from .weights import PayloadCache
 
@@ -319,8 +319,10 @@ class PackedTensor(torch.Tensor):
         kwargs = kwargs or {}
         if func is _aten.select.int and isinstance(args[0], PackedTensor) and args[1] == 0 \
                     and args[0].plan.sliced:
-            matrix = args[0].assembler.weight(args[0].plan, args[0].dtype, _index(args[2], args[0].shape[0]))
+            index = _index(args[2], args[0].shape[0])
+            matrix = args[0].assembler.weight(args[0].plan, args[0].dtype, index)
             setattr(matrix, ACTIVATION_ATTR, args[0])
+            setattr(matrix, SLICE_ATTR, index)
             return matrix
         if func is _aten.embedding.default and isinstance(args[0], PackedTensor):
             picked = args[0].assembler.rows(args[0].plan, args[1], args[0].dtype)
