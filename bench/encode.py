@@ -17,7 +17,7 @@ from _common import emit, interleaved_medians
 
 from quantkit import encode
 from quantkit.formats import ImatrixUse, all_formats, decode, get_format
-from quantkit.testing import ggml_ref
+from quantkit import ggml_ref
 
 DEFAULT_TYPES = ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ2_XXS",
                  "IQ2_XS", "IQ3_XXS", "IQ4_NL", "IQ4_XS", "MXFP4", "NVFP4"]

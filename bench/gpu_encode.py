@@ -22,7 +22,8 @@ from _common import emit, interleaved_medians
 from quantkit import encode
 from quantkit.formats import get_format
 from quantkit.kernels import gpu_encode
-from quantkit.testing import corpus, ggml_ref
+from quantkit import ggml_ref
+from quantkit.testing import corpus
 
 CASES = [("Q8_0", False), ("MXFP4", False), ("NVFP4", False), ("Q4_K", False), ("Q4_K", True), ("Q2_K", False),
          ("Q2_K", True), ("IQ2_XXS", True)]

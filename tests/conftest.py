@@ -1,6 +1,6 @@
 import pytest
 
-from quantkit.testing import ggml_ref
+from quantkit import ggml_ref
 
 
 @pytest.fixture(scope="session")

@@ -39,7 +39,7 @@ from quantkit.io.checkpoint import open_checkpoint
 from quantkit.io.gguf_reader import GGUFFile
 from quantkit.io.safetensors import SafetensorsFile, write_safetensors
 from quantkit.recipes import load_recipe
-from quantkit.testing import ggml_ref
+from quantkit import ggml_ref
 from quantkit.testing.recipe_texts import PRE_TOKENIZER as PRE, Q2_RECIPE, SOURCE_RECIPE
 from quantkit.testing.tiny_models import TinyCheckpointCache
 

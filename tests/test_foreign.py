@@ -378,7 +378,7 @@ def test_ggml_products_are_llama_cpps_own(q4_k_m, tmp_path):
     from the same inputs: with the weights repacked (llama.cpp's default, ``repack=True``) and without
     (``--no-repack``).  The two llama.cpp runs differ from each other (interleaved Q4_K kernels sum in another
     order), so each must match its own kind."""
-    from quantkit.testing import ggml_ref
+    from quantkit import ggml_ref
 
     _, path = q4_k_m("deepseek_v3")
     ids = token_ids("deepseek_v3")

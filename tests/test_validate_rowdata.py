@@ -1,6 +1,6 @@
 """quantkit's finite-scale check equals ggml's own ``ggml_validate_row_data``, block by block, for every GGML type.
 
-The reference is ggml itself (``quantkit.testing.ggml_ref``).  Random blocks hit Inf/NaN scale patterns often
+The reference is ggml itself (``quantkit.ggml_ref``).  Random blocks hit Inf/NaN scale patterns often
 (1 in 32 for an f16 field); targeted blocks set every checked field, in turn, to each special value.
 """
 from __future__ import annotations

@@ -158,9 +158,9 @@ _ELEMENTWISE = {F.silu: "silu", torch.sigmoid: "sigmoid", torch.Tensor.sigmoid: 
 
 @functools.lru_cache(maxsize=1)
 def engine():
-    """:mod:`quantkit.testing.ggml_ref` when libggml-base and libggml-cpu load (llama-cpp-python, the interop
+    """:mod:`quantkit.ggml_ref` when libggml-base and libggml-cpu load (llama-cpp-python, the interop
     extra), else None."""
-    from ..testing import ggml_ref
+    from .. import ggml_ref
 
     try:
         ggml_ref.cpu_library()

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..formats.registry import GGMLType, get_format
+from .formats.registry import GGMLType, get_format
 
 
 class GGMLUnavailable(RuntimeError):
