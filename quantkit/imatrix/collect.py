@@ -342,7 +342,7 @@ class _Recorder:
         last = self._last_input
         if last is not None and last[0]() is x and last[1] == x._version and last[2].shape[-1] == rows.shape[-1]:
             return last[2]
-        sq_sum = rows.to(torch.float64).square().sum(dim=0)
+        sq_sum = rows.to(torch.float64, copy=True).square_().sum(dim=0)
         self._last_input = (weakref.ref(x), x._version, sq_sum)
         return sq_sum
 
@@ -393,7 +393,8 @@ def groupable_experts(module) -> bool:
 def grouped_experts_forward(module, hidden_states, top_k_index, top_k_weights):
     """transformers' eager experts forward with the same bits and fewer operations: the token-expert pairs are
     sorted by expert once (within an expert in eager's order: by top-k slot, then token), each expert multiplies
-    its rows as in the eager loop (the same products, which the recorder attributes per expert), and each token's
+    its rows as in the eager loop (the same products, which the recorder attributes per expert), the routing
+    weights scale every row in one product, and each token's
     outputs are added in expert order, as eager's ``index_add_`` per expert adds them, but in ``top_k`` additions
     rather than one ``index_add_`` per expert (each a parallel region per row on the CPU)."""
     import torch
@@ -417,8 +418,9 @@ def grouped_experts_forward(module, hidden_states, top_k_index, top_k_weights):
         rows = slice(start, start + count)
         token_idx = pair_token[rows]
         current = module._apply_gate(F.linear(hidden_states[token_idx], module.gate_up_proj[expert]))
-        out[rows] = F.linear(current, module.down_proj[expert]) * pair_weight[rows, None]
+        out[rows] = F.linear(current, module.down_proj[expert])
         start += count
+    out *= pair_weight[:, None]
     position = torch.empty_like(order)
     position[order] = torch.arange(order.numel(), device=order.device)
     slots = torch.argsort(top_k_index, dim=1, stable=True)     # each token's slots in expert order
