@@ -9,7 +9,8 @@ What is accumulated: for every weight that maps (through the architecture maps) 
 (and ``output.weight`` with ``process_output``), Σx² over every input vector ``x`` the weight is multiplied with,
 and how many vectors that was; for stacked routed experts, per expert and only over the tokens routed to it.
 
-How: the model runs with transformers' eager experts and attention implementations, under a
+How: the model runs with transformers' eager experts and attention implementations (routed experts of
+transformers' standard layout through :func:`grouped_experts_forward`, the eager computation grouped), under a
 ``torch.overrides.TorchFunctionMode`` that sees every ``F.linear`` / ``bmm`` / ``matmul`` call.  A call whose
 second operand is (a view of) a model parameter is attributed to that parameter, and for a stacked expert
 parameter ``[E, out, in]`` the view's storage offset tells which expert (``gate_up_proj[e]`` in the eager expert
@@ -394,9 +395,9 @@ def grouped_experts_forward(module, hidden_states, top_k_index, top_k_weights):
     """transformers' eager experts forward with the same bits and fewer operations: the token-expert pairs are
     sorted by expert once (within an expert in eager's order: by top-k slot, then token), each expert multiplies
     its rows as in the eager loop (the same products, which the recorder attributes per expert), the routing
-    weights scale every row in one product, and each token's
-    outputs are added in expert order, as eager's ``index_add_`` per expert adds them, but in ``top_k`` additions
-    rather than one ``index_add_`` per expert (each a parallel region per row on the CPU)."""
+    weights scale every row in one product, and each token's outputs are added in expert order, as eager's
+    ``index_add_`` per expert adds them, but in ``top_k`` additions rather than one ``index_add_`` per expert
+    (each a parallel region per row on the CPU)."""
     import torch
     import torch.nn.functional as F
 
