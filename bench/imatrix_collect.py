@@ -3,7 +3,7 @@ speed side by side with ``llama-imatrix``.
 
     python bench/imatrix_collect.py [--gib 6] [--budget 1G] [--ctx 128] [--chunks 4] [--workdir /tmp]
     python bench/imatrix_collect.py --vs-llama LLAMA_IMATRIX_BINARY [--ctx 128] [--chunks 4] [--threads 2]
-        [--repeats 3]
+        [--repeats 3] [--synthetic-layers N] [--baseline CHECKOUT] [--no-cold]
 
 ``--vs-llama``: the bundled example model and its calibration text, converted to an F32 GGUF for llama-imatrix
 (``quantkit convert`` with the F32 interop recipe), both tools with the same chunk size and count and
@@ -11,8 +11,12 @@ speed side by side with ``llama-imatrix``.
 count), runs interleaved.  Cold: quantkit with an empty numba cache (it compiles its decoders), llama-imatrix's first run;
 warm: a numba cache filled by an earlier run.  Measured per run: wall time of the whole command (tokens/s =
 ctx x chunks / wall, what a user waits for) and, inside quantkit's process, the imports, the load and the
-chunk loop alone; llama-imatrix's own ``prompt eval`` figure where it prints one.  Prints one JSON object per
-configuration (medians) and a table.
+chunk loop alone; llama-imatrix's own ``prompt eval`` figure where it prints one; the 1-minute load average
+before each run (the machine's other work: ratios are only comparable within one run).  Prints one JSON object per
+configuration (medians) and a table.  ``--baseline CHECKOUT`` adds quantkit from another source tree (e.g. the
+commit before a change, unpacked with ``git archive``), interleaved with the rest; ``--no-cold`` skips the cold
+runs (each is the first run of its numba cache); the default thread count runs only when it differs from
+``--threads``.
 
 Otherwise:
 
@@ -171,6 +175,17 @@ print(json.dumps({"import_s": imported - start, "load_s": marks[0] - imported, "
 """
 
 
+def default_threads(model: Path) -> int:
+    """The thread count ``imatrix collect`` picks for ``model`` (:attr:`quantkit.imatrix.collect.CollectOptions.threads`),
+    without importing torch here."""
+    from quantkit.imatrix.collect import WIDTH_PER_THREAD
+
+    config = json.loads((model / "config.json").read_text())
+    hidden = (config.get("text_config") or config).get("hidden_size")
+    cores = len(os.sched_getaffinity(0))
+    return max(1, min(cores, int(hidden) // WIDTH_PER_THREAD)) if hidden else cores
+
+
 def f32_gguf(root: Path, model: Path, pre_tokenizer: str) -> Path:
     """``model`` as an F32 GGUF (llama-imatrix's input; the same weights as the checkpoint)."""
     from quantkit.testing.recipe_texts import F32_RECIPE
@@ -185,15 +200,19 @@ def f32_gguf(root: Path, model: Path, pre_tokenizer: str) -> Path:
     return out
 
 
-def run_quantkit(model: Path, out: Path, ctx: int, chunks: int, threads: int, numba_cache: Path) -> dict:
+def run_quantkit(model: Path, out: Path, ctx: int, chunks: int, threads: int, numba_cache: Path,
+                 checkout: str | None = None) -> dict:
     env = {**os.environ, "NUMBA_CACHE_DIR": str(numba_cache)}
+    if checkout is not None:
+        env["PYTHONPATH"] = checkout
+    load = os.getloadavg()[0]
     start = time.perf_counter()
     proc = subprocess.run([sys.executable, "-c", SPEED_DRIVER, str(model), str(TEXT), str(out),
                            str(ctx), str(chunks), str(threads)], capture_output=True, text=True, env=env)
     wall = time.perf_counter() - start
     if proc.returncode != 0:
         raise SystemExit(f"quantkit failed:\n{proc.stderr[-3000:]}")
-    return {"wall_s": wall, **json.loads(proc.stdout.strip().splitlines()[-1])}
+    return {"wall_s": wall, "load_average": load, **json.loads(proc.stdout.strip().splitlines()[-1])}
 
 
 def run_llama(binary: str, gguf: Path, out: Path, ctx: int, chunks: int, threads: int) -> dict:
@@ -202,13 +221,14 @@ def run_llama(binary: str, gguf: Path, out: Path, ctx: int, chunks: int, threads
     command = [binary, "-m", str(gguf), "-f", str(TEXT), "--chunks", str(chunks), "-c", str(ctx), "-b", str(ctx),
                "-ub", str(ctx), "-ctk", "f32", "-ctv", "f32", "-fa", "off", "-t", str(threads), "--no-ppl",
                "--seed", "0", "-o", str(out)]
+    load = os.getloadavg()[0]
     start = time.perf_counter()
     proc = subprocess.run(command, capture_output=True, text=True)
     wall = time.perf_counter() - start
     if proc.returncode != 0:
         raise SystemExit(f"llama-imatrix failed:\n{proc.stderr[-3000:]}")
     found = re.search(r"prompt eval time =\s*([\d.]+) ms /\s*(\d+) tokens", proc.stdout + proc.stderr)
-    return {"wall_s": wall, "eval_s": float(found.group(1)) / 1000 if found else None}
+    return {"wall_s": wall, "load_average": load, "eval_s": float(found.group(1)) / 1000 if found else None}
 
 
 def versus_llama(args) -> None:
@@ -228,13 +248,18 @@ def versus_llama(args) -> None:
             model = example_model_dir()
             gguf = f32_gguf(root, model, PRE_TOKENIZER)
         warm_cache = root / "numba-warm"
-        run_quantkit(model, root / "warmup.gguf", args.ctx, args.chunks, args.threads, warm_cache)   # fills the cache
+        checkouts = [None] + ([str(Path(args.baseline).resolve())] if args.baseline else [])
+        for checkout in checkouts:      # fills the cache (each checkout's kernels)
+            run_quantkit(model, root / "warmup.gguf", args.ctx, args.chunks, args.threads, warm_cache, checkout)
         runs: dict[str, list[dict]] = {}
-        configs = [("llama-imatrix", None), (f"quantkit -t {args.threads}", args.threads),
-                   ("quantkit default -t", 0)]
+        configs = [("llama-imatrix", None, None), (f"quantkit -t {args.threads}", args.threads, None)]
+        if default_threads(model) != args.threads:
+            configs.append(("quantkit default -t", 0, None))
+        if args.baseline:
+            configs.append((f"baseline -t {args.threads}", args.threads, checkouts[1]))
         for repeat in range(args.repeats):
-            for state in ("cold", "warm"):
-                for label, threads in configs:
+            for state in ("warm",) if args.no_cold else ("cold", "warm"):
+                for label, threads, checkout in configs:
                     key = f"{label} {state}"
                     if threads is None:
                         if state == "cold" and repeat > 0:
@@ -242,14 +267,17 @@ def versus_llama(args) -> None:
                         measured = run_llama(args.vs_llama, gguf, root / "llama.gguf", args.ctx, args.chunks,
                                              args.threads)
                     else:
-                        cache = warm_cache if state == "warm" else root / f"numba-cold-{repeat}-{threads}"
-                        measured = run_quantkit(model, root / "quantkit.gguf", args.ctx, args.chunks, threads, cache)
+                        cache = warm_cache if state == "warm" else root / f"numba-cold-{repeat}-{label}"
+                        measured = run_quantkit(model, root / "quantkit.gguf", args.ctx, args.chunks, threads, cache,
+                                                checkout)
                     runs.setdefault(key, []).append(measured)
         records = []
         for key, measured in runs.items():
             med = {k: statistics.median(m[k] for m in measured) for k in measured[0] if measured[0][k] is not None}
+            loads = [m["load_average"] for m in measured]
             record = {"name": f"imatrix collect speed: {key}", "runs": len(measured), "tokens": tokens,
                       "ctx": args.ctx, "chunks": args.chunks, **med, "tokens_per_s": tokens / med["wall_s"],
+                      "load_average_min": min(loads), "load_average_max": max(loads),
                       "machine": machine(), "commit": commit()}
             if "chunks_s" in med:
                 record["loop_tokens_per_s"] = tokens / med["chunks_s"]
@@ -271,13 +299,14 @@ def versus_llama(args) -> None:
 
     print(f"\n{tokens} tokens ({args.chunks} chunks of {args.ctx}); medians")
     print(f"{'run':<26}{'wall':>8}{'tok/s':>9}{'ratio':>7}{'import':>8}{'load':>7}{'loop':>7}{'loop tok/s':>11}"
-          f"{'ratio':>7}")
+          f"{'ratio':>7}{'load avg':>11}")
     for r in records:
         key = r["name"].split(": ", 1)[1]
         opt = (lambda k, f: format(r[k], f) if k in r else "-")
         print(f"{key:<26}{r['wall_s']:>7.2f}s{r['tokens_per_s']:>9.0f}{opt('ratio_vs_llama', '.2f'):>7}"
               f"{opt('import_s', '.2f'):>8}{opt('load_s', '.2f'):>7}{opt('chunks_s', '.2f'):>7}"
-              f"{opt('loop_tokens_per_s', '.0f'):>11}{opt('loop_ratio_vs_llama', '.2f'):>7}")
+              f"{opt('loop_tokens_per_s', '.0f'):>11}{opt('loop_ratio_vs_llama', '.2f'):>7}"
+              f"{r['load_average_min']:>6.1f}-{r['load_average_max']:<4.1f}")
 
 
 def main() -> None:
@@ -290,6 +319,9 @@ def main() -> None:
     parser.add_argument("--synthetic-layers", type=int, default=0,
                         help="--vs-llama on the synthetic qwen3_moe of bench/convert.py (hidden 2048, 64 experts of "
                              "768, top-8) with this many layers instead of the bundled example")
+    parser.add_argument("--baseline", metavar="CHECKOUT",
+                        help="--vs-llama: also run quantkit from this source tree (PYTHONPATH), interleaved")
+    parser.add_argument("--no-cold", action="store_true", help="--vs-llama: warm runs only")
     parser.add_argument("--ctx", type=int, default=128)
     parser.add_argument("--chunks", type=int, default=4)
     parser.add_argument("--workdir", default="/tmp")

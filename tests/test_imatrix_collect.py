@@ -575,3 +575,24 @@ def test_iq2_xxs_with_the_imatrix_beats_the_bootstrap():
             ratios[f"{name}[{m}]"] = errors[0] / errors[1]
     assert len(ratios) == 2 * 5 + 2 * 3 * 8       # per layer: q, k, v, output, router; 3 x 8 experts
     assert max(ratios.values()) < 1, {k: v for k, v in ratios.items() if v >= 1}
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v3", "deepseek_v4", "glm5_next", "qwen4_exp"])
+def test_grouped_experts_forward_is_transformers_eager_bit_for_bit(arch):
+    """The collector's grouped experts forward gives the output of the module's own eager forward, bit for bit, on
+    random routing (the statistics then see the same inputs as under eager, checked by the tests above)."""
+    from quantkit.imatrix.collect import groupable_experts, grouped_experts_forward
+
+    model, _, _ = tiny(arch)
+    modules = [m for m in model.modules() if hasattr(m, "gate_up_proj")]
+    assert modules and all(groupable_experts(m) for m in modules)
+    generator = torch.Generator().manual_seed(4)
+    for module in modules:
+        tokens, top_k, n_experts = 77, 4, module.num_experts
+        hidden = torch.randn(tokens, module.gate_up_proj.shape[-1], generator=generator)
+        index = torch.stack([torch.randperm(n_experts, generator=generator)[:top_k] for _ in range(tokens)])
+        weights = torch.rand(index.shape, generator=generator)
+        with torch.no_grad():
+            eager = type(module).forward.__wrapped__(module, hidden, index, weights)
+            grouped = grouped_experts_forward(module, hidden, index, weights)
+        assert torch.equal(eager, grouped), type(module).__name__
