@@ -14,7 +14,8 @@ shards) into a temporary directory under $TMPDIR, then times, interleaved A/B af
 * ``assemble``: :func:`quantkit.transport.assemble.assemble` of those parts (size checks, per-part SHA-256 while
   copying, journal, rename).
 
-MB/s are 10^6 bytes per second of file bytes.  ``--cold`` evicts the files from the page cache
+MB/s are 10^6 bytes per second of file bytes.  The load average is recorded before and after (on a shared machine
+the figures are only comparable within one run).  ``--cold`` evicts the files from the page cache
 (``posix_fadvise DONTNEED``) before each run; without it every run reads from the cache.  One JSON object per
 measurement, then a table.
 """
@@ -95,6 +96,7 @@ def main() -> None:
                    "sha256": lambda: None,
                    "split": lambda: None, "assemble": lambda: out.unlink(missing_ok=True)}
         times = {k: [] for k in runs}
+        load_before = os.getloadavg()
         for round_no in range(args.repeats + 1):   # round 0 is the warm-up
             for name, fn in runs.items():
                 cleanup[name]()
@@ -105,6 +107,7 @@ def main() -> None:
                 if round_no:
                     times[name].append(time.perf_counter() - t0)
         cleanup["cp"]()
+        load = {"before": [round(x, 2) for x in load_before], "after": [round(x, 2) for x in os.getloadavg()]}
         medians = {k: statistics.median(v) for k, v in times.items()}
         rate = {k: size / v / 1e6 for k, v in medians.items()}
         for name in ("split", "assemble"):
@@ -112,9 +115,9 @@ def main() -> None:
                 emit({"name": f"transport {name} vs {ref}", "kind": "gguf-split" if args.gguf else "bytes",
                       "bytes": size, "part_size": part_size, "cold": args.cold, "quantkit_MBps": round(rate[name], 1),
                       "reference_MBps": round(rate[ref], 1), "ratio": round(rate[name] / rate[ref], 3),
-                      "repeats": args.repeats, "all_s": {k: [round(t, 3) for t in v] for k, v in times.items()}})
+                      "repeats": args.repeats, "load_average": load, "all_s": {k: [round(t, 3) for t in v] for k, v in times.items()}})
         print(f"\n{size:,} bytes, parts of {part_size:,}, {'cold' if args.cold else 'warm'} cache, medians of "
-              f"{args.repeats}")
+              f"{args.repeats}; load average (1, 5, 15 min) {load['before']} before, {load['after']} after")
         print(f"{'run':<10} {'median s':>9} {'MB/s':>8} {'vs cp':>7} {'vs cp+sync':>11}")
         for name in runs:
             print(f"{name:<10} {medians[name]:>9.3f} {rate[name]:>8.1f} {rate[name] / rate['cp']:>7.2f} "
