@@ -470,3 +470,72 @@ def test_a_failed_early_writeback_is_not_lost(blob, byte_parts, tmp_path, monkey
     assert result.exit_code == 2 and calls[0] >= 1, result.output
     assert "part 1 of 5" in result.output and "Input/output error" in result.output, result.output
     assert not out.exists() or not any(out.glob("*.transport.json"))
+
+
+def test_outputs_are_written_back_while_the_copy_goes_on(blob, byte_parts, tmp_path, monkeypatch):
+    """With early writeback every 64 KiB, the syncer syncs each output many times before the commit's own sync."""
+    monkeypatch.setattr(stream, "CHUNK_BYTES", 64 * 1024)
+    monkeypatch.setattr(stream, "WRITEBACK_BYTES", 64 * 1024)
+    calls = _failing_sync(monkeypatch, set())
+    split_file(blob, tmp_path / "again", parse_size("250kB"))
+    assert calls[0] > len(byte_parts.parts) + 1   # a commit per part, and early syncs besides
+    calls[0] = 0
+    out = tmp_path / "out.bin"
+    assemble(byte_parts.path, out)
+    assert out.read_bytes() == blob.read_bytes() and calls[0] > len(byte_parts.parts) + 1
+
+
+def test_a_source_that_shrinks_while_it_is_split_is_refused_by_name(blob, tmp_path, monkeypatch):
+    real, seen = stream.pwrite_all, [0]
+
+    def write_then_truncate(fd, buf, offset):   # another process cuts the source after the first chunk
+        real(fd, buf, offset)
+        seen[0] += 1
+        if seen[0] == 1:
+            os.truncate(blob, 100_000)
+    monkeypatch.setattr(stream, "CHUNK_BYTES", 64 * 1024)
+    monkeypatch.setattr(stream, "pwrite_all", write_then_truncate)
+    out = tmp_path / "parts"
+    result = cli("transport", "split", blob, "--part-size", "250kB", "-o", out, "--no-progress")
+    assert result.exit_code == 2 and str(blob) in result.output and "shrank to 100000" in result.output, \
+        result.output
+    assert len(result.output.strip().splitlines()) == 1 and "Traceback" not in result.output
+    assert not [p for p in out.iterdir() if not p.name.endswith(".lock")]
+
+
+SPLIT_KILLER = """
+import os, signal, sys
+from pathlib import Path
+from quantkit.transport import stream
+from quantkit.transport.split import split_file
+stream.CHUNK_BYTES = 64 * 1024
+stream.WRITEBACK_BYTES = 64 * 1024
+real, seen, kill_at = stream.pwrite_all, [0], int(sys.argv[3])
+def write(fd, buf, offset):
+    seen[0] += 1
+    if seen[0] == kill_at:
+        real(fd, bytes(len(buf) // 2), offset)   # half a chunk written, then gone
+        os.kill(os.getpid(), signal.SIGKILL)
+    real(fd, buf, offset)
+stream.pwrite_all = write
+split_file(Path(sys.argv[1]), Path(sys.argv[2]), 250_000)
+"""
+
+
+@pytest.mark.parametrize("seed", [5, 6])
+def test_split_killed_at_a_seeded_point_leaves_only_complete_parts_and_no_manifest(blob, byte_parts, tmp_path, seed):
+    """Parts are committed in the background while the next is copied: whatever carries a part's name when the
+    process dies is that part, complete."""
+    writes = -(-blob.stat().st_size // (64 * 1024)) + len(byte_parts.parts)
+    kill_at = random.Random(seed).randrange(1, writes - len(byte_parts.parts))
+    out = tmp_path / "killed"
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    run = subprocess.run([sys.executable, "-c", SPLIT_KILLER, str(blob), str(out), str(kill_at)], env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == -9, run.stderr
+    assert not list(out.glob("*.transport.json"))
+    named = {p.name for p in byte_parts.parts} & {p.name for p in out.iterdir()}
+    for i, part in enumerate(byte_parts.parts):
+        if part.name in named:
+            assert sha256(out / part.name) == part.sha256, part.name
+    assert split_file(blob, out, parse_size("250kB"), force=True).file.sha256 == byte_parts.file.sha256
