@@ -473,16 +473,17 @@ def test_a_failed_early_writeback_is_not_lost(blob, byte_parts, tmp_path, monkey
 
 
 def test_outputs_are_written_back_while_the_copy_goes_on(blob, byte_parts, tmp_path, monkeypatch):
-    """With early writeback every 64 KiB, the syncer syncs each output many times before the commit's own sync."""
+    """With early writeback every 64 KiB, the syncer syncs an output before the commit's own sync (the first
+    write queues one; how many more depends on how fast the disk is)."""
     monkeypatch.setattr(stream, "CHUNK_BYTES", 64 * 1024)
     monkeypatch.setattr(stream, "WRITEBACK_BYTES", 64 * 1024)
     calls = _failing_sync(monkeypatch, set())
     split_file(blob, tmp_path / "again", parse_size("250kB"))
-    assert calls[0] > len(byte_parts.parts) + 1   # a commit per part, and early syncs besides
+    assert calls[0] > len(byte_parts.parts)   # a commit per part, and early syncs besides
     calls[0] = 0
     out = tmp_path / "out.bin"
     assemble(byte_parts.path, out)
-    assert out.read_bytes() == blob.read_bytes() and calls[0] > len(byte_parts.parts) + 1
+    assert out.read_bytes() == blob.read_bytes() and calls[0] > len(byte_parts.parts)   # a journal entry per part
 
 
 def test_a_source_that_shrinks_while_it_is_split_is_refused_by_name(blob, tmp_path, monkeypatch):
