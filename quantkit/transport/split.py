@@ -1,7 +1,7 @@
 """Split a file into transport parts: byte ranges, or llama.cpp split shards of a GGUF file.
 
 Both write each part under a temporary name (``<part>.partial``), hash while copying (the part's and the whole file's
-SHA-256, in worker threads), and commit a complete part (fsync, rename, fsync of the directory) in the background
+SHA-256, in worker threads), and commit a complete part (``fdatasync``, rename, fsync of the directory) in the background
 while the next one is copied (:class:`_Parts`); the manifest is written last, after every part is committed, so a
 manifest on disk always describes complete, durable parts.
 
@@ -61,8 +61,8 @@ def _check_space(out_dir: Path, need: int) -> None:
 
 class _Parts:
     """The parts of one split being written: :meth:`create` opens ``<part>.partial``; :meth:`commit` hands a
-    written part to the syncer's thread, which fsyncs it, renames it to its name and fsyncs the directory while the
-    next part is copied.  A failed commit is an ``OSError`` naming the part, raised at the next :meth:`commit` or at
+    written part to the syncer's thread, which syncs its data, renames it to its name and fsyncs the directory while
+    the next part is copied.  A failed commit is an ``OSError`` naming the part, raised at the next :meth:`commit` or at
     :meth:`finish`; leaving the ``with`` block removes every partial not committed."""
 
     def __init__(self, out_dir: Path, count: int, force: bool) -> None:
