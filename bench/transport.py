@@ -19,9 +19,9 @@ shards) into a temporary directory under $TMPDIR, then times, interleaved A/B af
 
 MB/s are 10^6 bytes per second of file bytes; ``CPU s`` is the median user + system CPU time of a run (all
 threads, and ``cp``/``sync`` as children; not the kernel's writeback threads): on a shared machine the wall time of a
-run that needs more CPU than it gets is its CPU time over its share.  The load average is recorded before and after (on a shared machine
-the figures are only comparable within one run).  ``--cold`` evicts the files from the page cache
-(``posix_fadvise DONTNEED``) before each run; without it every run reads from the cache.  One JSON object per
+run that needs more CPU than it gets is its CPU time over its share.  The load average is recorded before and after
+(on a shared machine the figures are only comparable within one run).  ``--cold`` evicts the files from the page
+cache (``posix_fadvise DONTNEED``) before each run; without it every run reads from the cache.  One JSON object per
 measurement, then a table.
 """
 from __future__ import annotations
@@ -130,7 +130,8 @@ def main() -> None:
                 emit({"name": f"transport {name} vs {ref}", "kind": "gguf-split" if args.gguf else "bytes",
                       "bytes": size, "part_size": part_size, "cold": args.cold, "quantkit_MBps": round(rate[name], 1),
                       "reference_MBps": round(rate[ref], 1), "ratio": round(rate[name] / rate[ref], 3),
-                      "repeats": args.repeats, "load_average": load, "all_s": {k: [round(t, 3) for t in v] for k, v in times.items()},
+                      "repeats": args.repeats, "load_average": load,
+                      "all_s": {k: [round(t, 3) for t in v] for k, v in times.items()},
                       "cpu_s": {k: [round(t, 3) for t in v] for k, v in cpu.items()}})
         print(f"\n{size:,} bytes, parts of {part_size:,}, {'cold' if args.cold else 'warm'} cache, medians of "
               f"{args.repeats}; load average (1, 5, 15 min) {load['before']} before, {load['after']} after")

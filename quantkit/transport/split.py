@@ -1,9 +1,9 @@
 """Split a file into transport parts: byte ranges, or llama.cpp split shards of a GGUF file.
 
-Both write each part under a temporary name (``<part>.partial``), hash while copying (the part's and the whole file's
-SHA-256, in worker threads), and commit a complete part (``fdatasync``, rename, fsync of the directory) in the background
-while the next one is copied (:class:`_Parts`); the manifest is written last, after every part is committed, so a
-manifest on disk always describes complete, durable parts.
+Both write each part under a temporary name (``<part>.partial``), hash while copying (the part's and the whole
+file's SHA-256, in worker threads), and commit a complete part (``fdatasync``, rename, fsync of the directory) in
+the background while the next one is copied (:class:`_Parts`); the manifest is written last, after every part is
+committed, so a manifest on disk always describes complete, durable parts.
 
 GGUF shards follow llama.cpp's ``gguf-split`` (``tools/gguf-split/gguf-split.cpp``): shard ``k`` of ``N`` is named
 ``<stem>-%05d-of-%05d.gguf`` (``k`` from 1); the first carries every metadata key of the file followed by
