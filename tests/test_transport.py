@@ -409,3 +409,134 @@ def test_a_second_split_into_the_same_directory_is_refused(blob, tmp_path):
             split_file(blob, out, parse_size("250kB"))
     assert not [p for p in out.iterdir() if not p.name.endswith(".lock")]
     assert split_file(blob, out, parse_size("250kB")).file.size == blob.stat().st_size
+
+
+# -- background sync ------------------------------------------------------------------------------------------
+
+def _failing_sync(monkeypatch, fail_calls: set[int]):
+    """Make the syncer's ``fdatasync`` fail with EIO on the calls numbered in ``fail_calls`` (from 1)."""
+    real, calls = stream.sync_data, [0]
+
+    def sync(fd):
+        calls[0] += 1
+        if calls[0] in fail_calls:
+            raise OSError(errno.EIO, os.strerror(errno.EIO))
+        real(fd)
+    monkeypatch.setattr(stream, "sync_data", sync)
+    return calls
+
+
+def test_a_failed_background_sync_of_a_split_part_names_it_and_writes_no_manifest(blob, tmp_path, monkeypatch):
+    calls = _failing_sync(monkeypatch, {2})   # parts of 250 kB are never synced early: call 2 commits part 2
+    out = tmp_path / "parts"
+    result = cli("transport", "split", blob, "--part-size", "250kB", "-o", out, "--no-progress")
+    assert result.exit_code == 2 and calls[0] >= 2, result.output
+    lines = result.output.strip().splitlines()
+    assert len(lines) == 1 and "part 2 of 5" in lines[0] and "model.bin.part-00002-of-00005" in lines[0], lines
+    assert "Input/output error" in lines[0] and "Traceback" not in result.output
+    left = sorted(p.name for p in out.iterdir())
+    assert not [n for n in left if n.endswith((".partial", ".transport.json", ".lock"))], left
+    assert "model.bin.part-00002-of-00005" not in left   # the part whose sync failed never gets its name
+
+
+def test_a_failed_background_sync_during_assembly_names_the_part_and_resumes(blob, byte_parts, tmp_path,
+                                                                          monkeypatch):
+    _failing_sync(monkeypatch, {2})   # call 2 makes part 2 durable before it is journaled
+    out = tmp_path / "out.bin"
+    result = cli("transport", "assemble", byte_parts.path, "-o", out, "--no-progress")
+    assert result.exit_code == 2, result.output
+    lines = result.output.strip().splitlines()
+    assert len(lines) == 1 and "part 2 of 5" in lines[0] and "Input/output error" in lines[0], lines
+    partial, journal = out.with_name(out.name + PARTIAL_SUFFIX), out.with_name(out.name + JOURNAL_SUFFIX)
+    assert not out.exists() and partial.exists() and str(partial) in lines[0]
+    assert json.loads(journal.read_text())["done"] == [0]   # nothing behind the part whose sync failed
+    monkeypatch.undo()
+    done = assemble(byte_parts.path, out)
+    assert out.read_bytes() == blob.read_bytes() and done.resumed_parts == 1
+
+
+@pytest.mark.parametrize("command", ["split", "assemble"])
+def test_a_failed_early_writeback_is_not_lost(blob, byte_parts, tmp_path, monkeypatch, command):
+    """Linux reports a writeback error to one fsync only: the early sync's failure must fail the part, even though
+    the sync that commits it would succeed."""
+    monkeypatch.setattr(stream, "CHUNK_BYTES", 64 * 1024)
+    monkeypatch.setattr(stream, "WRITEBACK_BYTES", 64 * 1024)
+    calls = _failing_sync(monkeypatch, {1})   # the first early sync, of part 1; every later call succeeds
+    out = tmp_path / "again"
+    if command == "split":
+        result = cli("transport", "split", blob, "--part-size", "250kB", "-o", out, "--no-progress")
+    else:
+        result = cli("transport", "assemble", byte_parts.path, "-o", out, "--no-progress")
+    assert result.exit_code == 2 and calls[0] >= 1, result.output
+    assert "part 1 of 5" in result.output and "Input/output error" in result.output, result.output
+    assert not out.exists() or not any(out.glob("*.transport.json"))
+
+
+def test_outputs_are_written_back_while_the_copy_goes_on(blob, byte_parts, tmp_path, monkeypatch):
+    """With early writeback every 64 KiB, the syncer syncs an output before the commit's own sync (the first
+    write queues one; how many more depends on how fast the disk is)."""
+    monkeypatch.setattr(stream, "CHUNK_BYTES", 64 * 1024)
+    monkeypatch.setattr(stream, "WRITEBACK_BYTES", 64 * 1024)
+    calls = _failing_sync(monkeypatch, set())
+    split_file(blob, tmp_path / "again", parse_size("250kB"))
+    assert calls[0] > len(byte_parts.parts)   # a commit per part, and early syncs besides
+    calls[0] = 0
+    out = tmp_path / "out.bin"
+    assemble(byte_parts.path, out)
+    assert out.read_bytes() == blob.read_bytes() and calls[0] > len(byte_parts.parts)   # a journal entry per part
+
+
+def test_a_source_that_shrinks_while_it_is_split_is_refused_by_name(blob, tmp_path, monkeypatch):
+    real, seen = stream.pwrite_all, [0]
+
+    def write_then_truncate(fd, buf, offset):   # another process cuts the source after the first chunk
+        real(fd, buf, offset)
+        seen[0] += 1
+        if seen[0] == 1:
+            os.truncate(blob, 100_000)
+    monkeypatch.setattr(stream, "CHUNK_BYTES", 64 * 1024)
+    monkeypatch.setattr(stream, "pwrite_all", write_then_truncate)
+    out = tmp_path / "parts"
+    result = cli("transport", "split", blob, "--part-size", "250kB", "-o", out, "--no-progress")
+    assert result.exit_code == 2 and str(blob) in result.output and "shrank to 100000" in result.output, \
+        result.output
+    assert len(result.output.strip().splitlines()) == 1 and "Traceback" not in result.output
+    assert not [p for p in out.iterdir() if not p.name.endswith(".lock")]
+
+
+SPLIT_KILLER = """
+import os, signal, sys
+from pathlib import Path
+from quantkit.transport import stream
+from quantkit.transport.split import split_file
+stream.CHUNK_BYTES = 64 * 1024
+stream.WRITEBACK_BYTES = 64 * 1024
+real, seen, kill_at = stream.pwrite_all, [0], int(sys.argv[3])
+def write(fd, buf, offset):
+    seen[0] += 1
+    if seen[0] == kill_at:
+        real(fd, bytes(len(buf) // 2), offset)   # half a chunk written, then gone
+        os.kill(os.getpid(), signal.SIGKILL)
+    real(fd, buf, offset)
+stream.pwrite_all = write
+split_file(Path(sys.argv[1]), Path(sys.argv[2]), 250_000)
+"""
+
+
+@pytest.mark.parametrize("seed", [5, 6])
+def test_split_killed_at_a_seeded_point_leaves_only_complete_parts_and_no_manifest(blob, byte_parts, tmp_path, seed):
+    """Parts are committed in the background while the next is copied: whatever carries a part's name when the
+    process dies is that part, complete."""
+    writes = -(-blob.stat().st_size // (64 * 1024)) + len(byte_parts.parts)
+    kill_at = random.Random(seed).randrange(1, writes - len(byte_parts.parts))
+    out = tmp_path / "killed"
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    run = subprocess.run([sys.executable, "-c", SPLIT_KILLER, str(blob), str(out), str(kill_at)], env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == -9, run.stderr
+    assert not list(out.glob("*.transport.json"))
+    named = {p.name for p in byte_parts.parts} & {p.name for p in out.iterdir()}
+    for i, part in enumerate(byte_parts.parts):
+        if part.name in named:
+            assert sha256(out / part.name) == part.sha256, part.name
+    assert split_file(blob, out, parse_size("250kB"), force=True).file.sha256 == byte_parts.file.sha256

@@ -148,13 +148,19 @@ def atomic_output(path: str | os.PathLike, *, overwrite: bool = False, suffix: s
     try:
         yield partial
         fsync_path(partial)
-        if final.exists() and not overwrite:
-            raise OutputExistsError("output appeared while writing; refusing to replace it", path=final)
-        os.replace(partial, final)
-        fsync_path(final.parent, directory=True)
+        commit_partial(partial, final, overwrite=overwrite)
     except BaseException:
         partial.unlink(missing_ok=True)
         raise
+
+
+def commit_partial(partial: Path, final: Path, *, overwrite: bool) -> None:
+    """The end of :func:`atomic_output` once ``partial`` is fsynced: refuse a ``final`` that appeared meanwhile
+    (unless ``overwrite``), rename, and fsync the directory so the rename survives a crash."""
+    if final.exists() and not overwrite:
+        raise OutputExistsError("output appeared while writing; refusing to replace it", path=final)
+    os.replace(partial, final)
+    fsync_path(final.parent, directory=True)
 
 
 def sha256_file(path: str | os.PathLike, chunk: int = HASH_CHUNK_BYTES,

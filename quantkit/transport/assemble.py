@@ -10,7 +10,10 @@ In order:
 3. parts are copied in order into ``<output>.partial``, each hashed while it is copied; a part whose SHA-256
    differs from the manifest is refused by name (:class:`CorruptDataError`; when its bytes are another part's,
    the message says the parts are reordered).  After each verified part the partial is synced and the part's
-   index added to the journal ``<output>.transport-journal`` (written to a temporary name and renamed);
+   index added to the journal ``<output>.transport-journal`` (written to a temporary name and renamed), both in the
+   background (:class:`~quantkit.transport.stream.Syncer`) while the next part is copied: a part is journaled only
+   after a sync that began once its last byte was written succeeded, and never after a part whose sync failed (an
+   ``OSError`` naming that part, the partial and journal kept for the resume);
 4. on success the partial is synced and renamed to ``output`` and the journal removed.  (The partial is managed
    here, not by :func:`quantkit.io.atomic.atomic_output`, which deletes its partial on failure: that would throw
    away the work a resume keeps, the same reason :class:`~quantkit.io.gguf_writer.GGUFWriter` manages its own.)
@@ -40,7 +43,7 @@ from ..io.gguf_reader import GGUFFile
 from ..io.gguf_writer import plan_layout
 from .manifest import Manifest, load_manifest
 from .split import SPLIT_COUNT, SPLIT_KEYS, SPLIT_NO, SPLIT_TENSORS_COUNT
-from .stream import copy_range, progress_bar
+from .stream import Syncer, copy_range, progress_bar
 
 PARTIAL_SUFFIX = ".partial"
 JOURNAL_SUFFIX = ".transport-journal"
@@ -192,7 +195,9 @@ def assemble(manifest: str | os.PathLike | Manifest, output: str | os.PathLike, 
                                   path=output.parent)
         fd = os.open(partial, os.O_RDWR | os.O_CREAT, 0o644)
         try:
-            result = _copy(plan, fd, partial, done, journal, progress)
+            with Syncer() as syncer:
+                result = _copy(plan, fd, partial, done, journal, progress, syncer)
+                syncer.drain()
             os.fsync(fd)
         except OSError as exc:
             if is_out_of_space(exc):
@@ -210,7 +215,19 @@ def assemble(manifest: str | os.PathLike | Manifest, output: str | os.PathLike, 
     return result
 
 
-def _copy(plan: Plan, fd: int, partial: Path, done: set[int], journal: Path, progress: bool) -> AssembleResult:
+def _journal_part(syncer: Syncer, fd: int, partial: Path, journal: Path, m: Manifest, done: frozenset[int],
+                  index: int) -> None:
+    """A syncer step: make the partial durable up to part ``index``, then journal ``done`` (which lists it)."""
+    try:
+        syncer.sync(fd)
+    except OSError as exc:
+        raise OSError(exc.errno, f"{exc.strerror} (syncing {_label(m, index)} to disk; run the same command again to "
+                                 f"resume)", str(partial)) from None
+    _write_journal(journal, m, done)
+
+
+def _copy(plan: Plan, fd: int, partial: Path, done: set[int], journal: Path, progress: bool,
+          syncer: Syncer) -> AssembleResult:
     m = plan.manifest
     whole = hashlib.sha256() if plan.header else None   # byte parts: implied by the part hashes
     extra = [whole] if whole is not None else []
@@ -245,13 +262,13 @@ def _copy(plan: Plan, fd: int, partial: Path, done: set[int], journal: Path, pro
                 digest = hashlib.sha256()
                 copy_range(part.fileno(), 0, seg.source_offset, None, 0, [digest], src_path=path)
                 copy_range(part.fileno(), seg.source_offset, seg.length, fd, seg.offset, [digest, *extra],
-                           src_path=path, advance=bar.update)
+                           src_path=path, advance=bar.update, syncer=syncer)
             found = digest.hexdigest()
             if found != expected:
                 raise mismatch_error(m, seg.index, found, path)
-            os.fdatasync(fd)
             done.add(seg.index)
-            _write_journal(journal, m, done)
+            syncer.then(_journal_part, syncer, fd, partial, journal, m, frozenset(done), seg.index)
+            syncer.check()
             result.copied_bytes += seg.length
     if whole is not None and whole.hexdigest() != m.file.sha256:
         raise CorruptDataError(f"the merged file's SHA-256 is {whole.hexdigest()}, the manifest says {m.file.sha256} "

@@ -1,8 +1,9 @@
 """Split a file into transport parts: byte ranges, or llama.cpp split shards of a GGUF file.
 
-Both write each part under a temporary name and rename it when complete (:func:`quantkit.io.atomic.atomic_output`),
-hash while copying (the part's and the whole file's SHA-256, in worker threads), and write the manifest last, so
-a manifest on disk always describes complete parts.
+Both write each part under a temporary name (``<part>.partial``), hash while copying (the part's and the whole
+file's SHA-256, in worker threads), and commit a complete part (``fdatasync``, rename, fsync of the directory) in
+the background while the next one is copied (:class:`_Parts`); the manifest is written last, after every part is
+committed, so a manifest on disk always describes complete, durable parts.
 
 GGUF shards follow llama.cpp's ``gguf-split`` (``tools/gguf-split/gguf-split.cpp``): shard ``k`` of ``N`` is named
 ``<stem>-%05d-of-%05d.gguf`` (``k`` from 1); the first carries every metadata key of the file followed by
@@ -20,13 +21,13 @@ from pathlib import Path
 
 from gguf.constants import GGUFValueType
 
-from ..errors import FormatError, OutOfSpaceError, UnsupportedError
-from ..io.atomic import atomic_output, check_output, is_out_of_space, output_lock
+from ..errors import FormatError, OutOfSpaceError, OutputExistsError, UnsupportedError
+from ..io.atomic import atomic_output, check_output, commit_partial, is_out_of_space, output_lock
 from ..io.gguf import KV, align
 from ..io.gguf_reader import GGUFFile
-from ..io.gguf_writer import plan_layout
+from ..io.gguf_writer import plan_layout, pwrite_all
 from .manifest import Entry, Manifest, manifest_name
-from .stream import copy_range, progress_bar
+from .stream import Syncer, copy_range, progress_bar
 
 SPLIT_NO, SPLIT_COUNT, SPLIT_TENSORS_COUNT = "split.no", "split.count", "split.tensors.count"
 #: In llama.cpp's order: gguf-split sets ``split.count`` last (a placeholder replaced once the shards are counted,
@@ -56,6 +57,61 @@ def _check_space(out_dir: Path, need: int) -> None:
     free = shutil.disk_usage(out_dir).free
     if free < need:
         raise OutOfSpaceError(f"needs {need:,} bytes free for the parts, {free:,} available", path=out_dir)
+
+
+class _Parts:
+    """The parts of one split being written: :meth:`create` opens ``<part>.partial``; :meth:`commit` hands a
+    written part to the syncer's thread, which syncs its data, renames it to its name and fsyncs the directory while
+    the next part is copied.  A failed commit is an ``OSError`` naming the part, raised at the next :meth:`commit` or at
+    :meth:`finish`; leaving the ``with`` block removes every partial not committed."""
+
+    def __init__(self, out_dir: Path, count: int, force: bool) -> None:
+        self.out_dir, self.count, self.force = out_dir, count, force
+        self.syncer = Syncer()
+        self._fds: set[int] = set()
+        self._partials: set[Path] = set()
+
+    def __enter__(self) -> _Parts:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.syncer.__exit__(*exc)   # waits for the syncer's thread: what is left below is this thread's alone
+        for fd in self._fds:
+            os.close(fd)
+        for partial in self._partials:
+            partial.unlink(missing_ok=True)
+
+    def create(self, name: str) -> int:
+        final = self.out_dir / name
+        if final.exists() and not self.force:
+            raise OutputExistsError("output exists; refusing to replace it", path=final)
+        partial = final.with_name(final.name + ".partial")
+        partial.unlink(missing_ok=True)
+        self._partials.add(partial)
+        fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        self._fds.add(fd)
+        return fd
+
+    def commit(self, fd: int, index: int, name: str) -> None:
+        self.syncer.forget(fd)
+        self.syncer.then(self._commit, fd, index, self.out_dir / name)
+        self.syncer.check()
+
+    def _commit(self, fd: int, index: int, final: Path) -> None:
+        partial = final.with_name(final.name + ".partial")
+        try:
+            self.syncer.sync(fd)
+        except OSError as exc:
+            raise OSError(exc.errno, f"{exc.strerror} (syncing part {index + 1} of {self.count} to disk)",
+                          str(partial)) from None
+        finally:
+            self._fds.discard(fd)
+            os.close(fd)
+        commit_partial(partial, final, overwrite=self.force)
+        self._partials.discard(partial)
+
+    def finish(self) -> None:
+        self.syncer.drain()
 
 
 def _write_manifest(out_dir: Path, manifest: Manifest, force: bool) -> Manifest:
@@ -92,15 +148,18 @@ def split_bytes(source: Path, out_dir: Path, part_size: int, *, force: bool = Fa
     _check_space(out_dir, size)
     whole = hashlib.sha256()
     parts = []
-    with open(source, "rb") as src, progress_bar(size, progress, source.name) as bar:
+    with open(source, "rb") as src, progress_bar(size, progress, source.name) as bar, \
+            _Parts(out_dir, count, force) as out:
         for i, name in enumerate(names):
             offset = i * part_size
             length = min(part_size, size - offset)
             digest = hashlib.sha256()
-            with atomic_output(out_dir / name, overwrite=force) as tmp, open(tmp, "wb") as dst:
-                copy_range(src.fileno(), offset, length, dst.fileno(), 0, [digest, whole], src_path=source,
-                           advance=bar.update)
+            fd = out.create(name)
+            copy_range(src.fileno(), offset, length, fd, 0, [digest, whole], src_path=source, advance=bar.update,
+                       syncer=out.syncer)
+            out.commit(fd, i, name)
             parts.append(Entry(name, length, digest.hexdigest()))
+        out.finish()
     manifest = Manifest("bytes", Entry(source.name, size, whole.hexdigest()), part_size, tuple(parts))
     return _write_manifest(out_dir, manifest, force)
 
@@ -162,7 +221,8 @@ def split_gguf(source: Path, out_dir: Path, part_size: int, *, force: bool = Fal
         _check_space(out_dir, f.file_size + len(runs) * f.data_offset)
         whole = hashlib.sha256()
         parts = []
-        with open(source, "rb") as src, progress_bar(f.file_size, progress, source.name) as bar:
+        with open(source, "rb") as src, progress_bar(f.file_size, progress, source.name) as bar, \
+                _Parts(out_dir, len(runs), force) as out:
             copy_range(src.fileno(), 0, f.data_offset, None, 0, [whole], src_path=source, advance=bar.update)
             for i, (name, run) in enumerate(zip(names, runs)):
                 split_keys = {SPLIT_NO: KV(i, GGUFValueType.UINT16),
@@ -176,12 +236,13 @@ def split_gguf(source: Path, out_dir: Path, part_size: int, *, force: bool = Fal
                                       f"after a {layout.data_offset}-byte header", path=source)
                 head = layout.header + bytes(layout.data_offset - len(layout.header))
                 digest = hashlib.sha256(head)
-                with atomic_output(out_dir / name, overwrite=force) as tmp, open(tmp, "wb") as dst:
-                    dst.write(head)
-                    dst.flush()
-                    copy_range(src.fileno(), start, length, dst.fileno(), len(head), [digest, whole],
-                               src_path=source, advance=bar.update)
+                fd = out.create(name)
+                pwrite_all(fd, head, 0)
+                copy_range(src.fileno(), start, length, fd, len(head), [digest, whole], src_path=source,
+                           advance=bar.update, syncer=out.syncer)
+                out.commit(fd, i, name)
                 parts.append(Entry(name, layout.file_size, digest.hexdigest()))
+            out.finish()
         manifest = Manifest("gguf-split", Entry(source.name, f.file_size, whole.hexdigest()), part_size, tuple(parts))
     return _write_manifest(out_dir, manifest, force)
 
