@@ -323,34 +323,22 @@ def test_kld_statistics_of_llama_cpp_logits_are_llama_perplexitys_to_the_byte(ll
 
 @pytest.mark.interop
 @needs_llama_perplexity
-def test_parity_of_the_f32_gguf_on_llama_perplexitys_base_file_prints_its_kld_and_same_top(llama_kld):
-    """llama-perplexity writes the base file of the mixed GGUF and scores the F32 GGUF against it; ``quantkit parity
-    F32.gguf --logits base --arithmetic ggml-cpu`` prints the same "Mean KLD" and "Same top p" lines, value and
-    uncertainty, to the printed digit.  No activation is quantized on this side, so the runtime's logits differ
-    from llama.cpp's by float32 summation order alone: measured within 8.4e-7 nat per log-probability on all 682
-    rows, every argmax equal (Same top p is then exact by construction), mean KLD 0.0001735700 vs 0.0001735680."""
-    f32, mixed, perplexity, base_of = llama_kld
-    base = base_of(mixed)
-    theirs = perplexity(base, "-m", f32, "--kl-divergence")
-    code, ours = run(f32, "--logits", base, "--arithmetic", "ggml-cpu")
-    assert code == 0, ours
-    for name in ("Mean    KLD", "Same top p"):
-        assert figure_line(ours, name) == figure_line(theirs, name)
+@pytest.mark.parametrize("scored", ["f32", "mixed"])
+def test_parity_on_llama_perplexitys_base_file_prints_its_kld_and_same_top(llama_kld, scored):
+    """llama-perplexity writes the base file of one GGUF and scores the other against it; ``quantkit parity SCORED.gguf
+    --logits base --arithmetic ggml-cpu`` prints the same "Mean KLD" and "Same top p" lines, value and uncertainty,
+    to the printed digit, in both directions (the issue's: the F32 file's base, the mixed file scored).
 
-
-@pytest.mark.interop
-@needs_llama_perplexity
-def test_parity_of_the_quantized_gguf_on_llama_perplexitys_f32_base_file(llama_kld):
-    """The issue's direction: the base file of the F32 GGUF, the mixed GGUF scored; ``quantkit parity MIXED.gguf
-    --logits base --arithmetic ggml-cpu`` prints llama-perplexity's "Mean KLD" and "Same top p" lines exactly.
-    This needs the products in ggml (:mod:`quantkit.runtime.ggml_arithmetic`): with the activation rounding only
-    emulated in torch, float32 summation order moved a value across a Q8 rounding boundary in 16 of the 22 chunks
-    (in chunk 8, layer 0, position 38, MoE input element 82 was -91.499985 quantization steps here and -91.500012
-    in llama.cpp), and the lines read 0.000175 vs 0.000174 and 95.455% vs 95.601%."""
+    The quantized direction needs the products in ggml (:mod:`quantkit.runtime.ggml_arithmetic`): with the
+    activation rounding only emulated in torch, float32 summation order moved a value across a Q8 rounding boundary
+    in 16 of the 22 chunks (chunk 8, layer 0, position 38, MoE input element 82: -91.499985 quantization steps here,
+    -91.500012 in llama.cpp), and the lines read 0.000175 vs 0.000174 and 95.455% vs 95.601%.  The F32 file has no
+    activation rounding to flip: even then its logits were within 8.4e-7 nat of llama.cpp's on all 682 rows."""
     f32, mixed, perplexity, base_of = llama_kld
-    base = base_of(f32)
-    theirs = perplexity(base, "-m", mixed, "--kl-divergence")
-    code, ours = run(mixed, "--logits", base, "--arithmetic", "ggml-cpu")
+    model, other = (f32, mixed) if scored == "f32" else (mixed, f32)
+    base = base_of(other)
+    theirs = perplexity(base, "-m", model, "--kl-divergence")
+    code, ours = run(model, "--logits", base, "--arithmetic", "ggml-cpu")
     assert code == 0, ours
     for name in ("Mean    KLD", "Same top p"):
         assert figure_line(ours, name) == figure_line(theirs, name)
