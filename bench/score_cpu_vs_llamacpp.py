@@ -29,12 +29,13 @@ import tempfile
 import time
 from pathlib import Path
 
-from _common import emit, machine, commit
+from _common import commit, emit, machine
+from runtime_cpu import EXAMPLES, MODELS, convert
 
 REPO = Path(__file__).resolve().parent.parent
-EXAMPLES = REPO / "quantkit" / "examples"
-MODELS = (("Q4_K", "tiny-moe-q4_k", ()),
-          ("IQ2_XXS/Q2_K", "tiny-moe-iq2xxs-w2q2k", ("--imatrix", str(EXAMPLES / "tiny-moe.imatrix.gguf"))))
+#: The example's GGUFs of the runtime bench (its checkpoint entry aside: llama-perplexity reads GGUFs only).
+GGUFS = [(label, recipe, extra) for label, recipe, extra in MODELS if recipe is not None]
+
 #: The quantkit child: prints "<tokens> <seconds>" for the timed chunks.
 CHILD = r"""
 import sys, time
@@ -54,17 +55,6 @@ for chunk in range(chunks):
     score(chunk)
 print(chunks * ctx, time.perf_counter() - t0)
 """
-
-
-def convert(workdir: Path) -> list[tuple[str, Path]]:
-    out = []
-    for label, recipe, extra in MODELS:
-        target = workdir / f"{recipe}.gguf"
-        subprocess.run([sys.executable, "-m", "quantkit.cli", "convert", str(EXAMPLES / "tiny-moe"), "-o", str(target),
-                        "--recipe", str(EXAMPLES / "recipes" / f"{recipe}.toml"), *extra, "--pre-tokenizer", "qwen35", "--no-progress"],
-                       check=True, cwd=REPO, stdout=subprocess.DEVNULL)
-        out.append((label, target))
-    return out
 
 
 def run_llama(binary: str, gguf: Path, text: Path, args) -> tuple[float, float]:
@@ -114,7 +104,7 @@ def main() -> None:
         text = workdir / "text.txt"
         base = (EXAMPLES / "tiny-moe-text" / "calibration.txt").read_text()
         text.write_text(base * max(1, 4 * (args.chunks + 1) * args.ctx // max(1, len(base) // 4)))
-        models = convert(workdir)
+        models = [(label, convert(recipe, extra, workdir / f"{recipe}.gguf")) for label, recipe, extra in GGUFS]
         rows = []
         for label, gguf in models:
             samples = {"llama": [], "quantkit": [], "ratio": [], "llama_wall": [], "quantkit_wall": []}

@@ -391,7 +391,15 @@ def test_tokenizer_pads_and_types(tiny):
 
 # -- interop: llama.cpp's own converter --------------------------------------------------------------------------
 
+def require_converter() -> None:
+    """Fail (not skip: the interop tests are the reference) when llama.cpp's converter is not on disk."""
+    if not (LLAMA_CPP_SRC / "convert_hf_to_gguf.py").is_file():
+        pytest.fail(f"llama.cpp's converter not found under {LLAMA_CPP_SRC}: run python -m quantkit.testing.llama_src "
+                    f"(or set QUANTKIT_LLAMA_CPP_SRC)")
+
+
 def run_converter(model_dir: Path, out: Path, pre: str, *extra: str) -> None:
+    require_converter()
     script = CONVERTER_RUNNER.format(src=str(LLAMA_CPP_SRC), pre=pre, model=str(model_dir), out=str(out),
                                      extra=list(extra))
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
@@ -467,8 +475,7 @@ def compare_with_converter(arch: str, model_dir: Path, gguf_path: Path) -> list[
 @pytest.fixture(scope="module")
 def converted(tiny, tmp_path_factory):
     """Lazily converts each architecture's tiny checkpoint with llama.cpp's converter (once per module)."""
-    if not (LLAMA_CPP_SRC / "convert_hf_to_gguf.py").is_file():
-        pytest.fail(f"llama.cpp's converter not found under {LLAMA_CPP_SRC}: run python -m quantkit.testing.llama_src")
+    require_converter()
     out_dir = tmp_path_factory.mktemp("converted")
     done: dict[str, tuple[Path, Path]] = {}
 
@@ -499,8 +506,7 @@ def test_deepseek_v4_default_chat_template_follows_the_checkpoint_name(tiny, tmp
     """Issue 18 #4: without a tokenizer template, the converter picks its 0731 template for a directory named
     ``...0731...`` and its DeepSeek V4 one otherwise; quantkit writes the same text (the plain name is covered by
     test_f32_conversion_matches_llama_cpp_converter)."""
-    if not (LLAMA_CPP_SRC / "convert_hf_to_gguf.py").is_file():
-        pytest.fail(f"llama.cpp's converter not found under {LLAMA_CPP_SRC}: run python -m quantkit.testing.llama_src")
+    require_converter()
     source = tiny.get("deepseek_v4", *CONVERTER_SOURCES["deepseek_v4"])
     labelled = tmp_path / "DeepSeek-V4-Flash-tiny-0731"
     labelled.symlink_to(source, target_is_directory=True)

@@ -215,10 +215,11 @@ def test_a_full_disk_during_assembly_stops_by_name_and_resumes(blob, byte_parts,
 
 # -- interrupted assembly -------------------------------------------------------------------------------------
 
-KILLER = """
+#: A child's preamble: chunks of 64 KiB, killed -9 halfway through write number ``argv[3]``.
+KILL_AT_WRITE = """
 import os, signal, sys
+from pathlib import Path
 from quantkit.transport import stream
-from quantkit.transport.assemble import assemble
 stream.CHUNK_BYTES = 64 * 1024
 real, seen, kill_at = stream.pwrite_all, [0], int(sys.argv[3])
 def write(fd, buf, offset):
@@ -228,6 +229,9 @@ def write(fd, buf, offset):
         os.kill(os.getpid(), signal.SIGKILL)
     real(fd, buf, offset)
 stream.pwrite_all = write
+"""
+KILLER = KILL_AT_WRITE + """
+from quantkit.transport.assemble import assemble
 assemble(sys.argv[1], sys.argv[2])
 """
 
@@ -504,21 +508,9 @@ def test_a_source_that_shrinks_while_it_is_split_is_refused_by_name(blob, tmp_pa
     assert not [p for p in out.iterdir() if not p.name.endswith(".lock")]
 
 
-SPLIT_KILLER = """
-import os, signal, sys
-from pathlib import Path
-from quantkit.transport import stream
+SPLIT_KILLER = KILL_AT_WRITE + """
 from quantkit.transport.split import split_file
-stream.CHUNK_BYTES = 64 * 1024
 stream.WRITEBACK_BYTES = 64 * 1024
-real, seen, kill_at = stream.pwrite_all, [0], int(sys.argv[3])
-def write(fd, buf, offset):
-    seen[0] += 1
-    if seen[0] == kill_at:
-        real(fd, bytes(len(buf) // 2), offset)   # half a chunk written, then gone
-        os.kill(os.getpid(), signal.SIGKILL)
-    real(fd, buf, offset)
-stream.pwrite_all = write
 split_file(Path(sys.argv[1]), Path(sys.argv[2]), 250_000)
 """
 
