@@ -62,7 +62,7 @@ def collect(model, amap, chunks, **options):
     collector = Collector(model, amap, **options)
     try:
         for chunk in chunks:
-            collector.run_chunk(torch.tensor([chunk]))
+            collector.run_chunks(torch.tensor([chunk]))
     finally:
         collector.close()
     return make_imatrix(collector.acc.entries(), chunk_count=len(chunks), chunk_size=len(chunks[0]))
@@ -475,7 +475,7 @@ def test_collect_with_a_tiny_budget_streams_and_gives_the_same_imatrix(tmp_path,
         close(self)
 
     monkeypatch.setattr(CheckpointWeights, "close", closing)
-    opts = dict(ctx=64, chunks=2, progress=False)
+    opts = dict(ctx=64, batch=64, chunks=2, progress=False)     # two passes: what is kept between them counts
     text = DATA / "calibration-a.txt"
     layer = 3 * 1024 * 1024      # the example's stacked experts of one layer take more than this
     runs = {budget: collect_imatrix(example_model_dir(), text, tmp_path / f"{budget}.gguf",
@@ -518,33 +518,49 @@ def test_cli_collect_and_bad_input(tmp_path):
         assert not bad.exists() and not list(tmp_path.glob(f"{text}.gguf*"))
 
 
-def test_collect_resumes_by_chunks(tmp_path, monkeypatch):
-    opts = dict(ctx=64, chunks=3, save_every=1, progress=False)
+def test_collect_resumes_by_forward_passes(tmp_path, monkeypatch):
+    """Two chunks per pass, five chunks: passes [0, 1], [2, 3], [4]; killed in the third pass, the state holds four
+    chunks, and the resumed run forms the passes an uninterrupted one does."""
+    opts = dict(ctx=64, batch=128, chunks=5, save_every=1, progress=False)
     text = DATA / "calibration-b.txt"
     whole = collect_imatrix(example_model_dir(), text, tmp_path / "whole.gguf", CollectOptions(**opts))
 
     out = tmp_path / "out.gguf"
-    calls = []
-    original = Collector.run_chunk
+    passes = []
+    original = Collector.run_chunks
 
     def interrupted(self, input_ids):
-        calls.append(1)
-        if len(calls) == 3:
+        passes.append(tuple(input_ids.shape))
+        if len(passes) == 3:
             raise RuntimeError("killed")
         return original(self, input_ids)
 
-    monkeypatch.setattr(Collector, "run_chunk", interrupted)
+    monkeypatch.setattr(Collector, "run_chunks", interrupted)
     with pytest.raises(RuntimeError, match="killed"):
         collect_imatrix(example_model_dir(), text, out, CollectOptions(**opts))
+    assert passes == [(2, 64), (2, 64), (1, 64)]
     state = out.with_name(out.name + RESUME_SUFFIX)
-    assert not out.exists() and load_imatrix(state).provenance["chunks_done"] == "2"
-    monkeypatch.setattr(Collector, "run_chunk", original)
-    calls.clear()
+    assert not out.exists() and load_imatrix(state).provenance["chunks_done"] == "4"
+    with pytest.raises(ValidationError, match="chunks_per_pass"):   # other passes would change the sums' order
+        collect_imatrix(example_model_dir(), text, out, CollectOptions(**{**opts, "batch": 64}))
+    monkeypatch.setattr(Collector, "run_chunks", original)
     resumed = collect_imatrix(example_model_dir(), text, out, CollectOptions(**opts))
-    assert not state.exists() and resumed.chunk_count == 3
+    assert not state.exists() and resumed.chunk_count == 5
     for name, e in whole.entries.items():
         assert np.array_equal(resumed.entries[name].counts, e.counts)
         assert np.allclose(resumed.entries[name].in_sum2, e.in_sum2, rtol=1e-6, atol=0), name
+
+
+def test_chunks_per_pass_change_only_the_rounding(tmp_path):
+    """Chunks run one per pass or four per pass: the same statistics up to float32 rounding of the forward."""
+    opts = dict(ctx=64, chunks=4, progress=False)
+    text = DATA / "calibration-b.txt"
+    single, grouped = (collect_imatrix(example_model_dir(), text, tmp_path / f"{batch}.gguf",
+                                       CollectOptions(**opts, batch=batch)) for batch in (64, 256))
+    assert (single.provenance["chunks_per_pass"], grouped.provenance["chunks_per_pass"]) == ("1", "4")
+    for name, e in single.entries.items():
+        assert np.array_equal(grouped.entries[name].counts, e.counts), name
+        assert np.allclose(grouped.entries[name].in_sum2, e.in_sum2, rtol=1e-5, atol=0), name
 
 
 # -- what the imatrix is for ---------------------------------------------------------------------------------------

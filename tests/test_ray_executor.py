@@ -245,11 +245,11 @@ def test_score_on_ray_equals_a_single_process_run(ray_cluster, small_fixture, tm
 
 @pytest.mark.ray
 def test_imatrix_collected_on_ray_equals_a_single_process_collection(ray_cluster, tmp_path):
-    """Chunks run on two actors and arrive in any order; the driver folds them in chunk order, as one process adds
-    them: the same bits, file included."""
+    """Forward passes of two chunks run on two actors and arrive in any order; the driver folds them in order, as
+    one process adds them: the same bits, file included."""
     address, _ = ray_cluster
     args = ["imatrix", "collect", str(examples.example_model_dir()), "--text", str(examples.example_calibration_text()),
-            "--ctx", "64", "--chunks", "6", "--no-progress"]
+            "--ctx", "64", "--batch", "128", "--chunks", "6", "--no-progress"]
     runner = CliRunner()
     single = runner.invoke(main, [*args, "-o", str(tmp_path / "one.gguf")])
     assert single.exit_code == 0, single.output

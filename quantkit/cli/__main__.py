@@ -1,4 +1,4 @@
 """``python -m quantkit.cli`` runs the ``quantkit`` command."""
-from . import main
+from . import run
 
-main()
+run()

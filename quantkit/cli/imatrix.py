@@ -146,6 +146,8 @@ def _arch_map(config_path):
               help="calibration text (UTF-8)")
 @click.option("-o", "--output", required=True, type=click.Path(dir_okay=False), help="imatrix to write (GGUF)")
 @click.option("--ctx", default=512, show_default=True, help="tokens per chunk")
+@click.option("-b", "--batch", type=click.IntRange(min=1), default=2048, show_default=True,
+              help="tokens per forward pass (like llama-imatrix -b): batch / ctx chunks run together")
 @click.option("--chunks", type=int, default=None, help="process at most this many chunks")
 @click.option("--all-experts", is_flag=True,
               help="route every token to every expert for the statistics (the model's output is unchanged)")
@@ -158,14 +160,14 @@ def _arch_map(config_path):
               help="memory for the model's assembled weights (e.g. 8G; 0: none kept, each is read per use); a "
                    "larger model streams from the checkpoint (default: half the available memory)")
 @click.option("-t", "--threads", type=click.IntRange(min=1), default=None,
-              help="CPU threads the model runs on (like llama-imatrix -t; default: one per 1024 of the hidden "
-                   "size, at most one per core)")
+              help="CPU threads the model runs on (like llama-imatrix -t; default: one per 2^18 values of a "
+                   "pass's hidden states, at most one per core)")
 @click.option("--save-every", default=10, show_default=True, help="write the resume state every N chunks")
 @click.option("--restart", is_flag=True, help="ignore a resume state left by an interrupted run")
 @click.option("--force", is_flag=True, help="overwrite the output")
 @click.option("--progress/--no-progress", default=True, show_default=True, help="show a progress bar (as convert)")
 @executor_options
-def collect(source, text, output, ctx, chunks, all_experts, process_output, synthetic, device, dtype, max_memory,
+def collect(source, text, output, ctx, batch, chunks, all_experts, process_output, synthetic, device, dtype, max_memory,
             threads, save_every, restart, force, progress, executor, address, jobs):
     """Run SOURCE (a Hugging Face checkpoint) over the text and collect its imatrix, like llama-imatrix."""
     from ..extras import require_runtime
@@ -174,7 +176,7 @@ def collect(source, text, output, ctx, chunks, all_experts, process_output, synt
     check_executor("quantkit imatrix collect", executor, address)
     from ..imatrix.collect import CollectOptions, collect_imatrix
 
-    opts = CollectOptions(ctx=ctx, chunks=chunks, all_experts=all_experts, process_output=process_output,
+    opts = CollectOptions(ctx=ctx, batch=batch, chunks=chunks, all_experts=all_experts, process_output=process_output,
                           synthetic=synthetic, device=device, dtype=dtype, max_memory=max_memory,
                           threads=threads, save_every=save_every, restart=restart,
                           overwrite=force, progress=progress, executor=executor, address=address, workers=jobs)

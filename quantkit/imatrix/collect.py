@@ -9,7 +9,7 @@ What is accumulated: for every weight that maps (through the architecture maps) 
 (and ``output.weight`` with ``process_output``), Σx² over every input vector ``x`` the weight is multiplied with,
 and how many vectors that was; for stacked routed experts, per expert and only over the tokens routed to it.
 
-How: the model runs with transformers' eager experts and attention implementations (routed experts of
+How: the model runs with transformers' eager experts implementation and SDPA or eager attention (routed experts of
 transformers' standard layout through :func:`grouped_experts_forward`, the eager computation grouped), under a
 ``torch.overrides.TorchFunctionMode`` that sees every ``F.linear`` / ``bmm`` / ``matmul`` call.  A call whose
 second operand is (a view of) a model parameter is attributed to that parameter, and for a stacked expert
@@ -32,7 +32,10 @@ model's output, and every later layer's input, is unchanged.
 
 Chunks follow llama-imatrix: the text is tokenized once (with the tokenizer's BOS when it adds one), cut into
 ``ctx``-token chunks, and the first token of each chunk is replaced by BOS when the tokenizer adds one.  Each chunk
-runs as its own sequence.  Differences from llama-imatrix: matrix products with fewer than 16 rows are recorded
+runs as its own sequence; as llama-imatrix with ``-b`` larger than ``-c``, ``batch // ctx`` chunks run in one
+forward pass (a batch of sequences: larger products, a fraction of the per-operation cost), and their sums are one
+step of the accumulation.  The grouping changes the order of float64 additions, so it is part of the inputs'
+identity (a resume state, and Ray workers, keep the same groups).  Differences from llama-imatrix: matrix products with fewer than 16 rows are recorded
 too (llama-imatrix skips them), and sums accumulate in float64.
 
 Memory: the accumulators (one float64 row per column per matrix), one chunk's activations, the cache of
@@ -42,7 +45,7 @@ available memory: each weight is decoded once per run, not once per chunk); with
 ``max_memory`` bounds what stays in memory.  With ``max_memory`` on CUDA, weights are also streamed to the device
 per use rather than all placed there.
 
-Resume: every ``save_every`` chunks the accumulators go to ``<out>.resume.gguf`` (an imatrix GGUF recording the
+Resume: after the forward pass that completes each further ``save_every`` chunks, the accumulators go to ``<out>.resume.gguf`` (an imatrix GGUF recording the
 chunks done and the inputs' identity); a later run with the same inputs continues from there.
 """
 from __future__ import annotations
@@ -69,20 +72,23 @@ from .names import OUTPUT_HEAD, column_map
 from .provenance import EXAMPLE_MARKER
 
 DEFAULT_CTX = 512
+#: Tokens per forward pass (llama-imatrix's ``-b`` default): ``batch // ctx`` chunks run together.
+DEFAULT_BATCH = 2048
 DEFAULT_SAVE_EVERY = 10
 #: Largest calibration text read (bytes); a larger one is cut into several runs and merged.
 MAX_TEXT_BYTES = 1 << 30
 RESUME_SUFFIX = ".resume.gguf"
 #: Provenance fields a resume state must share with the run that continues it.
-RESUME_IDENTITY = ("source_sha256", "text_sha256", "ctx", "all_experts", "process_output", "dtype")
+RESUME_IDENTITY = ("source_sha256", "text_sha256", "ctx", "chunks_per_pass", "all_experts", "process_output", "dtype")
 MLA_STEPS = ("kv_b_k", "kv_b_v")
 ROUTED_CLASSES = frozenset({"routed_gate", "routed_up", "routed_down"})
 DTYPES = ("float32", "bfloat16", "float16")
 #: Share of the available memory that decoded weights may keep between chunks when ``max_memory`` is not given
 #: (the assembled payloads' cache has its own half: see :mod:`quantkit.runtime.weights`).
 KEEP_FRACTION = 0.25
-#: Hidden size per torch thread of the default thread count (:attr:`CollectOptions.threads`).
-WIDTH_PER_THREAD = 1024
+#: Hidden-state values of one forward pass (tokens x hidden size) per torch thread of the default thread count
+#: (:attr:`CollectOptions.threads`).
+VALUES_PER_THREAD = 1 << 18
 #: ``torch.Tensor`` methods whose result is still the weight they are called on, for the product it feeds:
 #: casts (any weight), and views of a packed weight (a fresh tensor holding the same values).
 CAST_METHODS = ("float", "to", "type", "contiguous")
@@ -97,9 +103,9 @@ class Accumulators:
     """float64 Σx² ``[n_mat, n]`` and counts ``[n_mat]`` per GGUF tensor, created on first use (as llama-imatrix
     creates an entry at the first product it sees).
 
-    Products add into the current chunk's sums; :meth:`fold` then adds a chunk's sums to the totals, chunk after
-    chunk.  That order of additions (within a chunk, then chunk by chunk) is the same whether every chunk runs in
-    this process or chunks run in other processes whose sums are folded here in chunk order
+    Products add into the current forward pass's sums; :meth:`fold` then adds a pass's sums to the totals, pass
+    after pass.  That order of additions (within a pass, then pass by pass) is the same whether every pass runs in
+    this process or passes run in other processes whose sums are folded here in order
     (:mod:`quantkit.imatrix.raycollect`), so both give the same bits."""
 
     def __init__(self, device):
@@ -133,12 +139,12 @@ class Accumulators:
             counts[mat] += rows
 
     def take_chunk(self) -> dict[str, tuple[Any, Any]]:
-        """The current chunk's (sums, counts) per tensor; the next product starts a new chunk."""
+        """The current pass's (sums, counts) per tensor; the next product starts a new pass."""
         chunk, self._chunk = self._chunk, {}
         return chunk
 
     def fold(self, chunk: dict[str, tuple[Any, Any]]) -> None:
-        """Add one chunk's sums and counts (tensors or arrays) to the totals, in name order."""
+        """Add one pass's sums and counts (tensors or arrays) to the totals, in name order."""
         import torch
 
         for name in sorted(chunk):
@@ -446,8 +452,9 @@ def _weights(module, recurse: bool = True) -> dict:
 
 class Collector:
     """Accumulates statistics over chunks run through ``model`` (a transformers model whose parameter names
-    ``amap`` resolves).  Sets the model's experts and attention implementations to eager.  :meth:`close` removes
-    every hook."""
+    ``amap`` resolves).  Sets the model's experts implementation to eager, and its attention to eager where MLA's
+    statistics need the attention weights (else SDPA where the model has it).  :meth:`close` removes every
+    hook."""
 
     def __init__(self, model, amap: ArchMap, *, all_experts: bool = False, process_output: bool = False):
         import torch
@@ -473,12 +480,22 @@ class Collector:
             for step, gguf_name in mla.items():
                 mla_parts.setdefault(name, {})[step] = gguf_name
         self._attach_mla(mla_parts, by_name)
+        if not mla_parts:
+            self._fused_attention()
         watched = [p for p in by_name.values() if p.targets or p.observers or p.unsupported]
         self.recorder = _Recorder(watched, self.acc)
         self._group_experts()
         if all_experts:
             self._route_all_experts()
         self._torch = torch
+
+    def _fused_attention(self) -> None:
+        """torch's fused attention (SDPA) where the model supports it: attention weights are needed only for MLA's
+        statistics, and the fused kernel saves the eager ``[heads, n, n]`` products and softmax."""
+        try:
+            self.model.set_attn_implementation("sdpa")
+        except (ValueError, ImportError):    # the model has no SDPA path
+            pass
 
     def _targets(self, name: str, param) -> tuple[list[_Target], dict[str, str], str | None]:
         """What a parameter feeds: statistics targets, MLA parts, and why its products cannot be recorded (a
@@ -563,12 +580,13 @@ class Collector:
                 module.forward = functools.partial(grouped_experts_forward, module)
                 self._patched.append(module)
 
-    def run_chunk(self, input_ids) -> None:
-        """Run one chunk (``LongTensor[1, ctx]``) and accumulate its statistics."""
-        self.acc.fold(self.run_chunk_alone(input_ids))
+    def run_chunks(self, input_ids) -> None:
+        """Run chunks (``LongTensor[n, ctx]``, one sequence each) in one pass and accumulate their statistics."""
+        self.acc.fold(self.run_chunks_alone(input_ids))
 
-    def run_chunk_alone(self, input_ids) -> dict[str, tuple[Any, Any]]:
-        """Run one chunk and return its statistics (:meth:`Accumulators.take_chunk`) without adding them."""
+    def run_chunks_alone(self, input_ids) -> dict[str, tuple[Any, Any]]:
+        """Run chunks in one pass and return their statistics (:meth:`Accumulators.take_chunk`) without adding
+        them."""
         torch = self._torch
         keep = 0 if self.process_output else 1  # the head's product is needed only for its statistics
         with torch.no_grad(), self.recorder.active():
@@ -634,6 +652,8 @@ def chunk_tokens(tokens: list[int], ctx: int, n_chunks: int | None, bos: int | N
 @dataclass
 class CollectOptions:
     ctx: int = DEFAULT_CTX
+    batch: int = DEFAULT_BATCH
+    """Tokens per forward pass (llama-imatrix's ``-b``): :attr:`chunks_per_pass` chunks run together."""
     chunks: int | None = None
     all_experts: bool = False
     process_output: bool = False
@@ -645,10 +665,10 @@ class CollectOptions:
     default share of the available memory."""
     save_every: int = DEFAULT_SAVE_EVERY
     threads: int | None = None
-    """torch threads the chunks run on (llama-imatrix's ``-t``); None: one per :data:`WIDTH_PER_THREAD` of the
-    model's hidden size, at most torch's default (one per core).  Small models run faster on fewer: each
-    operation is too small to share, and an operation split over threads waits for the slowest, so one thread
-    whose core is busy with another process stalls the step by a scheduler time slice."""
+    """torch threads the chunks run on (llama-imatrix's ``-t``); None: one per :data:`VALUES_PER_THREAD` of a
+    pass's hidden states (tokens x hidden size), at most torch's default (one per core).  Small passes run faster
+    on fewer: each operation is too small to share, and an operation split over threads waits for the slowest,
+    so one thread whose core is busy with another process stalls the step by a scheduler time slice."""
     restart: bool = False
     overwrite: bool = False
     progress: bool = True
@@ -657,6 +677,16 @@ class CollectOptions:
     address: str | None = None
     """Ray cluster address; None: a local cluster of ``workers`` CPUs, started and stopped by the run."""
     workers: int = 1
+
+    @property
+    def chunks_per_pass(self) -> int:
+        return max(1, self.batch // self.ctx)
+
+
+def forward_passes(start: int, n_chunks: int, per_pass: int) -> list[range]:
+    """Chunk indices ``start..n_chunks-1`` in passes of ``per_pass``, aligned to multiples of ``per_pass`` from
+    chunk 0 (so a resumed run forms the passes an uninterrupted one does)."""
+    return [range(i, min(i + per_pass, n_chunks)) for i in range(start, n_chunks, per_pass)]
 
 
 def _read_config(source: Path) -> dict:
@@ -685,11 +715,13 @@ def collect_imatrix(source: str | os.PathLike, text_path: str | os.PathLike, out
         raise SourceError(f"dtype {opts.dtype!r} is not one of {DTYPES}")
     if opts.threads is not None and opts.threads < 1:
         raise SourceError(f"the thread count must be positive, got {opts.threads}", field="threads")
+    if opts.batch < 1:
+        raise SourceError(f"the batch size must be positive, got {opts.batch}", field="batch")
     text = read_text(text_path)
     config = _read_config(source)
     amap = get_arch(config.get("model_type", "")).bind(config)
     identity = {"source_sha256": sha256_file(source / "config.json"), "text_sha256": sha256_file(text_path),
-                "ctx": str(opts.ctx), "all_experts": str(opts.all_experts).lower(),
+                "ctx": str(opts.ctx), "chunks_per_pass": str(opts.chunks_per_pass), "all_experts": str(opts.all_experts).lower(),
                 "process_output": str(opts.process_output).lower(), "dtype": opts.dtype}
     import transformers
 
@@ -725,7 +757,8 @@ def collection_threads(model, opts: CollectOptions):
 
     threads = torch.get_num_threads()
     hidden = getattr(model.module.config.get_text_config(), "hidden_size", None)
-    run_threads = opts.threads or (max(1, min(threads, int(hidden) // WIDTH_PER_THREAD)) if hidden else threads)
+    values = opts.chunks_per_pass * opts.ctx * int(hidden) if hidden else None
+    run_threads = opts.threads or (max(1, min(threads, values // VALUES_PER_THREAD)) if values else threads)
     # set here, after loading: loading the decoders (numba's runtime) resets the process's OpenMP threads
     torch.set_num_threads(run_threads)
     try:
@@ -740,11 +773,11 @@ def _collect(model, amap: ArchMap, chunks: list[list[int]], out: Path, identity:
 
     collector = Collector(model.module, amap, all_experts=opts.all_experts, process_output=opts.process_output)
 
-    def run(todo):
-        for i in todo:
-            collector.run_chunk(torch.tensor([chunks[i]], dtype=torch.long))
+    def run(passes):
+        for indices in passes:
+            collector.run_chunks(torch.tensor([chunks[i] for i in indices], dtype=torch.long))
             model.store.check()     # a weight that decoded to NaN or infinity, named
-            yield i
+            yield indices
 
     try:
         with collection_threads(model, opts):
@@ -755,9 +788,10 @@ def _collect(model, amap: ArchMap, chunks: list[list[int]], out: Path, identity:
 
 def accumulate(acc: Accumulators, amap: ArchMap, n_chunks: int, run: Callable, out: Path, identity: dict[str, str],
                opts: CollectOptions, source: Path, text_path) -> Imatrix:
-    """Resume from ``<out>.resume.gguf`` when it exists (unless ``restart``), let ``run(chunk indices)`` fold the
-    remaining chunks into ``acc`` in order (yielding each index once it is folded), save the resume state every
-    ``save_every`` chunks, then write the imatrix to ``out`` and remove the resume state."""
+    """Resume from ``<out>.resume.gguf`` when it exists (unless ``restart``), let ``run(passes)`` fold the
+    remaining chunks into ``acc`` pass by pass (:func:`forward_passes`; yielding each pass once it is folded),
+    save the resume state at the first pass end after every ``save_every`` chunks, then write the imatrix to
+    ``out`` and remove the resume state."""
     from tqdm import tqdm
 
     state = out.with_name(out.name + RESUME_SUFFIX)
@@ -770,10 +804,14 @@ def accumulate(acc: Accumulators, amap: ArchMap, n_chunks: int, run: Callable, o
         return make_imatrix(acc.entries(), datasets=[str(text_path)], chunk_count=n_done,
                             chunk_size=opts.ctx, synthetic=synthetic, provenance={**provenance, **extra})
 
-    for i in tqdm(run(range(done, n_chunks)), initial=done, total=n_chunks, unit="chunk", disable=not opts.progress,
-                  desc="imatrix"):
-        if opts.save_every > 0 and (i + 1) % opts.save_every == 0 and i + 1 < n_chunks:
-            save_imatrix(snapshot(i + 1, chunks_done=str(i + 1)), state, fmt="gguf", overwrite=True)
+    saved = done
+    with tqdm(initial=done, total=n_chunks, unit="chunk", disable=not opts.progress, desc="imatrix") as bar:
+        for indices in run(forward_passes(done, n_chunks, opts.chunks_per_pass)):
+            bar.update(len(indices))
+            n_done = indices[-1] + 1
+            if opts.save_every > 0 and n_done // opts.save_every > saved // opts.save_every and n_done < n_chunks:
+                save_imatrix(snapshot(n_done, chunks_done=str(n_done)), state, fmt="gguf", overwrite=True)
+                saved = n_done
     imatrix = snapshot(n_chunks)
     save_imatrix(imatrix, out, fmt="gguf", overwrite=opts.overwrite)
     state.unlink(missing_ok=True)
@@ -789,7 +827,7 @@ def _resume(acc: Accumulators, state: Path, identity: dict[str, str], n_chunks: 
             raise ValidationError(f"resume state was made with other inputs ({key}: {saved.provenance.get(key)!r}, "
                                   f"now {identity[key]!r}); delete it or pass --restart", path=state)
     done = int(saved.provenance.get("chunks_done", "0"))
-    if not 0 < done <= n_chunks:
+    if not 0 < done <= n_chunks or done % int(identity["chunks_per_pass"]) and done != n_chunks:
         raise ValidationError(f"resume state records {done} chunks done of {n_chunks}", path=state)
     acc.load(saved)
     return done

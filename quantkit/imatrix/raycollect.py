@@ -1,16 +1,17 @@
-"""``quantkit imatrix collect --executor ray``: calibration chunks run on Ray actors, folded here in chunk order.
+"""``quantkit imatrix collect --executor ray``: calibration chunks run on Ray actors, folded here in order.
 
 Each actor (one per cluster CPU, or per GPU with ``device="cuda"``) loads the model once, as a single process
-does (:func:`~quantkit.imatrix.collect.load_collection_model`), and runs the chunks it is sent one at a time,
-returning each chunk's float64 sums and counts (:meth:`~quantkit.imatrix.collect.Collector.run_chunk_alone`).
-The driver folds them into the totals strictly in chunk order, holding the few that arrive early
-(:meth:`~quantkit.imatrix.collect.Accumulators.fold`): a single-process collection adds the same per-chunk sums in
-the same order, so the merged imatrix has the same bits (each chunk's forward pass being the same computation in
-either process: same code, dtype and device kind, and torch threads per
+does (:func:`~quantkit.imatrix.collect.load_collection_model`), and runs the forward passes it is sent (the
+groups of chunks a single process forms: :func:`~quantkit.imatrix.collect.forward_passes`) one at a time,
+returning each pass's float64 sums and counts (:meth:`~quantkit.imatrix.collect.Collector.run_chunks_alone`).
+The driver folds them into the totals strictly in order, holding the few that arrive early
+(:meth:`~quantkit.imatrix.collect.Accumulators.fold`): a single-process collection adds the same per-pass sums in
+the same order, so the merged imatrix has the same bits (each pass being the same computation in either process:
+same chunks, code, dtype and device kind, and torch threads per
 :attr:`~quantkit.imatrix.collect.CollectOptions.threads`).  The resume state is saved by the driver as in a single
 process, so ``--restart``/resume behave the same.
 
-An actor whose process dies is restarted (it loads the model again) and its chunk retried
+An actor whose process dies is restarted (it loads the model again) and its pass retried
 (:data:`quantkit.cluster.TASK_RETRIES` times).
 """
 from __future__ import annotations
@@ -33,11 +34,11 @@ class CollectWorker:
                                    process_output=opts.process_output)
         self.opts = opts
 
-    def run(self, index: int, chunk: list[int]) -> tuple[int, dict]:
+    def run(self, index: int, chunks: list[list[int]]) -> tuple[int, dict]:
         import torch
 
         with collection_threads(self.model, self.opts):
-            stats = self.collector.run_chunk_alone(torch.tensor([chunk], dtype=torch.long))
+            stats = self.collector.run_chunks_alone(torch.tensor(chunks, dtype=torch.long))
         self.model.store.check()
         return index, {name: (sums.cpu().numpy(), counts.cpu().numpy()) for name, (sums, counts) in stats.items()}
 
@@ -49,25 +50,26 @@ def collect_on_ray(source: Path, config: dict, amap, chunks: list[list[int]], ou
         resources = {"num_gpus": 1, "num_cpus": 1} if opts.device.startswith("cuda") else {"num_cpus": 1}
         slots = cluster_cpus(ray) if not opts.device.startswith("cuda") else max(1, int(ray.cluster_resources().get("GPU", 0)))
         actor = ray.remote(max_restarts=TASK_RETRIES, max_task_retries=TASK_RETRIES, **resources)(CollectWorker)
-        actors = [actor.remote(str(source), config, opts) for _ in range(max(1, min(slots, len(chunks))))]
+        n_passes = -(-len(chunks) // opts.chunks_per_pass)
+        actors = [actor.remote(str(source), config, opts) for _ in range(max(1, min(slots, n_passes)))]
 
-        def run(todo):
-            queue = list(todo)[::-1]
+        def run(passes):
+            queue = list(enumerate(passes))[::-1]
             pending, idle, early = {}, list(actors), {}
-            next_index = queue[-1] if queue else 0
+            next_index = 0
             while queue or pending:
                 while queue and idle:
                     worker = idle.pop()
-                    index = queue.pop()
-                    pending[worker.run.remote(index, chunks[index])] = worker
+                    index, indices = queue.pop()
+                    pending[worker.run.remote(index, [chunks[i] for i in indices])] = worker
                 ready, _ = ray.wait(list(pending), num_returns=1)
                 for ref in ready:
                     idle.append(pending.pop(ref))
                     index, stats = task_result(ray, ref, "collection actor")
                     early[index] = stats
-                while next_index in early:   # fold in chunk order
+                while next_index in early:   # fold in order
                     acc.fold(early.pop(next_index))
-                    yield next_index
+                    yield passes[next_index]
                     next_index += 1
 
         acc = Accumulators("cpu")
