@@ -612,3 +612,18 @@ def test_grouped_experts_forward_is_transformers_eager_bit_for_bit(arch):
             eager = type(module).forward.__wrapped__(module, hidden, index, weights)
             grouped = grouped_experts_forward(module, hidden, index, weights)
         assert torch.equal(eager, grouped), type(module).__name__
+
+
+def test_the_command_ends_without_torch_teardown_keeping_its_code_and_output(tmp_path):
+    """Once torch is loaded, ``quantkit`` ends without the interpreter's teardown (:func:`quantkit.cli.run`): the
+    exit code, stdout and stderr still arrive, and the output is complete."""
+    out = tmp_path / "i.gguf"
+    args = [sys.executable, "-m", "quantkit.cli", "imatrix", "collect", str(example_model_dir()), "--text",
+            str(DATA / "calibration-a.txt"), "-o", str(out), "--ctx", "64", "--chunks", "1", "--no-progress"]
+    first = subprocess.run(args, capture_output=True, text=True, timeout=300)
+    assert first.returncode == 0 and first.stdout.startswith(f"wrote {out}: "), first.stderr
+    assert load_imatrix(out).chunk_count == 1
+    again = subprocess.run(args, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 2 and again.stdout == "", again.stdout
+    assert again.stderr.splitlines() == [f"error: {out}: output exists; refusing to replace it "
+                                         f"(pass --force to overwrite)"]
