@@ -32,7 +32,7 @@ from quantkit.io.checkpoint import open_checkpoint
 from quantkit.io.gguf import KV
 from quantkit.io.gguf_reader import GGUFFile
 from quantkit.io.gguf_writer import GGUFWriter, TensorSpec, plan_layout
-from quantkit.runtime import SOURCE_CONFIG_KEY, load_model, logits
+from quantkit.runtime import SOURCE_CONFIG_KEY, load_model, logits, logits_batch
 from quantkit.runtime.packed import PackedTensor
 from quantkit.testing.tiny_models import ARCHS, build_tiny_model
 from gguf.constants import GGUFValueType
@@ -193,6 +193,20 @@ def test_safetensors_source_runs_through_the_same_loader(tiny_checkpoints, arch)
     expected = reference_logits(arch, ids)
     got = logits(load_model(tiny_checkpoints.get(arch, "per-expert", "f32")), ids)
     assert np.abs(got - expected).max() <= RELATIVE_TOLERANCE * np.abs(expected).max()
+
+
+@pytest.mark.parametrize("arch", ARCH_NAMES)
+def test_sequences_in_one_pass_give_their_own_logits(ggufs, arch):
+    """Three sequences of different lengths in one forward pass (right-padded): each gets the logits it gets
+    alone, within the runtime's tolerance (only the products' shapes differ), on packed weights."""
+    model = load_model(ggufs(arch, "mixed"))
+    ids = token_ids(arch, 60)
+    sequences = [ids[:23], ids[5:65], ids[30:41]]
+    together = logits_batch(model, sequences)
+    for seq, got in zip(sequences, together):
+        alone = logits(model, seq)
+        assert got.shape == alone.shape
+        assert np.abs(got - alone).max() <= RELATIVE_TOLERANCE * np.abs(alone).max()
 
 
 def test_qwen3moe_config_is_rebuilt_from_gguf_hyperparameters(ggufs, tmp_path):

@@ -16,7 +16,7 @@ from quantkit.fixtures.tokens import Rendering, TextCodec
 from quantkit.scoring import kld
 from quantkit.scoring.logprobs import log_normalizers, top_ids
 from quantkit.scoring.metrics import ApiCounts, CaseScore, Reference, Totals, case_row, score_case
-from quantkit.scoring.score import score_fixture
+from quantkit.scoring.score import PreparedCase, case_batches, score_fixture
 from quantkit.scoring.source import ModelIdentity
 from quantkit.scoring.table import read_table, table_text, write_table
 
@@ -221,6 +221,45 @@ def test_score_fixture_with_fake_model(tmp_path, codec):
     result.write(tmp_path / "out.tsv")
     table = read_table(tmp_path / "out.tsv")
     assert table.fixture_sha256 == fx.content_sha256 and table.header["ctx"] == 64
+
+
+class ManySource(FakeSource):
+    """:class:`FakeSource` that also runs several sequences per call, recording each call's lengths."""
+
+    def __init__(self, *args, fail=False, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.calls, self.fail = [], fail
+
+    def logits_many(self, sequences):
+        self.calls.append([len(s) for s in sequences])
+        if self.fail:
+            raise ValidationError("non-finite logits at position 3; first non-finite output: module 'lm_head'")
+        return [self.logits(s) for s in sequences]
+
+
+def test_case_batches_run_shortest_first_within_the_token_budget():
+    lengths = [10, 3, 7, 40, 3, 20]
+    cases = [PreparedCase(f"c{i}", (1,) * (n - 1), (2,), None) for i, n in enumerate(lengths)]
+    # sorted by length (then index): 1, 4, 2, 0, 5, 3; a group grows while (count x its longest) <= 24
+    assert case_batches(cases, 24) == [[1, 4, 2], [0], [5], [3]]
+    assert case_batches(cases, 1) == [[1], [4], [2], [0], [5], [3]]
+    assert case_batches(cases, 10_000) == [[1, 4, 2, 0, 5, 3]]
+
+
+def test_cases_scored_in_groups_equal_cases_scored_alone(tmp_path, codec):
+    fx = _fixture(tmp_path, codec)
+    alone = score_fixture(FakeSource(512), codec, fx, ctx=64)
+    many = ManySource(512)
+    grouped = score_fixture(many, codec, fx, ctx=64)
+    assert grouped.scores == alone.scores
+    assert max(len(call) for call in many.calls) > 1
+    # a group that fails reruns its cases one at a time, so the error names the case
+    with pytest.raises(ValidationError, match=r"^case case_\d+: non-finite logits at position 3"):
+        score_fixture(RaisingMany(512, fail=True), codec, fx, ctx=64)
+
+
+class RaisingMany(ManySource, RaisingSource):
+    """Fails in a group, and alone on every case longer than one token."""
 
 
 def test_score_refuses_bad_inputs_before_reporting(tmp_path, codec):

@@ -229,12 +229,15 @@ def check(path):
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16"]), default="float32", show_default=True,
               help="compute dtype: bfloat16 is a fast GPU mode (decoded weights rounded to bf16), outside float32's "
                    "tolerance; recorded in the table's evidence")
+@click.option("-b", "--batch", type=click.IntRange(min=1), default=2048, show_default=True,
+              help="tokens per forward pass: cases run shortest first, as many together as fit once padded to the "
+                   "longest (1: each alone; --arithmetic ggml-cpu always runs each alone)")
 @click.option("--support", type=click.Path(exists=True, dir_okay=False, path_type=Path),
               help="a support (drafter) GGUF meant for MODEL: refused unless it comes from MODEL's checkpoint "
                    "(recorded in the table)")
 @executor_options
 def score(model, fixture_dir, out_arg, out, ctx, device, allow_cross_checkpoint, kld_base, save_logits, tokenizer,
-          sidecars, label, table_format, arithmetic, dtype, support, executor, address, jobs):
+          sidecars, label, table_format, arithmetic, dtype, batch, support, executor, address, jobs):
     """Score MODEL (GGUF or checkpoint) on FIXTURE; write the per-case table -o OUT.tsv."""
     out = one_output(out, out_arg)
     require_runtime("quantkit score")
@@ -283,13 +286,13 @@ def score(model, fixture_dir, out_arg, out, ctx, device, allow_cross_checkpoint,
 
         scores, width, loaded = score_on_ray(identity, plan.cases, device=device, sidecars=sidecars,
                                              arithmetic=arithmetic, dtype=dtype, address=address, workers=jobs,
-                                             progress=progress)
-        result = run_scoring(loaded, codec, plan, scored=(scores, width))
+                                             progress=progress, batch_tokens=batch)
+        result = run_scoring(loaded, codec, plan, scored=(scores, width), batch_tokens=batch)
     else:
         source = load_source(identity, device=device, replace=replace, arithmetic=arithmetic, dtype=dtype)
         try:
             result = run_scoring(source, codec, plan, kld_base=kld_base, save_logits_to=save_logits,
-                                 progress=progress)
+                                 progress=progress, batch_tokens=batch)
         finally:
             source.close()
     for warning in result.warnings:

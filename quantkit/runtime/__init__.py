@@ -15,8 +15,8 @@ with transformers' KV cache (:mod:`.generate`; the samplers are :mod:`quantkit.s
 """
 from ..sampling import SamplingParams
 from .generate import Generation, greedy, sample
-from .loader import RuntimeModel, load_model, logits
+from .loader import RuntimeModel, load_model, logits, logits_batch
 from .weights import SOURCE_CONFIG_KEY
 
 __all__ = ["Generation", "RuntimeModel", "SOURCE_CONFIG_KEY", "SamplingParams", "greedy", "load_model", "logits",
-           "sample"]
+           "logits_batch", "sample"]

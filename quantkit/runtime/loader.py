@@ -343,20 +343,38 @@ def check_token_ids(model: RuntimeModel, token_ids: Sequence[int]) -> np.ndarray
 
 def logits(model: RuntimeModel, token_ids: Sequence[int]) -> np.ndarray:
     """float32 logits ``[len(token_ids), vocab]`` of one sequence (no cache; the whole sequence in one pass)."""
-    ids = check_token_ids(model, token_ids)
-    input_ids = torch.as_tensor(ids.astype(np.int64), device=model.device)[None]
+    return logits_batch(model, [token_ids])[0]
+
+
+def logits_batch(model: RuntimeModel, sequences: Sequence[Sequence[int]]) -> list[np.ndarray]:
+    """float32 logits ``[len(s), vocab]`` of each sequence, all in one forward pass (no cache).
+
+    The sequences are right-padded to the longest: in a causal model no position sees a later one, so the padding
+    changes no real position's inputs, only the shapes of the products (hence the float32 rounding, within the
+    runtime's tolerance)."""
+    ids = [check_token_ids(model, s) for s in sequences]
+    lengths = [len(i) for i in ids]
+    padded = np.zeros((len(ids), max(lengths)), np.int64)    # id 0 pads: any valid id does
+    for row, (values, n) in enumerate(zip(ids, lengths)):
+        padded[row, :n] = values
+    input_ids = torch.as_tensor(padded, device=model.device)
     # no_grad, not inference_mode: packed weights answer view operations (weight[expert]) with fresh tensors,
     # which inference mode refuses to register as views
     with torch.no_grad(), model.forward_mode():
-        out = model.module(input_ids=input_ids, use_cache=False).logits[0]
+        out = model.module(input_ids=input_ids, use_cache=False).logits
     model.store.check()
-    finite = bool(finite_flag(out))         # one reduction where the logits are, not a host pass over them
-    result = _host_float32(out)
-    if not finite:
-        position = int(np.argwhere(~np.isfinite(result))[0][0])
-        raise ValidationError(f"non-finite logits at position {position}; first non-finite output: module "
-                              f"{_first_non_finite(model.module, input_ids)!r}", path=model.path)
-    return result
+    results = []
+    for row, n in enumerate(lengths):
+        valid = out[row, :n]
+        finite = bool(finite_flag(valid))     # one reduction where the logits are, not a host pass over them
+        result = _host_float32(valid)
+        if not finite:
+            position = int(np.argwhere(~np.isfinite(result))[0][0])
+            raise ValidationError(f"non-finite logits at position {position}; first non-finite output: module "
+                                  f"{_first_non_finite(model.module, input_ids[row:row + 1, :n])!r}",
+                                  path=model.path)
+        results.append(result)
+    return results
 
 
 def _host_float32(values: torch.Tensor) -> np.ndarray:

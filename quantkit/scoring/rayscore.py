@@ -1,12 +1,13 @@
 """``quantkit score --executor ray``: the fixture's cases scored by Ray actors, merged in case order.
 
 Each actor (one per cluster CPU, or per GPU with ``device="cuda"``) loads the model once, exactly as a single
-process does (:func:`~quantkit.scoring.loading.load_source`, sidecars included), and scores the cases it is sent
-one at a time (:func:`~quantkit.scoring.score.score_one`).  A case's score depends only on that case's logits, so
-the merged table, in the fixture's case order, is the one a single process writes.  The vocabulary probe runs on
+process does (:func:`~quantkit.scoring.loading.load_source`, sidecars included), and scores the groups of cases it
+is sent, one forward pass each, the groups a single process forms (:func:`~quantkit.scoring.score.case_batches`,
+:func:`~quantkit.scoring.score.score_group`).  A case's score depends only on its group's forward pass, so the
+merged table, in the fixture's case order, is the one a single process writes.  The vocabulary probe runs on
 one actor; every case's token ids are checked against its width before any case runs.
 
-An actor whose process dies is restarted (it loads the model again) and its case retried
+An actor whose process dies is restarted (it loads the model again) and its group retried
 (:data:`quantkit.cluster.TASK_RETRIES` times).  ``--kld-base`` and ``--save-logits`` evaluate one token stream in
 order and stay single-process.
 """
@@ -17,7 +18,7 @@ from typing import Callable, Sequence
 
 from ..cluster import TASK_RETRIES, cluster_cpus, ray_session, task_result
 from .metrics import CaseScore
-from .score import PreparedCase, _check_vocab
+from .score import DEFAULT_BATCH_TOKENS, PreparedCase, _check_vocab, case_batches
 
 
 @dataclass(frozen=True)
@@ -47,44 +48,46 @@ class ScoreWorker:
 
         return vocabulary_width(self.source, [case])
 
-    def score(self, index: int, case: PreparedCase, width: int) -> tuple[int, CaseScore]:
-        from .score import score_one
+    def score(self, indices: list[int], cases: list[PreparedCase], width: int) -> list[tuple[int, CaseScore]]:
+        from .score import score_group
 
-        return index, score_one(self.source, case, width)
+        return list(zip(indices, score_group(self.source, cases, width)))
 
 
 def score_on_ray(identity, cases: Sequence[PreparedCase], *, device: str = "cpu", sidecars: Sequence[str] = (),
                  arithmetic: str = "float32", dtype: str = "float32", address: str | None = None, workers: int = 1,
-                 progress: Callable[[CaseScore], None] | None = None) -> tuple[list[CaseScore], int, Loaded]:
+                 progress: Callable[[CaseScore], None] | None = None,
+                 batch_tokens: int = DEFAULT_BATCH_TOKENS) -> tuple[list[CaseScore], int, Loaded]:
     """(scores in case order, vocabulary width, what ran) of ``cases`` on the cluster at ``address`` (None: a local
     cluster of ``workers`` CPUs)."""
     with ray_session(address, workers, "quantkit score --executor ray") as ray:
         resources = {"num_gpus": 1, "num_cpus": 1} if device == "cuda" else {"num_cpus": 1}
         slots = cluster_cpus(ray) if device != "cuda" else max(1, int(ray.cluster_resources().get("GPU", 0)))
         actor = ray.remote(max_restarts=TASK_RETRIES, max_task_retries=TASK_RETRIES, **resources)(ScoreWorker)
+        groups = case_batches(cases, batch_tokens)
         actors = [actor.remote(identity, device, tuple(sidecars), arithmetic, dtype)
-                  for _ in range(min(slots, len(cases)))]
+                  for _ in range(min(slots, len(groups)))]
         try:
             width = task_result(ray, actors[0].width.remote(cases[0]), "scoring actor")
             for case in cases:
                 _check_vocab(case, width)
             loaded = task_result(ray, actors[0].describe.remote(), "scoring actor")
             scores: list[CaseScore | None] = [None] * len(cases)
-            queue = list(enumerate(cases))[::-1]
+            queue = groups[::-1]
             pending = {}
             idle = list(actors)
             while queue or pending:
                 while queue and idle:
                     worker = idle.pop()
-                    index, case = queue.pop()
-                    pending[worker.score.remote(index, case, width)] = worker
+                    group = queue.pop()
+                    pending[worker.score.remote(group, [cases[i] for i in group], width)] = worker
                 ready, _ = ray.wait(list(pending), num_returns=1)
                 for ref in ready:
                     idle.append(pending.pop(ref))
-                    index, score = task_result(ray, ref, "scoring actor")
-                    scores[index] = score
-                    if progress is not None:
-                        progress(score)
+                    for index, score in task_result(ray, ref, "scoring actor"):
+                        scores[index] = score
+                        if progress is not None:
+                            progress(score)
         finally:
             for worker in actors:
                 ray.kill(worker)

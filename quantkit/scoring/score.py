@@ -8,7 +8,8 @@ Order of work (nothing is written until every check has passed):
    found in the model's vocabulary (an unknown token is an error unless cross-checkpoint scoring was allowed,
    then it is left unmapped as ds4 does);
 3. each case is run and scored (:func:`.metrics.score_case`); token ids beyond the model's output width and
-   NaN/+inf logits are errors naming the case;
+   NaN/+inf logits are errors naming the case.  Cases run in groups (:func:`case_batches`): shortest first, as
+   many per forward pass as fit in ``batch_tokens`` once right-padded, each its own sequence;
 4. ``save_logits`` / ``kld_base`` (:mod:`.kld`) evaluate the llama-perplexity chunks.
 
 A response whose position count differs from the continuation's token count is *misaligned*: the case is
@@ -33,6 +34,9 @@ from .logprobs import NonFiniteLogits, check_logits, log_normalizers
 from .metrics import CaseScore, Reference, Totals, score_case
 from .source import LogitSource, ModelIdentity, check_match
 from .table import TABLE_VERSION, write_table
+
+#: Tokens per forward pass of :func:`run_cases` (llama-perplexity's ``-b`` default): short cases run together.
+DEFAULT_BATCH_TOKENS = 2048
 
 
 @dataclass(frozen=True)
@@ -131,10 +135,35 @@ def vocabulary_width(source: LogitSource, cases: Sequence[PreparedCase]) -> int:
     return width
 
 
-def score_one(source: LogitSource, case: PreparedCase, width: int) -> CaseScore:
-    """Run and score one prepared case (module doc, step 3)."""
-    ids = case.prompt_ids + case.target_ids
-    logits = _checked_logits(source, ids, f"case {case.id}")
+def case_batches(cases: Sequence[PreparedCase], batch_tokens: int) -> list[list[int]]:
+    """Indices of ``cases`` grouped for one forward pass each: shortest first, as many as fit in ``batch_tokens``
+    tokens once right-padded to the group's longest (a longer case runs alone).  A function of the cases alone,
+    so every executor forms the same groups, and so computes the same bits."""
+    length = [len(c.prompt_ids) + len(c.target_ids) for c in cases]
+    groups: list[list[int]] = []
+    for i in sorted(range(len(cases)), key=lambda i: (length[i], i)):
+        if groups and (len(groups[-1]) + 1) * length[i] <= batch_tokens:
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+    return groups
+
+
+def case_logits(source: LogitSource, cases: Sequence[PreparedCase]) -> list[np.ndarray]:
+    """Each case's logits (prompt + continuation), the cases in one forward pass where the source runs several
+    (``logits_many``)."""
+    ids = [[int(i) for i in c.prompt_ids + c.target_ids] for c in cases]
+    many = getattr(source, "logits_many", None)
+    if many is not None and len(cases) > 1:
+        try:
+            return [check_logits(rows, len(i), f"case {c.id}") for rows, i, c in zip(many(ids), ids, cases)]
+        except ValidationError:     # one case at a time, to name the case that fails
+            pass
+    return [_checked_logits(source, i, f"case {c.id}") for i, c in zip(ids, cases)]
+
+
+def score_logits(case: PreparedCase, logits: np.ndarray, width: int) -> CaseScore:
+    """Score one prepared case from its logits (module doc, step 3)."""
     if logits.shape[1] != width:
         raise ValidationError(f"case {case.id}: the model returned {logits.shape[1]} logits per token, "
                               f"{width} before")
@@ -146,17 +175,25 @@ def score_one(source: LogitSource, case: PreparedCase, width: int) -> CaseScore:
                               f"or +inf ({exc.detail})") from None
 
 
+def score_group(source: LogitSource, cases: Sequence[PreparedCase], width: int) -> list[CaseScore]:
+    """Run ``cases`` (one group of :func:`case_batches`) and score each."""
+    return [score_logits(c, rows, width) for c, rows in zip(cases, case_logits(source, cases))]
+
+
 def run_cases(source: LogitSource, cases: Sequence[PreparedCase],
-              progress: Callable[[CaseScore], None] | None = None) -> tuple[list[CaseScore], int]:
-    """Score prepared cases (module doc, step 3); returns the scores and the model's vocabulary width.
+              progress: Callable[[CaseScore], None] | None = None,
+              batch_tokens: int = DEFAULT_BATCH_TOKENS) -> tuple[list[CaseScore], int]:
+    """Score prepared cases (module doc, step 3) in the groups of :func:`case_batches`; returns the scores in
+    case order and the model's vocabulary width.
 
     A one-token probe gives the output width first, so every case's token ids are checked before any runs."""
     width = vocabulary_width(source, cases)
-    scores = []
-    for case in cases:
-        scores.append(score_one(source, case, width))
-        if progress is not None:
-            progress(scores[-1])
+    scores: list[CaseScore | None] = [None] * len(cases)
+    for group in case_batches(cases, batch_tokens):
+        for i, score in zip(group, score_group(source, [cases[i] for i in group], width)):
+            scores[i] = score
+            if progress is not None:
+                progress(score)
     return scores, width
 
 
@@ -237,13 +274,15 @@ def run_scoring(source: LogitSource, codec: TextCodec, plan: ScoringPlan, *,
                 kld_base: str | os.PathLike | None = None, save_logits_to: str | os.PathLike | None = None,
                 progress: Callable[[CaseScore], None] | None = None,
                 command: Sequence[str] | None = None,
-                scored: tuple[list[CaseScore], int] | None = None) -> ScoreResult:
+                scored: tuple[list[CaseScore], int] | None = None,
+                batch_tokens: int = DEFAULT_BATCH_TOKENS) -> ScoreResult:
     """Steps 3-4 of the module doc, and the table's evidence record (:func:`quantkit.evidence.evidence`: the
     scored file's SHA-256, the source's ``device``/``dtype`` when it has them, ``command`` or ``sys.argv``).
     ``scored``: the cases' scores (in case order) and the vocabulary width, computed elsewhere (``--executor ray``:
-    :mod:`quantkit.scoring.rayscore`); ``source`` then only tells the device, dtype and arithmetic.
+    :mod:`quantkit.scoring.rayscore`, in the same groups of ``batch_tokens``); ``source`` then only tells the
+    device, dtype and arithmetic.
     Raises before any output exists when a check fails."""
-    scores, n_vocab = run_cases(source, plan.cases, progress) if scored is None else scored
+    scores, n_vocab = run_cases(source, plan.cases, progress, batch_tokens) if scored is None else scored
     kld = kld_against(source, codec, kld_base, n_vocab) if kld_base is not None else None
     if save_logits_to is not None:
         save_logits(source, codec, plan.cases, plan.ctx, save_logits_to, n_vocab)
@@ -254,7 +293,7 @@ def run_scoring(source: LogitSource, codec: TextCodec, plan: ScoringPlan, *,
                       device=getattr(source, "device", None), dtype=getattr(source, "dtype", None), command=command)
     header = {"version": TABLE_VERSION, "fixture": fixture_record, "model": plan.identity.to_json(), "ctx": plan.ctx,
               "cross_checkpoint": plan.cross_checkpoint, "evidence": record,
-              "arithmetic": getattr(source, "arithmetic", "float32")}
+              "arithmetic": getattr(source, "arithmetic", "float32"), "batch_tokens": batch_tokens}
     return ScoreResult(header, scores, list(plan.warnings), kld)
 
 

@@ -52,7 +52,7 @@ HEADER_PREFIX = "# quantkit-score "
 TABLE_VERSION = 1
 HEADER_KEYS = ("version", "fixture", "model", "ctx", "cross_checkpoint")
 #: Header keys a table may lack (tables written before quantkit recorded them stay readable).
-OPTIONAL_HEADER_KEYS = ("evidence", "arithmetic")
+OPTIONAL_HEADER_KEYS = ("evidence", "arithmetic", "batch_tokens")
 FIXTURE_KEYS = ("content_sha256", "label", "cases", "path")
 #: Table layouts by ``--format`` name -> columns.
 LAYOUTS = {"quantkit": COLUMNS, "ds4": COLUMNS, "ds4-nll": NLL_COLUMNS}
