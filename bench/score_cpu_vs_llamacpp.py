@@ -1,16 +1,16 @@
 """CPU scoring throughput: quantkit's runtime against llama-perplexity on the same GGUFs, threads and text.
 
-    python bench/score_cpu_vs_llamacpp.py --llama-perplexity PATH [--threads 2] [--ctx 512] [--chunks 8]
-        [--repeats 3] [--arithmetic float32] [--markdown OUT.md]
+    python bench/score_cpu_vs_llamacpp.py --llama-perplexity PATH [--threads 2] [--ctx 512] [--batch 2048]
+        [--chunks 8] [--repeats 3] [--arithmetic float32] [--markdown OUT.md]
 
 The bundled example (``quantkit/examples/tiny-moe``, a qwen3_moe) is converted by quantkit with the example
 recipes ``tiny-moe-q4_k`` and ``tiny-moe-iq2xxs-w2q2k`` (bundled imatrix).  Both tools then score the same text
 (the example's calibration text, repeated) in ``--chunks`` chunks of ``--ctx`` tokens, logits at every position,
-each chunk one forward pass, as llama-perplexity does.  Each measurement is a child process, quantkit and
-llama-perplexity interleaved over ``--repeats`` rounds:
+``--batch / --ctx`` chunks per forward pass (llama-perplexity's ``-b``; quantkit's ``logits_batch``).  Each
+measurement is a child process, quantkit and llama-perplexity interleaved over ``--repeats`` rounds:
 
-- llama-perplexity: tokens/s of the chunk loop, from the walls of two runs (1 chunk and 1 + ``--chunks``), and
-  the process wall of the longer one;
+- llama-perplexity: tokens/s of the chunk loop, from the walls of two runs (one pass of chunks, and one pass +
+  ``--chunks``), and the process wall of the longer one;
 - quantkit: ``load_model`` + one untimed warm-up chunk (numba caches, first-use checks, as llama's warm-up), then
   the timed chunks through :func:`quantkit.runtime.logits` (log-softmax included), and the process wall.
 
@@ -38,22 +38,24 @@ GGUFS = [(label, recipe, extra) for label, recipe, extra in MODELS if recipe is 
 
 #: The quantkit child: prints "<tokens> <seconds>" for the timed chunks.
 CHILD = r"""
-import sys, time
+import os, sys, time
 import numpy as np, torch
 from tokenizers import Tokenizer
-from quantkit.runtime import load_model, logits
+from quantkit.runtime import load_model, logits_batch
 gguf, text, ctx, chunks, threads, arithmetic = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]), sys.argv[6]
+per_pass = int(sys.argv[8])
 torch.set_num_threads(threads)
 ids = Tokenizer.from_file(sys.argv[7]).encode(open(text).read()).ids
 model = load_model(gguf, arithmetic=arithmetic)
-def score(chunk):
-    out = logits(model, ids[chunk * ctx:(chunk + 1) * ctx])
-    return torch.log_softmax(torch.from_numpy(out), -1)
+def score(first):
+    seqs = [ids[c * ctx:(c + 1) * ctx] for c in range(first, first + per_pass)]
+    return [torch.log_softmax(torch.from_numpy(out), -1) for out in logits_batch(model, seqs)]
 score(0)
 t0 = time.perf_counter()
-for chunk in range(chunks):
-    score(chunk)
-print(chunks * ctx, time.perf_counter() - t0)
+for first in range(0, chunks, per_pass):
+    score(first)
+print(chunks * ctx, time.perf_counter() - t0, flush=True)
+os._exit(0)     # as the command ends (quantkit.cli.run): without torch's interpreter teardown
 """
 
 
@@ -64,9 +66,10 @@ def run_llama(binary: str, gguf: Path, text: Path, args) -> tuple[float, float]:
     llama.cpp's own log stamps cannot be used, as its asynchronous logger may lose the last line at exit.
     """
     walls = []
-    for chunks in (1, 1 + args.chunks):
+    per_pass = args.batch // args.ctx
+    for chunks in (per_pass, per_pass + args.chunks):
         t0 = time.perf_counter()
-        done = subprocess.run([binary, "-m", str(gguf), "-f", str(text), "-c", str(args.ctx), "-b", str(args.ctx),
+        done = subprocess.run([binary, "-m", str(gguf), "-f", str(text), "-c", str(args.ctx), "-b", str(args.batch),
                                "--chunks", str(chunks), "-t", str(args.threads), "-tb", str(args.threads)],
                               capture_output=True, text=True,
                               env={**os.environ, "LD_LIBRARY_PATH": str(Path(binary).resolve().parent)})
@@ -79,7 +82,8 @@ def run_llama(binary: str, gguf: Path, text: Path, args) -> tuple[float, float]:
 def run_quantkit(gguf: Path, text: Path, args) -> tuple[float, float]:
     t0 = time.perf_counter()
     done = subprocess.run([sys.executable, "-c", CHILD, str(gguf), str(text), str(args.ctx), str(args.chunks),
-                           str(args.threads), args.arithmetic, str(EXAMPLES / "tiny-moe" / "tokenizer.json")],
+                           str(args.threads), args.arithmetic, str(EXAMPLES / "tiny-moe" / "tokenizer.json"),
+                           str(args.batch // args.ctx)],
                           capture_output=True, text=True, cwd=REPO,
                           env={**os.environ, "OMP_NUM_THREADS": str(args.threads), "PYTHONPATH": str(REPO)})
     wall = time.perf_counter() - t0
@@ -95,10 +99,16 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--ctx", type=int, default=512)
     parser.add_argument("--chunks", type=int, default=8)
+    parser.add_argument("--batch", type=int, default=None,
+                        help="tokens per forward pass of both tools (llama-perplexity -b): batch / ctx chunks run "
+                             "together; a multiple of --ctx dividing --chunks x --ctx (default --ctx)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--arithmetic", default="float32", choices=("float32", "ggml-cpu"))
     parser.add_argument("--markdown")
     args = parser.parse_args()
+    args.batch = args.batch or args.ctx
+    if args.batch % args.ctx or args.chunks % (args.batch // args.ctx):
+        parser.error("--batch must be a multiple of --ctx, and --chunks a multiple of --batch / --ctx")
     with tempfile.TemporaryDirectory(prefix="qk-score-cpu-") as tmp:
         workdir = Path(tmp)
         text = workdir / "text.txt"
@@ -118,14 +128,15 @@ def main() -> None:
                         measured[tool] = run_quantkit(gguf, text, args)
                     emit({"bench": "score_cpu_vs_llamacpp", "model": label, "tool": tool, "round": round_no,
                           "tokens_per_s": measured[tool][0], "wall_s": measured[tool][1], "threads": args.threads,
-                          "ctx": args.ctx, "chunks": args.chunks, "arithmetic": args.arithmetic,
+                          "ctx": args.ctx, "batch": args.batch, "chunks": args.chunks, "arithmetic": args.arithmetic,
                           "load_avg": os.getloadavg()[0]})
                 for tool in ("llama", "quantkit"):
                     samples[tool].append(measured[tool][0])
                     samples[f"{tool}_wall"].append(measured[tool][1])
                 samples["ratio"].append(measured["quantkit"][0] / measured["llama"][0])
             rows.append((label, {k: statistics.median(v) for k, v in samples.items()}))
-    lines = [f"{machine()}, commit {commit()}, {args.threads} threads, ctx {args.ctx}, {args.chunks} chunks, "
+    lines = [f"{machine()}, commit {commit()}, {args.threads} threads, ctx {args.ctx}, batch {args.batch}, "
+             f"{args.chunks} chunks, "
              f"arithmetic {args.arithmetic}, medians of {args.repeats} interleaved rounds",
              "", "| model | llama-perplexity tok/s | quantkit tok/s | ratio | llama wall s | quantkit wall s | wall ratio |",
              "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]

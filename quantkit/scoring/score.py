@@ -10,7 +10,8 @@ Order of work (nothing is written until every check has passed):
 3. each case is run and scored (:func:`.metrics.score_case`); token ids beyond the model's output width and
    NaN/+inf logits are errors naming the case.  Cases run in groups (:func:`case_batches`): shortest first, as
    many per forward pass as fit in ``batch_tokens`` once right-padded, each its own sequence;
-4. ``save_logits`` / ``kld_base`` (:mod:`.kld`) evaluate the llama-perplexity chunks.
+4. ``save_logits`` / ``kld_base`` (:mod:`.kld`) evaluate the llama-perplexity chunks (``batch_tokens // ctx`` per
+   forward pass, as llama-perplexity with ``-b``).
 
 A response whose position count differs from the continuation's token count is *misaligned*: the case is
 scored without API metrics and a warning names it (ds4's behaviour; API fixtures are not always re-tokenized to
@@ -149,17 +150,18 @@ def case_batches(cases: Sequence[PreparedCase], batch_tokens: int) -> list[list[
     return groups
 
 
-def case_logits(source: LogitSource, cases: Sequence[PreparedCase]) -> list[np.ndarray]:
-    """Each case's logits (prompt + continuation), the cases in one forward pass where the source runs several
-    (``logits_many``)."""
-    ids = [[int(i) for i in c.prompt_ids + c.target_ids] for c in cases]
+def sequence_logits(source: LogitSource, sequences: Sequence[Sequence[int]], names: Sequence[str]
+                    ) -> list[np.ndarray]:
+    """Each sequence's logits, all in one forward pass where the source runs several (``logits_many``); errors
+    name the sequence (``names``, e.g. ``case X``)."""
+    sequences = [[int(i) for i in ids] for ids in sequences]
     many = getattr(source, "logits_many", None)
-    if many is not None and len(cases) > 1:
+    if many is not None and len(sequences) > 1:
         try:
-            return [check_logits(rows, len(i), f"case {c.id}") for rows, i, c in zip(many(ids), ids, cases)]
-        except ValidationError:     # one case at a time, to name the case that fails
+            return [check_logits(rows, len(ids), name) for rows, ids, name in zip(many(sequences), sequences, names)]
+        except ValidationError:     # one at a time, to name the sequence that fails
             pass
-    return [_checked_logits(source, i, f"case {c.id}") for i, c in zip(ids, cases)]
+    return [_checked_logits(source, ids, name) for ids, name in zip(sequences, names)]
 
 
 def score_logits(case: PreparedCase, logits: np.ndarray, width: int) -> CaseScore:
@@ -177,7 +179,8 @@ def score_logits(case: PreparedCase, logits: np.ndarray, width: int) -> CaseScor
 
 def score_group(source: LogitSource, cases: Sequence[PreparedCase], width: int) -> list[CaseScore]:
     """Run ``cases`` (one group of :func:`case_batches`) and score each."""
-    return [score_logits(c, rows, width) for c, rows in zip(cases, case_logits(source, cases))]
+    logits = sequence_logits(source, [c.prompt_ids + c.target_ids for c in cases], [f"case {c.id}" for c in cases])
+    return [score_logits(c, rows, width) for c, rows in zip(cases, logits)]
 
 
 def run_cases(source: LogitSource, cases: Sequence[PreparedCase],
@@ -202,20 +205,25 @@ def kld_stream(cases: Sequence[PreparedCase]) -> np.ndarray:
     return np.array([t for case in cases for t in case.prompt_ids + case.target_ids], np.int64)
 
 
-def _chunk_rows(source: LogitSource, tokens: np.ndarray, n_ctx: int, n_chunk: int, bos_id: int | None):
-    first = n_ctx // 2
-    for chunk in range(n_chunk):
-        ids, targets = chunk_inputs(tokens, n_ctx, chunk, bos_id)
-        rows = _checked_logits(source, ids, f"chunk {chunk}")[first:n_ctx - 1]
-        try:
-            log_normalizers(rows)
-        except NonFiniteLogits as exc:
-            raise ValidationError(f"chunk {chunk}: the model's logits hold NaN or +inf ({exc.detail})") from None
-        yield rows, targets
+def _chunk_rows(source: LogitSource, tokens: np.ndarray, n_ctx: int, n_chunk: int, bos_id: int | None,
+                batch_tokens: int):
+    """(scored rows, targets) of each llama-perplexity chunk, ``batch_tokens // n_ctx`` chunks per forward pass."""
+    first, per_pass = n_ctx // 2, max(1, batch_tokens // n_ctx)
+    for start in range(0, n_chunk, per_pass):
+        chunks = range(start, min(start + per_pass, n_chunk))
+        inputs = [chunk_inputs(tokens, n_ctx, chunk, bos_id) for chunk in chunks]
+        logits = sequence_logits(source, [ids for ids, _ in inputs], [f"chunk {chunk}" for chunk in chunks])
+        for chunk, chunk_logits, (_, targets) in zip(chunks, logits, inputs):
+            rows = chunk_logits[first:n_ctx - 1]
+            try:
+                log_normalizers(rows)
+            except NonFiniteLogits as exc:
+                raise ValidationError(f"chunk {chunk}: the model's logits hold NaN or +inf ({exc.detail})") from None
+            yield rows, targets
 
 
 def save_logits(source: LogitSource, codec: TextCodec, cases: Sequence[PreparedCase], n_ctx: int,
-                path: str | os.PathLike, n_vocab: int) -> int:
+                path: str | os.PathLike, n_vocab: int, batch_tokens: int = DEFAULT_BATCH_TOKENS) -> int:
     """Write the base logits file of ``cases`` with ``n_ctx``-token chunks; returns the number of chunks."""
     tokens = kld_stream(cases)
     n_chunk = len(tokens) // n_ctx
@@ -224,12 +232,13 @@ def save_logits(source: LogitSource, codec: TextCodec, cases: Sequence[PreparedC
                            "position to score; lower --ctx for --save-logits")
     bos = codec.bos_id if codec.add_bos else None
     write_logits_file(path, n_ctx, n_vocab, tokens[:n_chunk * n_ctx],
-                      (rows for rows, _ in _chunk_rows(source, tokens, n_ctx, n_chunk, bos)))
+                      (rows for rows, _ in _chunk_rows(source, tokens, n_ctx, n_chunk, bos, batch_tokens)))
     return n_chunk
 
 
 def kld_against(source: LogitSource, codec: TextCodec, base_path: str | os.PathLike, n_vocab: int,
-                each: Callable[[np.ndarray, np.ndarray, np.ndarray], None] | None = None) -> KldStats:
+                each: Callable[[np.ndarray, np.ndarray, np.ndarray], None] | None = None,
+                batch_tokens: int = DEFAULT_BATCH_TOKENS) -> KldStats:
     """KLD statistics of ``source`` against a saved base logits file (its own token stream and chunking);
     ``each(rows, records, targets)`` also sees every chunk (``quantkit parity``'s per-position checks)."""
     base = LogitsFile(base_path)
@@ -238,7 +247,8 @@ def kld_against(source: LogitSource, codec: TextCodec, base_path: str | os.PathL
                               path=base_path)
     acc = KldAccumulator()
     bos = codec.bos_id if codec.add_bos else None
-    for chunk, (rows, targets) in enumerate(_chunk_rows(source, base.tokens, base.n_ctx, base.n_chunk, bos)):
+    for chunk, (rows, targets) in enumerate(_chunk_rows(source, base.tokens, base.n_ctx, base.n_chunk, bos,
+                                                        batch_tokens)):
         acc.add(rows, base.records[chunk], targets)
         if each is not None:
             each(rows, base.records[chunk], targets)
@@ -283,9 +293,9 @@ def run_scoring(source: LogitSource, codec: TextCodec, plan: ScoringPlan, *,
     device, dtype and arithmetic.
     Raises before any output exists when a check fails."""
     scores, n_vocab = run_cases(source, plan.cases, progress, batch_tokens) if scored is None else scored
-    kld = kld_against(source, codec, kld_base, n_vocab) if kld_base is not None else None
+    kld = kld_against(source, codec, kld_base, n_vocab, batch_tokens=batch_tokens) if kld_base is not None else None
     if save_logits_to is not None:
-        save_logits(source, codec, plan.cases, plan.ctx, save_logits_to, n_vocab)
+        save_logits(source, codec, plan.cases, plan.ctx, save_logits_to, n_vocab, batch_tokens)
     fixture = plan.fixture
     fixture_record = {"content_sha256": fixture.content_sha256, "label": fixture.label,
                       "cases": len(fixture.cases), "path": str(fixture.path)}
