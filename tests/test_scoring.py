@@ -16,7 +16,7 @@ from quantkit.fixtures.tokens import Rendering, TextCodec
 from quantkit.scoring import kld
 from quantkit.scoring.logprobs import log_normalizers, top_ids
 from quantkit.scoring.metrics import ApiCounts, CaseScore, Reference, Totals, case_row, score_case
-from quantkit.scoring.score import PreparedCase, case_batches, score_fixture
+from quantkit.scoring.score import PreparedCase, case_batches, prepare_cases, save_logits, score_fixture
 from quantkit.scoring.source import ModelIdentity
 from quantkit.scoring.table import read_table, table_text, write_table
 
@@ -256,6 +256,17 @@ def test_cases_scored_in_groups_equal_cases_scored_alone(tmp_path, codec):
     # a group that fails reruns its cases one at a time, so the error names the case
     with pytest.raises(ValidationError, match=r"^case case_\d+: non-finite logits at position 3"):
         score_fixture(RaisingMany(512, fail=True), codec, fx, ctx=64)
+
+
+def test_logits_files_written_in_groups_equal_chunks_one_at_a_time(tmp_path, codec):
+    cases = prepare_cases(_fixture(tmp_path, codec), codec, ctx=64)
+    files = {}
+    for batch in (6, 2048):      # one chunk of 6 tokens per pass, then every chunk in one
+        many = ManySource(512)
+        files[batch] = tmp_path / f"{batch}.bin"
+        n_chunk = save_logits(many, codec, cases, 6, files[batch], 512, batch_tokens=batch)
+        assert n_chunk >= 3 and max(map(len, many.calls), default=1) == (1 if batch == 6 else n_chunk)
+    assert files[6].read_bytes() == files[2048].read_bytes()
 
 
 class RaisingMany(ManySource, RaisingSource):
