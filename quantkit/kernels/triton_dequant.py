@@ -109,6 +109,13 @@ def _bf16_kernel(src, dst, n, BLOCK: tl.constexpr):
 
 
 @triton.jit
+def f32_values(base, one, j, m):
+    """Value ``j`` of 32 consecutive float32 values at byte address ``base`` (the fused products' 128-byte
+    pseudo-block of F32 rows; :func:`dequantize` reinterprets F32 bytes instead)."""
+    return _u32(base + 4 * j, m).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def bf16_values(base, one, j, m):
     """Value ``j`` of 32 consecutive bfloat16 values at byte address ``base`` (the fused products' 64-byte
     pseudo-block of BF16 rows)."""

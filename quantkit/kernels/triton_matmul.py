@@ -22,15 +22,15 @@ import triton.language as tl
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType as GGMLType
 
 from ..errors import FormatError
-from .triton_dequant import (bf16_values, iq2_xxs_values, mxfp4_values, nvfp4_values, q2_k_values, q4_k_values,
+from .triton_dequant import (bf16_values, f32_values, iq2_xxs_values, mxfp4_values, nvfp4_values, q2_k_values, q4_k_values,
                              q8_0_values, table)
 
 #: Types multiplied packed: (sub-tiles per block, values per sub-tile, tables) of their ``*_values`` decoder.
-#: BF16 rows are read in pseudo-blocks of 32 values (64 bytes).
+#: BF16 and F32 rows are read in pseudo-blocks of 32 values (64 and 128 bytes).
 FUSED_TYPES = {
     GGMLType.Q8_0: (1, 32, ()), GGMLType.Q4_K: (8, 32, ()), GGMLType.Q2_K: (16, 16, ()),
     GGMLType.IQ2_XXS: (32, 8, ("grid_iq2xxs", "ksigns")), GGMLType.MXFP4: (2, 16, ("kvalues_e2m1",)),
-    GGMLType.NVFP4: (4, 16, ("kvalues_e2m1",)), GGMLType.BF16: (1, 32, ()),
+    GGMLType.NVFP4: (4, 16, ("kvalues_e2m1",)), GGMLType.BF16: (1, 32, ()), GGMLType.F32: (1, 32, ()),
 }
 #: Values of one K step: a step holds whole blocks (the largest K step of at most this many values that divides
 #: the row).
@@ -46,6 +46,8 @@ def block_shape(qtype: GGMLType) -> tuple[int, int]:
     """(values, bytes) of one block of a fused type as the kernels read it."""
     if qtype is GGMLType.BF16:
         return 32, 64
+    if qtype is GGMLType.F32:
+        return 32, 128
     return GGML_QUANT_SIZES[qtype]
 
 
@@ -63,8 +65,10 @@ def _decode(FORMAT: tl.constexpr, base, sub, val, m, t0, t1):
         v = mxfp4_values(base, sub, val, m, t0)
     elif FORMAT == "NVFP4":
         v = nvfp4_values(base, sub, val, m, t0)
-    else:
+    elif FORMAT == "BF16":
         v = bf16_values(base, sub, val, m)
+    else:
+        v = f32_values(base, sub, val, m)
     return v
 
 
@@ -120,10 +124,11 @@ def _step_blocks(k: int, block_values: int) -> int:
     return kb
 
 
-def expert_tiles(counts: torch.Tensor, rows: int, block_m: int = BLOCK_M) -> torch.Tensor:
-    """int32 ``[tiles, 3]``: for each ``block_m``-row tile of rows sorted by expert (``counts[e]`` rows of expert
+def expert_tiles(counts: torch.Tensor, rows: int) -> torch.Tensor:
+    """int32 ``[tiles, 3]``: for each :data:`BLOCK_M`-row tile of rows sorted by expert (``counts[e]`` rows of expert
     ``e``), its expert (-1 for spare tiles), first row and the end of its expert's rows.  Computed on the device
     without waiting for it: the table has the most tiles any counts of ``rows`` rows can need."""
+    block_m = BLOCK_M
     n_experts = counts.numel()
     counts = counts.to(torch.int64)
     per_expert = (counts + block_m - 1) // block_m

@@ -59,6 +59,23 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, experts: torch.Tensor,
     return torch.bmm(padded, mat_b)[experts, slot]
 
 
+def _fusable(weight) -> bool:
+    """Whether ``weight`` is a packed weight the fused products multiply without decoding it."""
+    fused = getattr(weight, "fused", None)
+    return fused is not None and fused() is not None
+
+
+def _product(x: torch.Tensor, weight, experts: torch.Tensor, counts: torch.Tensor, transposed: bool,
+             tiles: torch.Tensor | None) -> torch.Tensor:
+    """One projection of every routed row: fused (packed weights multiplied as they are) where it applies, else
+    the decoded weights' grouped product."""
+    if not transposed and tiles is not None:
+        out = weight.fused_linear(x, counts, tiles)
+        if out is not None:
+            return out
+    return grouped_linear(x, _unpacked(weight), experts, counts, transposed)
+
+
 def _unpacked(weight: torch.Tensor) -> torch.Tensor:
     """A packed weight decoded whole (all experts, into a fresh transient tensor); any other tensor as itself."""
     materialize = getattr(weight, "materialize", None)
@@ -80,8 +97,10 @@ def grouped_experts_forward(self, hidden_states: torch.Tensor, top_k_index: torc
                             top_k_weights: torch.Tensor) -> torch.Tensor:
     """A transformers experts module's forward as grouped products (see the module doc)."""
     # the attributes are set by transformers' experts decorator, the only caller
+    up = self.gate_up_proj if self.has_gate else self.up_proj
+    fused = not self.is_transposed and _fusable(up) and _fusable(self.down_proj)
     if (self.has_bias or self.has_post_expert_norm or not self.is_concatenated or self._is_expert_parallel
-            or top_k_index.numel() < self.num_experts or _decoded_bytes(self) > MAX_DECODED_BYTES):
+            or (not fused and (top_k_index.numel() < self.num_experts or _decoded_bytes(self) > MAX_DECODED_BYTES))):
         return _eager(self)(self, hidden_states, top_k_index, top_k_weights)
     tokens, top_k = top_k_index.shape
     pairs = top_k_index.reshape(-1)
@@ -90,11 +109,13 @@ def grouped_experts_forward(self, hidden_states: torch.Tensor, top_k_index: torc
     counts = torch.bincount(pairs, minlength=self.num_experts)
     x = hidden_states[order // top_k]
     transposed = self.is_transposed
-    if self.has_gate:
-        h = self._apply_gate(grouped_linear(x, _unpacked(self.gate_up_proj), experts, counts, transposed))
-    else:
-        h = self.act_fn(grouped_linear(x, _unpacked(self.up_proj), experts, counts, transposed))
-    out = grouped_linear(h, _unpacked(self.down_proj), experts, counts, transposed)
+    tiles = None
+    if fused:
+        from ..kernels.triton_matmul import expert_tiles
+        tiles = expert_tiles(counts, x.shape[0])
+    h = _product(x, up, experts, counts, transposed, tiles)
+    h = self._apply_gate(h) if self.has_gate else self.act_fn(h)
+    out = _product(h, self.down_proj, experts, counts, transposed, tiles)
     out = out * top_k_weights.reshape(-1)[order, None].to(out.dtype)
     unsorted = torch.empty_like(out)
     unsorted[order] = out
