@@ -6,22 +6,25 @@ few percent of llama.cpp's speed.  :func:`grouped_experts_forward` (registered w
 interface as :data:`GROUPED`) instead:
 
 1. sorts the (token, expert) pairs by expert and counts the tokens of each expert;
-2. decodes each stacked expert tensor of the layer whole (all experts, one Triton launch per GGUF tensor: the
-   bit-exact decoders of :mod:`quantkit.kernels.triton_dequant`, float32) and places it in a transient tensor of
-   the compute dtype (the packed weight's ordinary rebuild, :meth:`.packed.PackedTensor.materialize`);
-3. multiplies every expert's tokens by its weights in one grouped product: ``torch.nn.functional.grouped_mm``
-   (``torch._grouped_mm`` in older torch) for bfloat16 on CUDA, otherwise one batched product over the experts'
-   rows padded to the busiest expert's count (:func:`grouped_linear`), exact float32 products as the eager loop
-   computes them, only summed in another order.
+2. where every GGUF tensor of the projections is resident on the device in a type the fused kernels read
+   (:data:`quantkit.kernels.triton_matmul.FUSED_TYPES`: Q8_0, Q4_K, Q2_K, IQ2_XXS, MXFP4, NVFP4, BF16, F32) and
+   holds whole rows of them, multiplies the sorted rows by the packed weights in one launch per GGUF tensor over
+   all active experts (:func:`quantkit.kernels.triton_matmul.grouped_linear`): the weights are decoded in
+   registers by the bit-exact Triton decoders, nothing decoded reaches global memory;
+3. otherwise decodes each stacked expert tensor of the layer whole (one Triton launch per GGUF tensor, float32)
+   into a transient tensor of the compute dtype (:meth:`.packed.PackedTensor.materialize`) and multiplies every
+   expert's tokens in one grouped product: ``torch.nn.functional.grouped_mm`` (``torch._grouped_mm`` in older
+   torch) for bfloat16 on CUDA, otherwise one batched product over the experts' rows padded to the busiest
+   expert's count (:func:`grouped_linear`), exact float32 products as the eager loop computes them, only summed
+   in another order.
 
-Weights are therefore materialized in global memory, one layer's experts at a time, for the length of the
-layer (about ``4 x experts x rows x cols`` bytes in float32): a transient scratch, not a fused dequantizing GEMM.
-A projection whose decoded experts would exceed :data:`MAX_DECODED_BYTES` (a 671B model's layer: 256 experts of
-7168 x 2048, 15-30 GB per projection in float32) runs the eager loop instead, so memory stays bounded by one expert.
-Decoding all experts costs what one forward of a long sequence (which routes to every expert anyway) must read;
-for few tokens (fewer (token, expert) pairs than experts: decoding with a KV cache) the eager loop, which decodes
-only the routed experts, runs instead.  Experts with biases, a post-expert norm, interleaved gate/up rows or
-expert parallelism also run the eager loop.
+On the decoded path (3) weights are materialized in global memory, one layer's experts at a time (about
+``4 x experts x rows x cols`` bytes in float32); a projection whose decoded experts would exceed
+:data:`MAX_DECODED_BYTES` (a 671B model's layer: 256 experts of 7168 x 2048, 15-30 GB per projection in float32)
+runs the eager loop instead, so memory stays bounded by one expert, and so do few tokens (fewer (token, expert)
+pairs than experts: decoding with a KV cache), where the eager loop decodes only the routed experts.  The fused
+path (2) reads only the packed bytes, so it runs for any size and any number of tokens.  Experts with biases, a
+post-expert norm, interleaved gate/up rows, transposed weights or expert parallelism run the eager loop.
 """
 from __future__ import annotations
 

@@ -22,7 +22,12 @@ decoded and placed by its :class:`~quantkit.runtime.inverse.TensorPlan`: a strid
 columns are evenly spaced, an index scatter otherwise) and runs on the result, so the model's own code runs
 unchanged.  Three operations decode less: ``weight[i]`` on fused 3-D experts (the routed expert only, read as
 ``weights.data(name, i)``: one expert's payload, so a checkpoint assembles only that expert), ``embedding(weight,
-ids)`` (the rows looked up only) and shape queries (nothing).
+ids)`` (the rows looked up only) and shape queries (nothing).  On CUDA, ``F.linear`` by a packed weight whose GGUF
+tensors are resident in a type the fused kernels read, each holding whole rows of it with no value step
+(:func:`fused_parts`), decodes nothing at all: one fused product per GGUF tensor
+(:mod:`quantkit.kernels.triton_matmul`) multiplies the activations by the packed bytes; the routed experts do
+the same through :meth:`PackedTensor.fused_linear` (:mod:`.experts`).  Such payloads are still decoded once, on
+their first use, for the finiteness check.
 """
 from __future__ import annotations
 
