@@ -85,6 +85,23 @@ def test_every_fused_type_is_tested():
     assert {t.name for t in FUSED_TYPES} == set(FUSED_NAMES)
 
 
+@pytest.mark.parametrize("name", FUSED_NAMES)
+def test_fused_products_decode_bit_for_bit(name):
+    """The values the fused product multiplies are the numba decoder's, bit for bit: the identity times the packed
+    weight in plain float32 (``ieee``: each output is one weight value times 1 plus exact zeros) gives W.T, every
+    value equal (bit for bit but the sign of a zero, which a sum started from +0 cannot keep)."""
+    from quantkit.kernels.triton_matmul import linear
+
+    qtype = GGMLType[name]
+    rows, cols = 200, 512
+    raw = _encoded(name, rows, cols, np.random.default_rng(int(qtype)))
+    ref = raw.view(np.float32) if name == "F32" else FAST_DECODERS[qtype](
+        raw.reshape(-1, GGML_QUANT_SIZES[qtype][1])).reshape(rows, cols)
+    eye = torch.eye(cols, device="cuda")
+    got = linear(eye, torch.from_numpy(raw).cuda(), qtype, rows, precision="ieee").cpu().numpy()
+    assert np.array_equal(got, ref.T)
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("name", FUSED_NAMES)
 def test_fused_products_equal_dequantize_then_matmul(name, dtype):

@@ -40,6 +40,8 @@ BLOCK_M = 64
 BLOCK_N = 64
 NUM_WARPS = 4
 NUM_STAGES = 2
+#: Triton's ``input_precision`` for float32 activations (see the module doc).
+FLOAT32_PRECISION = "tf32x3"
 
 
 def block_shape(qtype: GGMLType) -> tuple[int, int]:
@@ -77,7 +79,7 @@ def _packed_matmul_kernel(x, w, out, tiles, scale, t0, t1, M, N, stride_x, strid
                           row_bytes, scale_stride,
                           FORMAT: tl.constexpr, TYPE_SIZE: tl.constexpr, NSUB: tl.constexpr, SUB: tl.constexpr,
                           KB: tl.constexpr, K_STEPS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, GROUPED: tl.constexpr,
-                          SCALED: tl.constexpr, FP32: tl.constexpr):
+                          SCALED: tl.constexpr, FP32: tl.constexpr, PRECISION: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     if GROUPED:     # tile table: (expert or -1, first row, end of the expert's rows)
@@ -107,7 +109,7 @@ def _packed_matmul_kernel(x, w, out, tiles, scale, t0, t1, M, N, stride_x, strid
             wv = tl.reshape(wv, (BN, BK))
             xv = tl.load(x_tile + step * BK, mask=row_ok[:, None], other=0.0)
             if FP32:
-                acc = tl.dot(xv, tl.trans(wv), acc, input_precision="tf32x3")
+                acc = tl.dot(xv, tl.trans(wv), acc, input_precision=PRECISION)
             else:
                 acc = tl.dot(xv, tl.trans(wv.to(xv.dtype)), acc)
         if SCALED:
@@ -143,7 +145,7 @@ def expert_tiles(counts: torch.Tensor, rows: int) -> torch.Tensor:
 
 
 def _launch(x: torch.Tensor, payload: torch.Tensor, qtype: GGMLType, n: int, out: torch.Tensor, out_col: int,
-            tiles: torch.Tensor | None, scale: torch.Tensor | None) -> torch.Tensor:
+            tiles: torch.Tensor | None, scale: torch.Tensor | None, precision: str) -> torch.Tensor:
     qtype = GGMLType(int(qtype))
     if qtype not in FUSED_TYPES:
         raise FormatError(f"no fused product for {qtype.name}")
@@ -175,7 +177,7 @@ def _launch(x: torch.Tensor, payload: torch.Tensor, qtype: GGMLType, n: int, out
         out.stride(0), out_col, n * row_bytes, row_bytes, 0 if scale is None or scale.numel() == 1 else 1,
         FORMAT=qtype.name, TYPE_SIZE=type_size, NSUB=nsub, SUB=sub, KB=kb, K_STEPS=k // (kb * block_values),
         BM=BLOCK_M, BN=BLOCK_N, GROUPED=tiles is not None, SCALED=scale is not None,
-        FP32=x.dtype == torch.float32, num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+        FP32=x.dtype == torch.float32, PRECISION=precision, num_warps=NUM_WARPS, num_stages=NUM_STAGES)
     return out
 
 
@@ -184,10 +186,12 @@ def _output(x: torch.Tensor, n: int, out: torch.Tensor | None) -> torch.Tensor:
 
 
 def linear(x: torch.Tensor, payload: torch.Tensor, qtype: "GGMLType | int", n: int, *,
-           out: torch.Tensor | None = None, out_col: int = 0, scale: torch.Tensor | None = None) -> torch.Tensor:
+           out: torch.Tensor | None = None, out_col: int = 0, scale: torch.Tensor | None = None,
+           precision: str = FLOAT32_PRECISION) -> torch.Tensor:
     """``x @ W.T`` (``x [m, k]``; ``W [n, k]`` as its packed payload), into ``out[:, out_col:out_col + n]``
-    (a new ``[m, n]`` tensor by default); ``scale``: an NVFP4 global scale (one value)."""
-    return _launch(x, payload.reshape(-1), qtype, n, _output(x, n, out), out_col, None, scale)
+    (a new ``[m, n]`` tensor by default); ``scale``: an NVFP4 global scale (one value); ``precision``: Triton's
+    ``input_precision`` for float32 activations (``ieee``: plain float32 products, no tensor cores)."""
+    return _launch(x, payload.reshape(-1), qtype, n, _output(x, n, out), out_col, None, scale, precision)
 
 
 def grouped_linear(x: torch.Tensor, payload: torch.Tensor, qtype: "GGMLType | int", n: int, counts: torch.Tensor,
@@ -198,4 +202,4 @@ def grouped_linear(x: torch.Tensor, payload: torch.Tensor, qtype: "GGMLType | in
     ``tiles``: :func:`expert_tiles` of ``counts`` (computed here if not given)."""
     if tiles is None:
         tiles = expert_tiles(counts, x.shape[0])
-    return _launch(x, payload.reshape(-1), qtype, n, _output(x, n, out), out_col, tiles, scale)
+    return _launch(x, payload.reshape(-1), qtype, n, _output(x, n, out), out_col, tiles, scale, FLOAT32_PRECISION)
