@@ -22,8 +22,8 @@ import triton.language as tl
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType as GGMLType
 
 from ..errors import FormatError
-from .triton_dequant import (bf16_values, f32_values, iq2_xxs_values, mxfp4_values, nvfp4_values, q2_k_values, q4_k_values,
-                             q8_0_values, table)
+from .triton_dequant import (bf16_values, f32_values, iq2_xxs_values, mxfp4_values, nvfp4_values, q2_k_values,
+                             q4_k_values, q8_0_values, table)
 
 #: Types multiplied packed: (sub-tiles per block, values per sub-tile, tables) of their ``*_values`` decoder.
 #: BF16 and F32 rows are read in pseudo-blocks of 32 values (64 and 128 bytes).
@@ -78,7 +78,8 @@ def _decode(FORMAT: tl.constexpr, base, sub, val, m, t0, t1):
 def _packed_matmul_kernel(x, w, out, tiles, scale, t0, t1, M, N, stride_x, stride_out, out_col, expert_bytes,
                           row_bytes, scale_stride,
                           FORMAT: tl.constexpr, TYPE_SIZE: tl.constexpr, NSUB: tl.constexpr, SUB: tl.constexpr,
-                          KB: tl.constexpr, K_STEPS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, GROUPED: tl.constexpr,
+                          KB: tl.constexpr, K_STEPS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                          GROUPED: tl.constexpr,
                           SCALED: tl.constexpr, FP32: tl.constexpr, PRECISION: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)

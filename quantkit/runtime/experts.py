@@ -6,11 +6,12 @@ few percent of llama.cpp's speed.  :func:`grouped_experts_forward` (registered w
 interface as :data:`GROUPED`) instead:
 
 1. sorts the (token, expert) pairs by expert and counts the tokens of each expert;
-2. where every GGUF tensor of the projections is resident on the device in a type the fused kernels read
-   (:data:`quantkit.kernels.triton_matmul.FUSED_TYPES`: Q8_0, Q4_K, Q2_K, IQ2_XXS, MXFP4, NVFP4, BF16, F32) and
-   holds whole rows of them, multiplies the sorted rows by the packed weights in one launch per GGUF tensor over
-   all active experts (:func:`quantkit.kernels.triton_matmul.grouped_linear`): the weights are decoded in
-   registers by the bit-exact Triton decoders, nothing decoded reaches global memory;
+2. in float32 (:data:`.packed.FUSED_DTYPES`), where every GGUF tensor of the projections is resident on the
+   device in a type the fused kernels read (:data:`quantkit.kernels.triton_matmul.FUSED_TYPES`: Q8_0, Q4_K,
+   Q2_K, IQ2_XXS, MXFP4, NVFP4, BF16, F32) and holds whole rows of them, multiplies the sorted rows by the
+   packed weights in one launch per GGUF tensor over all active experts
+   (:func:`quantkit.kernels.triton_matmul.grouped_linear`): the weights are decoded in registers by the
+   bit-exact Triton decoders, nothing decoded reaches global memory;
 3. otherwise decodes each stacked expert tensor of the layer whole (one Triton launch per GGUF tensor, float32)
    into a transient tensor of the compute dtype (:meth:`.packed.PackedTensor.materialize`) and multiplies every
    expert's tokens in one grouped product: ``torch.nn.functional.grouped_mm`` (``torch._grouped_mm`` in older

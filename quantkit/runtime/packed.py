@@ -22,9 +22,9 @@ decoded and placed by its :class:`~quantkit.runtime.inverse.TensorPlan`: a strid
 columns are evenly spaced, an index scatter otherwise) and runs on the result, so the model's own code runs
 unchanged.  Three operations decode less: ``weight[i]`` on fused 3-D experts (the routed expert only, read as
 ``weights.data(name, i)``: one expert's payload, so a checkpoint assembles only that expert), ``embedding(weight,
-ids)`` (the rows looked up only) and shape queries (nothing).  On CUDA, ``F.linear`` by a packed weight whose GGUF
-tensors are resident in a type the fused kernels read, each holding whole rows of it with no value step
-(:func:`fused_parts`), decodes nothing at all: one fused product per GGUF tensor
+ids)`` (the rows looked up only) and shape queries (nothing).  On CUDA in float32 (:data:`FUSED_DTYPES`),
+``F.linear`` by a packed weight whose GGUF tensors are resident in a type the fused kernels read, each holding
+whole rows of it with no value step (:func:`fused_parts`), decodes nothing at all: one fused product per GGUF tensor
 (:mod:`quantkit.kernels.triton_matmul`) multiplies the activations by the packed bytes; the routed experts do
 the same through :meth:`PackedTensor.fused_linear` (:mod:`.experts`).  Such payloads are still decoded once, on
 their first use, for the finiteness check.
@@ -46,6 +46,13 @@ from .ggml_arithmetic import ACTIVATION_ATTR, SLICE_ATTR, activation_type
 from .inverse import VALUE_INVERSES, Part, TensorPlan
 from .weights import PayloadCache
 
+#: Compute dtypes whose products run fused (packed weights, :mod:`quantkit.kernels.triton_matmul`).  bfloat16
+#: keeps decoding, then cuBLAS: on the H200 its fused products took 1.3-3x cuBLAS's time at 2048 rows (a Q8_0
+#: 2048 x 2048 weight 0.16-0.19 ms vs 0.12 ms; the 32000-row head 1.4-2.0 ms vs 0.64 ms), and the 1B MoE scored
+#: 25,553 tok/s fused against 58,588 decoded (bench/results/score-vs-llamacpp-2026-12-02b.md).  float32 runs
+#: fused: tf32x3 against cuBLAS's float32 products (Q8_0 2048 x 2048: 0.50 vs 0.74 ms at 2048 rows), the 7.6B
+#: MoE 5,121 tok/s against 2,873 decoded, and no transient decoded weights (peak 4.92 vs 7.01 GiB).
+FUSED_DTYPES = (torch.float32,)
 #: Decoded tensors whose finiteness is awaited before the store synchronizes and checks them.
 MAX_PENDING_CHECKS = 4096
 _aten = torch.ops.aten
@@ -361,9 +368,9 @@ class PackedTensor(torch.Tensor):
         return self.assembler.weight(self.plan, self.dtype)
 
     def fused(self) -> tuple[FusedPart, ...] | None:
-        """:func:`fused_parts` of this weight (found once)."""
+        """:func:`fused_parts` of this weight (found once); None in a compute dtype outside :data:`FUSED_DTYPES`."""
         if "_fused" not in self.__dict__:
-            self.__dict__["_fused"] = fused_parts(self.assembler, self.plan)
+            self.__dict__["_fused"] = fused_parts(self.assembler, self.plan) if self.dtype in FUSED_DTYPES else None
         return self.__dict__["_fused"]
 
     def fused_linear(self, x: torch.Tensor, counts: torch.Tensor | None = None,
