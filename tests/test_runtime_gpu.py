@@ -106,8 +106,8 @@ def test_fused_products_decode_bit_for_bit(name):
 @pytest.mark.parametrize("name", FUSED_NAMES)
 def test_fused_products_equal_dequantize_then_matmul(name, dtype):
     """The fused products (dense, and grouped over experts with a per-expert scale) against the weights decoded by
-    the bit-exact Triton decoder and multiplied in float64.  Bound per output: 2^-17 (float32 activations, tf32x3)
-    or 2^-8 (bfloat16: the weight rounded to bfloat16, as the decoded path converts it, and the output rounded)
+    the bit-exact Triton decoder and multiplied in float64.  Bound per output: 2^-16 (float32 activations, tf32x3;
+    plain TF32 products would err ~2^-11) or 2^-8 (bfloat16: the weight rounded to bfloat16, as the decoded path converts it, and the output rounded)
     times sum_k |x_k w_k|.  Shapes no tile divides; one expert routed no rows, one more rows than a tile."""
     from quantkit.kernels.triton_dequant import dequantize
     from quantkit.kernels.triton_matmul import grouped_linear, linear
@@ -125,7 +125,7 @@ def test_fused_products_equal_dequantize_then_matmul(name, dtype):
     gen = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randn(int(counts.sum()), cols, generator=gen, device="cuda").to(dt)
     x64 = x.double()
-    tol = 2.0 ** -17 if dt == torch.float32 else 2.0 ** -8
+    tol = 2.0 ** -16 if dt == torch.float32 else 2.0 ** -8
 
     dense = linear(x, payload[0], qtype, rows)
     assert dense.dtype == dt and dense.shape == (x.shape[0], rows)
