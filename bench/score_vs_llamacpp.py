@@ -2,7 +2,7 @@
 
     python bench/score_vs_llamacpp.py --llama-src .devkit/llama-src.tar.gz [--build /tmp/llama-build] [--jobs 14]
         [--models 1b,7b] [--tokens 512,2048] [--long 16384] [--dtypes float32,bfloat16] [--repeats 3] [--skip-llama]
-        [--markdown FILE] [--logs DIR]
+        [--overlap-build] [--markdown FILE] [--logs DIR]
 
 1. Starts building llama.cpp's ``llama-perplexity`` and ``llama-bench`` with CUDA for sm_90 from the vendored
    source (a tarball or a directory) in the background (about 5 minutes on 16 cores).
@@ -13,9 +13,12 @@
 3. quantkit: :func:`quantkit.runtime.logits` (every position's logits, copied to the host) on random tokens of
    each ``--tokens`` length (and ``--long`` for the first model), per compute dtype; tokens/s from the median of ``--repeats`` calls after a warm-up;
    peak device memory is torch's allocator peak for that load and length.
+   Normally after the build has finished (a quiet machine); ``--overlap-build`` times them while it runs
+   (to fit a short device lease: give the build fewer ``--jobs`` than the host has cores).
 4. llama.cpp (after the build): ``llama-perplexity -c N`` (every position's logits; flash attention on, all layers
-   on the GPU) over enough chunks of the text; tokens/s is its ``prompt eval`` figure (the decode calls, logits
-   to the host included; its NLL arithmetic excluded); peak memory is the most ``nvidia-smi`` saw in use during
+   on the GPU) over enough chunks of the text; tokens/s from its log's timestamps (:func:`perplexity_speed`:
+   its own ``--log-file``, else its output; the arrival times of its output lines if both lost the last lines);
+   peak memory is the most ``nvidia-smi`` saw in use during
    the run less the idle figure.  ``llama-bench -p N -n 0 -fa 0,1`` (last position only) is shown as context.
 
 Prints one JSON object per measurement, then a markdown table (also written to ``--markdown``).
@@ -198,25 +201,57 @@ def perplexity_speed(log: str) -> dict | None:
     return rec
 
 
-def _append(log: Path, cmd: list[str], proc: subprocess.CompletedProcess) -> None:
+def arrival_speed(stamped: list[tuple[float, str]]) -> dict | None:
+    """:func:`perplexity_speed` from the times the output's lines reached the bench (the fallback when llama.cpp's
+    logger loses its last lines at exit): scoring starts at the ``calculating perplexity`` line and ends at the
+    ``Final estimate`` line, or at the last line seen."""
+    text = "".join(line for _, line in stamped)
+    start = next((t for t, line in stamped if "calculating perplexity over" in line), None)
+    shape = re.search(r"calculating perplexity over (\d+) chunks, n_ctx=(\d+), batch_size=\d+, n_seq=(\d+)", text)
+    first = re.search(r"perplexity: ([\d.]+) seconds per pass", text)
+    if start is None or shape is None or first is None:
+        return None
+    end = next((t for t, line in stamped if "Final estimate" in line), stamped[-1][0])
+    chunks, n_ctx, n_seq = (int(shape.group(i)) for i in (1, 2, 3))
+    total = end - start
+    rec = {"chunks": chunks, "scored_tokens": chunks * n_ctx, "seconds": total, "clock": "arrival",
+           "tokens_per_s": chunks * n_ctx / total, "first_pass_s": float(first.group(1))}
+    if chunks > n_seq and total > rec["first_pass_s"]:
+        rec["steady_tokens_per_s"] = (chunks - n_seq) * n_ctx / (total - rec["first_pass_s"])
+    return rec
+
+
+def _append(log: Path, cmd: list[str], output: str) -> None:
     """Every llama.cpp run's command line and output, one after another in one log."""
     with log.open("a") as f:
-        f.write(f"==== {' '.join(cmd)}\n{proc.stdout}{proc.stderr}\n")
+        f.write(f"==== {' '.join(cmd)}\n{output}\n")
 
 
 def run_perplexity(binary: Path, path: Path, text: Path, n: int, log: Path) -> dict:
+    """llama-perplexity's speed: its own log file (``--log-file``, prefix and timestamps on) parsed first; the
+    arrival times of its output lines (read as they come) otherwise."""
     chunks = max(2, PERPLEXITY_TOKENS // n)
+    own_log = log.with_name(f"{path.stem}-{n}.perplexity.log")
     cmd = [str(binary), "-m", str(path), "-f", str(text), "-c", str(n), "--chunks", str(chunks), "-ngl", "999",
-           "-fa", "on"]
+           "-fa", "on", "--log-prefix", "--log-timestamps", "--log-file", str(own_log)]
     idle = idle_mib()
+    stamped: list[tuple[float, str]] = []
     with GpuMemoryPeak() as mem:
         t0 = time.perf_counter()
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for line in proc.stdout:
+            stamped.append((time.perf_counter(), line))
+        code = proc.wait(timeout=300)
         wall = time.perf_counter() - t0
-    _append(log, cmd, proc)
-    rec = perplexity_speed(proc.stdout + proc.stderr) if proc.returncode == 0 else None
+    output = "".join(line for _, line in stamped)
+    own = own_log.read_text(errors="replace") if own_log.is_file() else ""
+    own_log.unlink(missing_ok=True)     # kept in the one log: the device returns few files
+    _append(log, cmd, output + "\n---- --log-file\n" + own)
+    rec = None
+    if code == 0:
+        rec = perplexity_speed(own) or perplexity_speed(output) or arrival_speed(stamped)
     if rec is None:
-        return {"tokens": n, "error": f"exit {proc.returncode}, see {log.name}"}
+        return {"tokens": n, "error": f"exit {code}, see {log.name}"}
     rec.update(tokens=n, wall_s=wall, peak_device_mib=mem.peak - idle)
     emit({"name": f"llama-perplexity {path.stem} {n}", **rec})
     return rec
@@ -226,7 +261,7 @@ def run_llama_bench(binary: Path, path: Path, lengths: list[int], log: Path) -> 
     cmd = [str(binary), "-m", str(path), "-p", ",".join(map(str, lengths)), "-n", "0", "-ngl", "999",
            "-fa", "0,1", "-r", "3", "-o", "json"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-    _append(log, cmd, proc)
+    _append(log, cmd, proc.stdout + proc.stderr)
     try:
         return [{"tokens": r["n_prompt"], "flash_attn": r["flash_attn"], "tokens_per_s": r["avg_ts"]}
                 for r in json.loads(proc.stdout)]
@@ -263,6 +298,12 @@ def markdown(results: dict, dtypes: list[str]) -> str:
     return "\n".join(lines)
 
 
+def wait_for(build: subprocess.Popen, logs: Path) -> None:
+    if build.wait() != 0:
+        print((logs / "build.log").read_text()[-3000:], file=sys.stderr)
+        sys.exit("llama.cpp build failed")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--llama-src", type=Path)
@@ -274,6 +315,8 @@ def main() -> None:
     parser.add_argument("--dtypes", default="float32,bfloat16")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--skip-llama", action="store_true")
+    parser.add_argument("--overlap-build", action="store_true",
+                        help="time quantkit while llama.cpp builds (give the build fewer --jobs than cores)")
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/score-vs-llamacpp"))
     parser.add_argument("--logs", type=Path, default=Path("/tmp/score-vs-llamacpp/logs"))
     parser.add_argument("--markdown", type=Path)
@@ -300,14 +343,17 @@ def main() -> None:
                          "lengths": lengths + (long if number == 0 else []),
                          "quantkit": []}
     write_text(text, 2 * PERPLEXITY_TOKENS + 2 * max(lengths + long) + 1000, SYNTHETIC["vocab_size"])
-    if build is not None:      # quiet machine for the timings: the build finishes first
-        if build.wait() != 0:
-            print((args.logs / "build.log").read_text()[-3000:], file=sys.stderr)
-            sys.exit("llama.cpp build failed")
+    if build is not None and not args.overlap_build:     # quiet machine for the timings: the build finishes first
+        wait_for(build, args.logs)
     for name, r in results.items():
         for d in dtypes:
             r["quantkit"] += score_quantkit(r["path"], r["lengths"], args.repeats, getattr(torch, d),
                                             MODELS[name]["vocab_size"])
+        if args.markdown:
+            args.markdown.write_text(markdown(results, dtypes))
+    if build is not None and args.overlap_build:
+        wait_for(build, args.logs)
+    for name, r in results.items():
         if build is not None:
             tools = args.build / "out" / "bin"
             r["perplexity"] = [run_perplexity(tools / "llama-perplexity", r["path"], text, n,

@@ -63,7 +63,131 @@ def test_cuda_runtime_matches_cpu(ggufs, arch):
     streamed = logits(load_model(path, device="cuda", stream=True), ids)
     scale = float(np.abs(cpu).max())
     assert float(np.abs(cuda - cpu).max()) <= RELATIVE_TOLERANCE * scale
-    assert np.array_equal(streamed, cuda)
+    # streamed payloads are decoded, then multiplied; resident ones multiplied packed (fused products)
+    assert float(np.abs(streamed - cpu).max()) <= RELATIVE_TOLERANCE * scale
+
+
+FUSED_NAMES = ("Q8_0", "Q4_K", "Q2_K", "IQ2_XXS", "MXFP4", "NVFP4", "BF16", "F32")
+
+
+def _encoded(name: str, rows: int, cols: int, rng) -> np.ndarray:
+    from quantkit.formats.api import encode
+
+    w = rng.standard_normal((rows, cols)).astype(np.float32)
+    if name == "F32":
+        return w.view(np.uint8)
+    return encode(w, name, np.ones(cols, np.float32) if name == "IQ2_XXS" else None)
+
+
+def test_every_fused_type_is_tested():
+    from quantkit.kernels.triton_matmul import FUSED_TYPES
+
+    assert {t.name for t in FUSED_TYPES} == set(FUSED_NAMES)
+
+
+@pytest.mark.parametrize("name", FUSED_NAMES)
+def test_fused_products_decode_bit_for_bit(name):
+    """The values the fused product multiplies are the numba decoder's, bit for bit: the identity times the packed
+    weight in plain float32 (``ieee``: each output is one weight value times 1 plus exact zeros) gives W.T, every
+    value equal (bit for bit but the sign of a zero, which a sum started from +0 cannot keep)."""
+    from quantkit.kernels.triton_matmul import linear
+
+    qtype = GGMLType[name]
+    rows, cols = 200, 512
+    raw = _encoded(name, rows, cols, np.random.default_rng(int(qtype)))
+    ref = raw.view(np.float32) if name == "F32" else FAST_DECODERS[qtype](
+        raw.reshape(-1, GGML_QUANT_SIZES[qtype][1])).reshape(rows, cols)
+    eye = torch.eye(cols, device="cuda")
+    got = linear(eye, torch.from_numpy(raw).cuda(), qtype, rows, precision="ieee").cpu().numpy()
+    assert np.array_equal(got, ref.T)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("name", FUSED_NAMES)
+def test_fused_products_equal_dequantize_then_matmul(name, dtype):
+    """The fused products (dense, and grouped over experts with a per-expert scale) against the weights decoded by
+    the bit-exact Triton decoder and multiplied in float64.  Bound per output: 2^-16 (float32 activations, tf32x3;
+    plain TF32 products would err ~2^-11) or 2^-8 (bfloat16: the weight rounded to bfloat16, as the decoded path converts it, and the output rounded)
+    times sum_k |x_k w_k|.  Shapes no tile divides; one expert routed no rows, one more rows than a tile."""
+    from quantkit.kernels.triton_dequant import dequantize
+    from quantkit.kernels.triton_matmul import grouped_linear, linear
+
+    qtype = GGMLType[name]
+    rng = np.random.default_rng(int(qtype))
+    n_experts, rows, cols = 3, 200, 512
+    raw = np.stack([_encoded(name, rows, cols, rng) for _ in range(n_experts)])
+    payload = torch.from_numpy(raw).cuda()
+    w = dequantize(payload, qtype).view(n_experts, rows, cols)
+    dt = getattr(torch, dtype)
+    w64 = (w if dt == torch.float32 else w.to(dt)).double()
+    counts = torch.tensor([77, 0, 130], device="cuda")
+    experts = torch.repeat_interleave(torch.arange(n_experts, device="cuda"), counts)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(int(counts.sum()), cols, generator=gen, device="cuda").to(dt)
+    x64 = x.double()
+    tol = 2.0 ** -16 if dt == torch.float32 else 2.0 ** -8
+
+    dense = linear(x, payload[0], qtype, rows)
+    assert dense.dtype == dt and dense.shape == (x.shape[0], rows)
+    bound = tol * (x64.abs() @ w64[0].abs().T)
+    assert bool(((dense.double() - x64 @ w64[0].T).abs() <= bound).all()), name
+
+    scale = torch.tensor([0.5, 3.0, 1.25], device="cuda")
+    grouped = grouped_linear(x, payload, qtype, rows, counts, scale=scale)
+    ref = torch.einsum("mk,mnk->mn", x64, w64[experts]) * scale.double()[experts, None]
+    bound = tol * torch.einsum("mk,mnk->mn", x64.abs(), w64[experts].abs()) * scale.double()[experts, None]
+    assert bool(((grouped.double() - ref).abs() <= bound).all()), name
+
+
+def test_cuda_runtime_multiplies_packed_weights(ggufs, monkeypatch):
+    """On CUDA every matrix of the mixed Qwen3-MoE file (Q4_K experts, Q8_0 and F32 matrices) is multiplied packed:
+    after the first pass (which decodes each payload once, for the finiteness check) no weight is built."""
+    from quantkit.runtime import load_model, logits
+    from quantkit.runtime.packed import Assembler
+    from test_runtime import token_ids
+
+    model = load_model(ggufs("qwen3_moe", "mixed"), device="cuda")
+    ids = token_ids("qwen3_moe", 64)
+    logits(model, ids)
+    built = []
+    original = Assembler.build
+    monkeypatch.setattr(Assembler, "build", lambda self, plan, *a, **k: built.append(plan.name) or
+                        original(self, plan, *a, **k))
+    logits(model, ids)
+    assert built == []
+
+
+def test_cuda_16k_token_nll_equals_the_chunked_reference(ggufs, monkeypatch):
+    """Issue 16's long-context check on CUDA: 16384 tokens scored in one pass (fused packed products, SDPA's
+    memory-efficient kernel) against the chunked reference (weights decoded, then multiplied; 2048-token chunks
+    through transformers' KV cache): NLL equal within test_runtime_long's bounds (mean 1e-3 relative, each token
+    1e-3), and the pass adds less device memory than a quarter of one layer's [heads, n, n] float32 scores."""
+    from quantkit.runtime import load_model, logits
+    from quantkit.runtime.packed import WeightStore
+    from test_runtime_long import LONG_TOKENS, assert_same_nll, chunked_logits, token_nll
+
+    n = LONG_TOKENS
+    path = ggufs("qwen3_moe", "mixed")
+    model = load_model(path, device="cuda")
+    ids = np.random.default_rng(16).integers(0, model.vocab_size, n)
+    logits(model, ids[:64].tolist())
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    full = torch.from_numpy(logits(model, ids.tolist())).cuda()
+    added = torch.cuda.max_memory_allocated() - base
+    heads = model.module.config.num_attention_heads
+    model.close()
+
+    monkeypatch.setattr(WeightStore, "fusable", lambda self, name: None)
+    ref_model = load_model(path, device="cuda")
+    ref = chunked_logits(ref_model, ids)
+    ref_model.close()
+    got, want = token_nll(full, ids), token_nll(ref, ids)
+    print("16K NLL", float(got.mean()), float(want.mean()), "max token diff", float((got - want).abs().max()),
+          "added MiB", added / 2**20)
+    assert_same_nll(got, want)
+    assert added < heads * n * n * 4 / 4
 
 
 @pytest.mark.parametrize("transposed", [False, True])

@@ -95,11 +95,31 @@ def _f16_kernel(src, dst, n, BLOCK: tl.constexpr):
 
 
 @triton.jit
+def _bf16_bits(h):
+    """bfloat16 bits (any integer type, low 16 bits) as float32: the bits shifted into the high half (exact)."""
+    return ((h.to(tl.uint32) & 0xFFFF) << 16).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def _bf16_kernel(src, dst, n, BLOCK: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
-    h = tl.load(src + offs, mask=mask, other=0).to(tl.uint16, bitcast=True).to(tl.uint32)
-    tl.store(dst + offs, (h << 16).to(tl.float32, bitcast=True), mask=mask)
+    h = tl.load(src + offs, mask=mask, other=0).to(tl.uint16, bitcast=True)
+    tl.store(dst + offs, _bf16_bits(h), mask=mask)
+
+
+@triton.jit
+def f32_values(base, one, j, m):
+    """Value ``j`` of 32 consecutive float32 values at byte address ``base`` (the fused products' 128-byte
+    pseudo-block of F32 rows; :func:`dequantize` reinterprets F32 bytes instead)."""
+    return _u32(base + 4 * j, m).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def bf16_values(base, one, j, m):
+    """Value ``j`` of 32 consecutive bfloat16 values at byte address ``base`` (the fused products' 64-byte
+    pseudo-block of BF16 rows)."""
+    return _bf16_bits(_u8(base + 2 * j, m) | (_u8(base + 2 * j + 1, m) << 8))
 
 
 # -- 32-value legacy blocks: weight j < 16 is the low nibble of qs[j], weight j + 16 the high one ----------------
@@ -146,13 +166,21 @@ def _q5_1_kernel(src, dst, n_blocks, BPP: tl.constexpr):
     _store(dst, blk, half, j, q.to(tl.float32) * d + mn, m, 2, 16)
 
 
+# Each ``*_values(base, sub, val, mask, ...)`` below decodes value ``val`` of sub-tile ``sub`` of the block at byte
+# address ``base`` (broadcast shapes); the dequantization kernels store them, the fused products of
+# :mod:`.triton_matmul` multiply them, so both hold the same bits.
+
+@triton.jit
+def q8_0_values(base, one, j, m):
+    d = _f16(base, m)
+    q = tl.load(base + 2 + j, mask=m, other=0).to(tl.int8, bitcast=True).to(tl.float32)
+    return q * d
+
+
 @triton.jit
 def _q8_0_kernel(src, dst, n_blocks, BPP: tl.constexpr):
     blk, one, j, m = _tile(BPP, 1, 32, n_blocks)
-    base = src + blk * 34
-    d = _f16(base, m)
-    q = tl.load(base + 2 + j, mask=m, other=0).to(tl.int8, bitcast=True).to(tl.float32)
-    _store(dst, blk, one, j, q * d, m, 1, 32)
+    _store(dst, blk, one, j, q8_0_values(src + blk * 34, one, j, m), m, 1, 32)
 
 
 @triton.jit
@@ -172,12 +200,16 @@ def _e8m0_half(e):
 
 
 @triton.jit
-def _mxfp4_kernel(src, dst, n_blocks, kvalues, BPP: tl.constexpr):
-    blk, half, j, m = _tile(BPP, 2, 16, n_blocks)
-    base = src + blk * 17
+def mxfp4_values(base, half, j, m, kvalues):
     d = _e8m0_half(_u8(base, m))
     q = (_u8(base + 1 + j, m) >> (4 * half)) & 0xF
-    _store(dst, blk, half, j, tl.load(kvalues + q) * d, m, 2, 16)
+    return tl.load(kvalues + q) * d
+
+
+@triton.jit
+def _mxfp4_kernel(src, dst, n_blocks, kvalues, BPP: tl.constexpr):
+    blk, half, j, m = _tile(BPP, 2, 16, n_blocks)
+    _store(dst, blk, half, j, mxfp4_values(src + blk * 17, half, j, m, kvalues), m, 2, 16)
 
 
 @triton.jit
@@ -191,21 +223,24 @@ def _ue4m3_half(x):
 
 
 @triton.jit
-def _nvfp4_kernel(src, dst, n_blocks, kvalues, BPP: tl.constexpr):
+def nvfp4_values(base, s, v, m, kvalues):
     # four 16-value groups; in group s byte 4 + 8s + j holds value j (low nibble) and j + 8 (high nibble)
-    blk, s, v, m = _tile(BPP, 4, 16, n_blocks)
-    base = src + blk * 36
     d = _ue4m3_half(_u8(base + s, m))
     q = (_u8(base + 4 + 8 * s + (v % 8), m) >> (4 * (v // 8))) & 0xF
-    _store(dst, blk, s, v, tl.load(kvalues + q) * d, m, 4, 16)
+    return tl.load(kvalues + q) * d
+
+
+@triton.jit
+def _nvfp4_kernel(src, dst, n_blocks, kvalues, BPP: tl.constexpr):
+    blk, s, v, m = _tile(BPP, 4, 16, n_blocks)
+    _store(dst, blk, s, v, nvfp4_values(src + blk * 36, s, v, m, kvalues), m, 4, 16)
 
 
 # -- K-quants (256-value super-blocks) ----------------------------------------------------------------------------
 
 @triton.jit
-def _q2_k_kernel(src, dst, n_blocks, BPP: tl.constexpr):
-    blk, sb, e, m = _tile(BPP, 16, 16, n_blocks)   # sub-block sb of 16 values = 8h + 2s + half
-    base = src + blk * 84
+def q2_k_values(base, sb, e, m):
+    # sub-block sb of 16 values = 8h + 2s + half
     d = _f16(base + 80, m)
     dmin = _f16(base + 82, m)
     h = sb // 8
@@ -214,7 +249,13 @@ def _q2_k_kernel(src, dst, n_blocks, BPP: tl.constexpr):
     q = (_u8(base + 16 + 32 * h + 16 * (sb % 2) + e, m) >> shift) & 3
     dl = d * (sc & 0xF).to(tl.float32)
     ml = dmin * (sc >> 4).to(tl.float32)
-    _store(dst, blk, sb, e, dl * q.to(tl.float32) - ml, m, 16, 16)
+    return dl * q.to(tl.float32) - ml
+
+
+@triton.jit
+def _q2_k_kernel(src, dst, n_blocks, BPP: tl.constexpr):
+    blk, sb, e, m = _tile(BPP, 16, 16, n_blocks)
+    _store(dst, blk, sb, e, q2_k_values(src + blk * 84, sb, e, m), m, 16, 16)
 
 
 @triton.jit
@@ -247,16 +288,21 @@ def _scale_min_k4(base, sb, m):
 
 
 @triton.jit
-def _q4_k_kernel(src, dst, n_blocks, BPP: tl.constexpr):
-    blk, sb, l, m = _tile(BPP, 8, 32, n_blocks)   # sub-block sb = 2c + t of 32 values
-    base = src + blk * 144
+def q4_k_values(base, sb, l, m):
+    # sub-block sb = 2c + t of 32 values
     d = _f16(base, m)
     dmin = _f16(base + 2, m)
     sc, mn = _scale_min_k4(base + 4, sb, m)
     q = (_u8(base + 16 + 32 * (sb // 2) + l, m) >> (4 * (sb % 2))) & 0xF
     d1 = d * sc.to(tl.float32)
     dm1 = dmin * mn.to(tl.float32)
-    _store(dst, blk, sb, l, d1 * q.to(tl.float32) - dm1, m, 8, 32)
+    return d1 * q.to(tl.float32) - dm1
+
+
+@triton.jit
+def _q4_k_kernel(src, dst, n_blocks, BPP: tl.constexpr):
+    blk, sb, l, m = _tile(BPP, 8, 32, n_blocks)
+    _store(dst, blk, sb, l, q4_k_values(src + blk * 144, sb, l, m), m, 8, 32)
 
 
 @triton.jit
@@ -315,17 +361,21 @@ def _rowtile(NR: tl.constexpr, W: tl.constexpr, ROWS_PER_BLOCK: tl.constexpr, n_
 
 
 @triton.jit
-def _iq2_xxs_kernel(src, dst, n_blocks, grid, ksigns, NR: tl.constexpr):
-    blk, row_in_block, jj, m, out = _rowtile(NR, 8, 32, n_blocks)
+def iq2_xxs_values(base, row_in_block, jj, m, grid, ksigns):
     ib = row_in_block // 4
     l = row_in_block % 4
-    base = src + blk * 66
     d = _f16(base, m)
     aux1 = _u32(base + 2 + 8 * ib + 4, m)
     db = d * (0.5 + (aux1 >> 28).to(tl.float32)) * 0.25
     row = _u8(base + 2 + 8 * ib + l, m)
     signs = tl.load(ksigns + ((aux1 >> (7 * l).to(tl.uint32)) & 127)).to(tl.int32)
-    tl.store(dst + out, db * tl.load(grid + row * 8 + jj) * _sign(signs, jj), mask=m)
+    return db * tl.load(grid + row * 8 + jj) * _sign(signs, jj)
+
+
+@triton.jit
+def _iq2_xxs_kernel(src, dst, n_blocks, grid, ksigns, NR: tl.constexpr):
+    blk, row_in_block, jj, m, out = _rowtile(NR, 8, 32, n_blocks)
+    tl.store(dst + out, iq2_xxs_values(src + blk * 66, row_in_block, jj, m, grid, ksigns), mask=m)
 
 
 @triton.jit
@@ -457,12 +507,12 @@ _TABLES = {"kvalues_iq4nl": KVALUES_IQ4NL, "kvalues_e2m1": KVALUES_E2M1X2, "ksig
 
 
 @functools.lru_cache(maxsize=None)
-def _table(name: str, device: torch.device) -> torch.Tensor:
+def table(name: str, device: torch.device) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(_TABLES[name]).reshape(-1)).to(device)
 
 
 def _table_args(names: tuple[str, ...], device: torch.device) -> list:
-    return [float(IQ1S_DELTA) if name == "iq1s_delta" else _table(name, device) for name in names]
+    return [float(IQ1S_DELTA) if name == "iq1s_delta" else table(name, device) for name in names]
 
 
 def dequantize(data: torch.Tensor, qtype: "GGMLType | int", out: torch.Tensor | None = None) -> torch.Tensor:

@@ -6,22 +6,26 @@ few percent of llama.cpp's speed.  :func:`grouped_experts_forward` (registered w
 interface as :data:`GROUPED`) instead:
 
 1. sorts the (token, expert) pairs by expert and counts the tokens of each expert;
-2. decodes each stacked expert tensor of the layer whole (all experts, one Triton launch per GGUF tensor: the
-   bit-exact decoders of :mod:`quantkit.kernels.triton_dequant`, float32) and places it in a transient tensor of
-   the compute dtype (the packed weight's ordinary rebuild, :meth:`.packed.PackedTensor.materialize`);
-3. multiplies every expert's tokens by its weights in one grouped product: ``torch.nn.functional.grouped_mm``
-   (``torch._grouped_mm`` in older torch) for bfloat16 on CUDA, otherwise one batched product over the experts'
-   rows padded to the busiest expert's count (:func:`grouped_linear`), exact float32 products as the eager loop
-   computes them, only summed in another order.
+2. in float32 (:data:`.packed.FUSED_DTYPES`), where every GGUF tensor of the projections is resident on the
+   device in a type the fused kernels read (:data:`quantkit.kernels.triton_matmul.FUSED_TYPES`: Q8_0, Q4_K,
+   Q2_K, IQ2_XXS, MXFP4, NVFP4, BF16, F32) and holds whole rows of them, multiplies the sorted rows by the
+   packed weights in one launch per GGUF tensor over all active experts
+   (:func:`quantkit.kernels.triton_matmul.grouped_linear`): the weights are decoded in registers by the
+   bit-exact Triton decoders, nothing decoded reaches global memory;
+3. otherwise decodes each stacked expert tensor of the layer whole (one Triton launch per GGUF tensor, float32)
+   into a transient tensor of the compute dtype (:meth:`.packed.PackedTensor.materialize`) and multiplies every
+   expert's tokens in one grouped product: ``torch.nn.functional.grouped_mm`` (``torch._grouped_mm`` in older
+   torch) for bfloat16 on CUDA, otherwise one batched product over the experts' rows padded to the busiest
+   expert's count (:func:`grouped_linear`), exact float32 products as the eager loop computes them, only summed
+   in another order.
 
-Weights are therefore materialized in global memory, one layer's experts at a time, for the length of the
-layer (about ``4 x experts x rows x cols`` bytes in float32): a transient scratch, not a fused dequantizing GEMM.
-A projection whose decoded experts would exceed :data:`MAX_DECODED_BYTES` (a 671B model's layer: 256 experts of
-7168 x 2048, 15-30 GB per projection in float32) runs the eager loop instead, so memory stays bounded by one expert.
-Decoding all experts costs what one forward of a long sequence (which routes to every expert anyway) must read;
-for few tokens (fewer (token, expert) pairs than experts: decoding with a KV cache) the eager loop, which decodes
-only the routed experts, runs instead.  Experts with biases, a post-expert norm, interleaved gate/up rows or
-expert parallelism also run the eager loop.
+On the decoded path (3) weights are materialized in global memory, one layer's experts at a time (about
+``4 x experts x rows x cols`` bytes in float32); a projection whose decoded experts would exceed
+:data:`MAX_DECODED_BYTES` (a 671B model's layer: 256 experts of 7168 x 2048, 15-30 GB per projection in float32)
+runs the eager loop instead, so memory stays bounded by one expert, and so do few tokens (fewer (token, expert)
+pairs than experts: decoding with a KV cache), where the eager loop decodes only the routed experts.  The fused
+path (2) reads only the packed bytes, so it runs for any size and any number of tokens.  Experts with biases, a
+post-expert norm, interleaved gate/up rows, transposed weights or expert parallelism run the eager loop.
 """
 from __future__ import annotations
 
@@ -59,6 +63,23 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, experts: torch.Tensor,
     return torch.bmm(padded, mat_b)[experts, slot]
 
 
+def _fusable(weight) -> bool:
+    """Whether ``weight`` is a packed weight the fused products multiply without decoding it."""
+    fused = getattr(weight, "fused", None)
+    return fused is not None and fused() is not None
+
+
+def _product(x: torch.Tensor, weight, experts: torch.Tensor, counts: torch.Tensor, transposed: bool,
+             tiles: torch.Tensor | None) -> torch.Tensor:
+    """One projection of every routed row: fused (packed weights multiplied as they are) where it applies, else
+    the decoded weights' grouped product."""
+    if not transposed and tiles is not None:
+        out = weight.fused_linear(x, counts, tiles)
+        if out is not None:
+            return out
+    return grouped_linear(x, _unpacked(weight), experts, counts, transposed)
+
+
 def _unpacked(weight: torch.Tensor) -> torch.Tensor:
     """A packed weight decoded whole (all experts, into a fresh transient tensor); any other tensor as itself."""
     materialize = getattr(weight, "materialize", None)
@@ -80,8 +101,10 @@ def grouped_experts_forward(self, hidden_states: torch.Tensor, top_k_index: torc
                             top_k_weights: torch.Tensor) -> torch.Tensor:
     """A transformers experts module's forward as grouped products (see the module doc)."""
     # the attributes are set by transformers' experts decorator, the only caller
+    up = self.gate_up_proj if self.has_gate else self.up_proj
+    fused = not self.is_transposed and _fusable(up) and _fusable(self.down_proj)
     if (self.has_bias or self.has_post_expert_norm or not self.is_concatenated or self._is_expert_parallel
-            or top_k_index.numel() < self.num_experts or _decoded_bytes(self) > MAX_DECODED_BYTES):
+            or (not fused and (top_k_index.numel() < self.num_experts or _decoded_bytes(self) > MAX_DECODED_BYTES))):
         return _eager(self)(self, hidden_states, top_k_index, top_k_weights)
     tokens, top_k = top_k_index.shape
     pairs = top_k_index.reshape(-1)
@@ -90,11 +113,13 @@ def grouped_experts_forward(self, hidden_states: torch.Tensor, top_k_index: torc
     counts = torch.bincount(pairs, minlength=self.num_experts)
     x = hidden_states[order // top_k]
     transposed = self.is_transposed
-    if self.has_gate:
-        h = self._apply_gate(grouped_linear(x, _unpacked(self.gate_up_proj), experts, counts, transposed))
-    else:
-        h = self.act_fn(grouped_linear(x, _unpacked(self.up_proj), experts, counts, transposed))
-    out = grouped_linear(h, _unpacked(self.down_proj), experts, counts, transposed)
+    tiles = None
+    if fused:
+        from ..kernels.triton_matmul import expert_tiles
+        tiles = expert_tiles(counts, x.shape[0])
+    h = _product(x, up, experts, counts, transposed, tiles)
+    h = self._apply_gate(h) if self.has_gate else self.act_fn(h)
+    out = _product(h, self.down_proj, experts, counts, transposed, tiles)
     out = out * top_k_weights.reshape(-1)[order, None].to(out.dtype)
     unsorted = torch.empty_like(out)
     unsorted[order] = out

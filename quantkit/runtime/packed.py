@@ -22,7 +22,12 @@ decoded and placed by its :class:`~quantkit.runtime.inverse.TensorPlan`: a strid
 columns are evenly spaced, an index scatter otherwise) and runs on the result, so the model's own code runs
 unchanged.  Three operations decode less: ``weight[i]`` on fused 3-D experts (the routed expert only, read as
 ``weights.data(name, i)``: one expert's payload, so a checkpoint assembles only that expert), ``embedding(weight,
-ids)`` (the rows looked up only) and shape queries (nothing).
+ids)`` (the rows looked up only) and shape queries (nothing).  On CUDA in float32 (:data:`FUSED_DTYPES`),
+``F.linear`` by a packed weight whose GGUF tensors are resident in a type the fused kernels read, each holding
+whole rows of it with no value step (:func:`fused_parts`), decodes nothing at all: one fused product per GGUF tensor
+(:mod:`quantkit.kernels.triton_matmul`) multiplies the activations by the packed bytes; the routed experts do
+the same through :meth:`PackedTensor.fused_linear` (:mod:`.experts`).  Such payloads are still decoded once, on
+their first use, for the finiteness check.
 """
 from __future__ import annotations
 
@@ -31,6 +36,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from torch.utils._pytree import tree_map
 
 from ..errors import FormatError, UnsupportedError
@@ -40,6 +46,13 @@ from .ggml_arithmetic import ACTIVATION_ATTR, SLICE_ATTR, activation_type
 from .inverse import VALUE_INVERSES, Part, TensorPlan
 from .weights import PayloadCache
 
+#: Compute dtypes whose products run fused (packed weights, :mod:`quantkit.kernels.triton_matmul`).  bfloat16
+#: keeps decoding, then cuBLAS: on the H200 its fused products took 1.3-3x cuBLAS's time at 2048 rows (a Q8_0
+#: 2048 x 2048 weight 0.16-0.19 ms vs 0.12 ms; the 32000-row head 1.4-2.0 ms vs 0.64 ms), and the 1B MoE scored
+#: 25,553 tok/s fused against 58,588 decoded (bench/results/score-vs-llamacpp-2026-12-02b.md).  float32 runs
+#: fused: tf32x3 against cuBLAS's float32 products (Q8_0 2048 x 2048: 0.50 vs 0.74 ms at 2048 rows), the 7.6B
+#: MoE 5,121 tok/s against 2,873 decoded, and no transient decoded weights (peak 4.92 vs 7.01 GiB).
+FUSED_DTYPES = (torch.float32,)
 #: Decoded tensors whose finiteness is awaited before the store synchronizes and checks them.
 MAX_PENDING_CHECKS = 4096
 _aten = torch.ops.aten
@@ -59,9 +72,11 @@ class WeightStore:
         self._pending_keys: set[tuple[str, int | None]] = set()
         self._finite: set[tuple[str, int | None]] = set()
         self._triton = None
+        self._matmul = None
         if device.type == "cuda":
-            from ..kernels import triton_dequant
+            from ..kernels import triton_dequant, triton_matmul
             self._triton = triton_dequant
+            self._matmul = triton_matmul
 
     # -- placement ------------------------------------------------------------------------------------------------
 
@@ -122,6 +137,22 @@ class WeightStore:
         if (name, None) not in self._finite:
             self._expect_finite(name, values, (name, index) if rows is None else None)
         return values
+
+    def fusable(self, name: str):
+        """The device payload of ``name`` when the fused products (:mod:`quantkit.kernels.triton_matmul`) can
+        multiply by it packed; None otherwise (CPU, streamed, a type without a fused kernel)."""
+        stored = self.weights.tensors[name]
+        payload = self._on_device.get(name)
+        if payload is None or self._matmul is None or stored.qtype not in self._matmul.FUSED_TYPES:
+            return None
+        return payload
+
+    def expect_finite_payload(self, name: str) -> None:
+        """Check a payload the fused products multiply by packed: decoded once, on its first use, so a payload
+        with NaN or infinity is named as on the decoding path (:meth:`check`)."""
+        key = (name, None)
+        if key not in self._finite and key not in self._pending_keys:
+            self.decode(name)
 
     # -- finiteness ------------------------------------------------------------------------------------------------
 
@@ -279,6 +310,45 @@ class Strided:
                                out.storage_offset() + self.offset)
 
 
+@dataclass(frozen=True)
+class FusedPart:
+    """One GGUF tensor of a weight as the fused products read it: output rows ``first``..``first + rows`` (of
+    each expert) are ``x @ payload.T``."""
+
+    gguf_name: str
+    payload: torch.Tensor
+    qtype: GGMLType
+    first: int
+    rows: int
+    scale: torch.Tensor | None
+
+
+def fused_parts(assembler: Assembler, plan: TensorPlan) -> tuple[FusedPart, ...] | None:
+    """How the fused products multiply by ``plan``'s weight without decoding it: each GGUF tensor a run of whole
+    rows of the model tensor (of each expert, for a sliced plan), with no value step; None if any is not (or the
+    store cannot multiply packed)."""
+    store = assembler.store
+    if len(plan.shape) != (3 if plan.sliced else 2):
+        return None
+    n, k = plan.shape[-2:]
+    found = []
+    for part in plan.parts:
+        payload = store.fusable(part.gguf_name)
+        if payload is None or part.values:
+            return None
+        if part.rows is None:
+            first, rows = 0, n
+        else:
+            first, rows = int(part.rows[0]) // k, part.rows.size
+            if (part.cols.size != k or not np.array_equal(part.cols, np.arange(k))
+                    or not np.array_equal(part.rows, (first + np.arange(rows, dtype=np.int64)) * k)):
+                return None
+        qtype = store.weights.tensors[part.gguf_name].qtype
+        found.append(FusedPart(part.gguf_name, payload.reshape(-1), qtype, first, rows,
+                               store._scales.get(part.gguf_name)))
+    return tuple(found)
+
+
 class PackedTensor(torch.Tensor):
     """A weight that exists only as GGUF payloads; operations on it decode what they need (see module doc)."""
 
@@ -297,6 +367,35 @@ class PackedTensor(torch.Tensor):
     def materialize(self) -> torch.Tensor:
         return self.assembler.weight(self.plan, self.dtype)
 
+    def fused(self) -> tuple[FusedPart, ...] | None:
+        """:func:`fused_parts` of this weight (found once); None in a compute dtype outside :data:`FUSED_DTYPES`."""
+        if "_fused" not in self.__dict__:
+            self.__dict__["_fused"] = fused_parts(self.assembler, self.plan) if self.dtype in FUSED_DTYPES else None
+        return self.__dict__["_fused"]
+
+    def fused_linear(self, x: torch.Tensor, counts: torch.Tensor | None = None,
+                     tiles: torch.Tensor | None = None) -> torch.Tensor | None:
+        """``x @ W.T`` multiplied packed (no decoded weight), or None where the fused products do not apply.
+        ``x``: ``[rows, in]`` in this weight's dtype.  A sliced (experts) weight multiplies rows sorted by expert,
+        ``counts[e]`` rows of expert ``e`` (``tiles``: their tile table, when already computed)."""
+        parts = self.fused()
+        if parts is None or x.dtype != self.dtype or (counts is None) == self.plan.sliced:
+            return None
+        store = self.assembler.store
+        matmul = store._matmul
+        x = x.contiguous()
+        out = torch.empty(x.shape[0], self.plan.shape[-2], dtype=x.dtype, device=x.device)
+        if counts is not None and tiles is None:
+            tiles = matmul.expert_tiles(counts, x.shape[0])
+        for part in parts:
+            store.expect_finite_payload(part.gguf_name)
+            if counts is None:
+                matmul.linear(x, part.payload, part.qtype, part.rows, out=out, out_col=part.first, scale=part.scale)
+            else:
+                matmul.grouped_linear(x, part.payload, part.qtype, part.rows, counts, out=out, out_col=part.first,
+                                      scale=part.scale, tiles=tiles)
+        return out
+
     @property
     def activation_type(self) -> str:
         """The form ggml's CPU backend converts activations to before multiplying by this weight
@@ -312,7 +411,14 @@ class PackedTensor(torch.Tensor):
             found = self.__dict__["_activation_type"] = kinds.pop()
         return found
 
-    __torch_function__ = torch._C._disabled_torch_function_impl
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.linear:
+            out = _fused_linear(*args, **kwargs)
+            if out is not None:
+                return out
+        return torch._C._disabled_torch_function_impl(func, types, args, kwargs)
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
@@ -335,6 +441,18 @@ class PackedTensor(torch.Tensor):
         if func.is_view and isinstance(args[0], PackedTensor) and isinstance(out, torch.Tensor):
             setattr(out, ACTIVATION_ATTR, args[0])     # weight.t(), weight.view(...)
         return out
+
+
+def _fused_linear(x: torch.Tensor, weight, bias=None) -> torch.Tensor | None:
+    """``F.linear`` with a packed weight as one fused product, where it applies (else None)."""
+    if not isinstance(weight, PackedTensor) or isinstance(x, PackedTensor) or weight.plan.sliced:
+        return None
+    with torch._C.DisableTorchFunctionSubclass():
+        out = weight.fused_linear(x.reshape(-1, x.shape[-1]))
+        if out is None:
+            return None
+        out = out.view(*x.shape[:-1], out.shape[-1])
+        return out if bias is None else out + bias
 
 
 def _index(i, size: int) -> int:

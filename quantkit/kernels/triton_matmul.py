@@ -1,0 +1,206 @@
+"""Fused packed products (CUDA): activations times GGUF-packed weights, the weights decoded inside the kernel.
+
+:func:`linear` computes ``x @ W.T`` for a weight ``W [n, k]`` held as its GGUF payload (``uint8 [n, row bytes]``),
+and :func:`grouped_linear` the routed experts' products ``x[i] @ W[e_i].T`` for rows sorted by expert, every active
+expert in one launch (a table maps each row tile to its expert: :func:`expert_tiles`).  No decoded weight is
+written to global memory: each program decodes a ``[BN, BK]`` tile of weight rows in registers with the decoders
+of :mod:`.triton_dequant` (the same ``*_values`` functions its dequantization kernels store, so the values the
+product sees are bit for bit the numba decoders') and multiplies it on the tensor cores.
+
+Arithmetic: products accumulate in float32.  float32 activations multiply with ``tf32x3`` (three TF32 products
+per tile: the operands split into a high and a low TF32 part, about float32's accuracy at a TF32 rate; plain
+float32 has no tensor-core path), bfloat16 activations with the decoded weight rounded to bfloat16 (what
+decoding, then converting the weight to bfloat16, then multiplying gives).  Results therefore equal
+dequantize-then-matmul up to summation order (and TF32 splitting): tests/test_runtime_gpu.py states the bounds.
+An NVFP4 tensor's global scale (one per tensor or per expert) multiplies the product instead of the weight.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType as GGMLType
+
+from ..errors import FormatError
+from .triton_dequant import (bf16_values, f32_values, iq2_xxs_values, mxfp4_values, nvfp4_values, q2_k_values,
+                             q4_k_values, q8_0_values, table)
+
+#: Types multiplied packed: (sub-tiles per block, values per sub-tile, tables) of their ``*_values`` decoder.
+#: BF16 and F32 rows are read in pseudo-blocks of 32 values (64 and 128 bytes).
+FUSED_TYPES = {
+    GGMLType.Q8_0: (1, 32, ()), GGMLType.Q4_K: (8, 32, ()), GGMLType.Q2_K: (16, 16, ()),
+    GGMLType.IQ2_XXS: (32, 8, ("grid_iq2xxs", "ksigns")), GGMLType.MXFP4: (2, 16, ("kvalues_e2m1",)),
+    GGMLType.NVFP4: (4, 16, ("kvalues_e2m1",)), GGMLType.BF16: (1, 32, ()), GGMLType.F32: (1, 32, ()),
+}
+#: Values of one K step: a step holds whole blocks (the largest K step of at most this many values that divides
+#: the row).
+MAX_STEP_VALUES = 128
+#: Rows (tokens) and output columns per program, and warps (measured on the H200, bench/runtime_gpu.py).
+BLOCK_M = 64
+BLOCK_N = 64
+NUM_WARPS = 4
+NUM_STAGES = 2
+#: Triton's ``input_precision`` for float32 activations (see the module doc).
+FLOAT32_PRECISION = "tf32x3"
+
+
+def block_shape(qtype: GGMLType) -> tuple[int, int]:
+    """(values, bytes) of one block of a fused type as the kernels read it."""
+    if qtype is GGMLType.BF16:
+        return 32, 64
+    if qtype is GGMLType.F32:
+        return 32, 128
+    return GGML_QUANT_SIZES[qtype]
+
+
+@triton.jit
+def _decode(FORMAT: tl.constexpr, base, sub, val, m, t0, t1):
+    if FORMAT == "Q8_0":
+        v = q8_0_values(base, sub, val, m)
+    elif FORMAT == "Q4_K":
+        v = q4_k_values(base, sub, val, m)
+    elif FORMAT == "Q2_K":
+        v = q2_k_values(base, sub, val, m)
+    elif FORMAT == "IQ2_XXS":
+        v = iq2_xxs_values(base, sub, val, m, t0, t1)
+    elif FORMAT == "MXFP4":
+        v = mxfp4_values(base, sub, val, m, t0)
+    elif FORMAT == "NVFP4":
+        v = nvfp4_values(base, sub, val, m, t0)
+    elif FORMAT == "BF16":
+        v = bf16_values(base, sub, val, m)
+    else:
+        v = f32_values(base, sub, val, m)
+    return v
+
+
+@triton.jit
+def _packed_matmul_kernel(x, w, out, tiles, scale, t0, t1, M, N, stride_x, stride_out, out_col, expert_bytes,
+                          row_bytes, scale_stride,
+                          FORMAT: tl.constexpr, TYPE_SIZE: tl.constexpr, NSUB: tl.constexpr, SUB: tl.constexpr,
+                          KB: tl.constexpr, K_STEPS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                          GROUPED: tl.constexpr,
+                          SCALED: tl.constexpr, FP32: tl.constexpr, PRECISION: tl.constexpr):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    if GROUPED:     # tile table: (expert or -1, first row, end of the expert's rows)
+        expert = tl.load(tiles + 3 * pid_m)
+        row0 = tl.load(tiles + 3 * pid_m + 1)
+        row_end = tl.load(tiles + 3 * pid_m + 2)
+    else:
+        expert = pid_m * 0
+        row0 = pid_m * BM
+        row_end = M
+    if expert >= 0:
+        BK: tl.constexpr = KB * NSUB * SUB
+        rows = row0 + tl.arange(0, BM)
+        row_ok = rows < row_end
+        cols = pid_n * BN + tl.arange(0, BN)
+        col_ok = cols < N
+        # the weight tile [BN, KB * NSUB, SUB]: sub-tile s is sub-tile s % NSUB of the step's block s // NSUB
+        s = tl.arange(0, KB * NSUB)[None, :, None]
+        val = tl.arange(0, SUB)[None, None, :]
+        w_tile = (w + expert.to(tl.int64) * expert_bytes + cols.to(tl.int64)[:, None, None] * row_bytes
+                  + (s // NSUB) * TYPE_SIZE)
+        w_ok = col_ok[:, None, None]
+        x_tile = x + rows.to(tl.int64)[:, None] * stride_x + tl.arange(0, BK)[None, :]
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        for step in range(K_STEPS):
+            wv = _decode(FORMAT, w_tile + step * (KB * TYPE_SIZE), s % NSUB, val, w_ok, t0, t1)
+            wv = tl.reshape(wv, (BN, BK))
+            xv = tl.load(x_tile + step * BK, mask=row_ok[:, None], other=0.0)
+            if FP32:
+                acc = tl.dot(xv, tl.trans(wv), acc, input_precision=PRECISION)
+            else:
+                acc = tl.dot(xv, tl.trans(wv.to(xv.dtype)), acc)
+        if SCALED:
+            acc = acc * tl.load(scale + expert * scale_stride)
+        dst = out + rows.to(tl.int64)[:, None] * stride_out + out_col + cols[None, :]
+        tl.store(dst, acc.to(out.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+
+
+def _step_blocks(k: int, block_values: int) -> int:
+    """Blocks per K step: the most (a power of two) whose values stay within MAX_STEP_VALUES and divide ``k``."""
+    kb = 1
+    while kb * 2 * block_values <= MAX_STEP_VALUES and k % (kb * 2 * block_values) == 0:
+        kb *= 2
+    return kb
+
+
+def expert_tiles(counts: torch.Tensor, rows: int) -> torch.Tensor:
+    """int32 ``[tiles, 3]``: for each :data:`BLOCK_M`-row tile of rows sorted by expert (``counts[e]`` rows of expert
+    ``e``), its expert (-1 for spare tiles), first row and the end of its expert's rows.  Computed on the device
+    without waiting for it: the table has the most tiles any counts of ``rows`` rows can need."""
+    block_m = BLOCK_M
+    n_experts = counts.numel()
+    counts = counts.to(torch.int64)
+    per_expert = (counts + block_m - 1) // block_m
+    tile_ends = torch.cumsum(per_expert, 0)
+    row_starts = torch.cumsum(counts, 0) - counts
+    t = torch.arange(triton.cdiv(rows, block_m) + n_experts, device=counts.device)
+    expert = torch.searchsorted(tile_ends, t, right=True)
+    valid = expert < n_experts
+    expert = expert.clamp(max=n_experts - 1)
+    first = row_starts[expert] + (t - (tile_ends[expert] - per_expert[expert])) * block_m
+    return torch.stack([torch.where(valid, expert, -1), first, row_starts[expert] + counts[expert]], 1).to(torch.int32)
+
+
+def _launch(x: torch.Tensor, payload: torch.Tensor, qtype: GGMLType, n: int, out: torch.Tensor, out_col: int,
+            tiles: torch.Tensor | None, scale: torch.Tensor | None, precision: str) -> torch.Tensor:
+    qtype = GGMLType(int(qtype))
+    if qtype not in FUSED_TYPES:
+        raise FormatError(f"no fused product for {qtype.name}")
+    if x.dtype not in (torch.float32, torch.bfloat16) or out.dtype != x.dtype:
+        raise FormatError(f"fused products take float32 or bfloat16 activations and output, got {x.dtype}/"
+                          f"{out.dtype}")
+    if payload.dtype != torch.uint8 or payload.device != x.device or not payload.is_contiguous():
+        raise FormatError(f"{qtype.name} payload must be a contiguous uint8 tensor on the activations' device")
+    nsub, sub, tables = FUSED_TYPES[qtype]
+    block_values, type_size = block_shape(qtype)
+    k = x.shape[1]
+    if k % block_values or x.stride(1) != 1 or out.stride(1) != 1:
+        raise FormatError(f"{qtype.name} product over {k} values: not whole {block_values}-value blocks, or "
+                          f"strided rows")
+    row_bytes = k // block_values * type_size
+    experts = 1 if tiles is None else payload.numel() // (n * row_bytes)
+    if payload.numel() != experts * n * row_bytes:
+        raise FormatError(f"{qtype.name} payload of {payload.numel()} bytes is not {experts} x {n} rows of "
+                          f"{row_bytes} bytes")
+    args = [table(name, x.device) for name in tables] + [payload] * (2 - len(tables))
+    m = x.shape[0]
+    if m == 0 or n == 0:
+        return out
+    kb = _step_blocks(k, block_values)
+    grid = (triton.cdiv(m, BLOCK_M) if tiles is None else tiles.shape[0], triton.cdiv(n, BLOCK_N))
+    scale_arg = scale if scale is not None else payload
+    _packed_matmul_kernel[grid](
+        x, payload, out, tiles if tiles is not None else payload, scale_arg, *args, m, n, x.stride(0),
+        out.stride(0), out_col, n * row_bytes, row_bytes, 0 if scale is None or scale.numel() == 1 else 1,
+        FORMAT=qtype.name, TYPE_SIZE=type_size, NSUB=nsub, SUB=sub, KB=kb, K_STEPS=k // (kb * block_values),
+        BM=BLOCK_M, BN=BLOCK_N, GROUPED=tiles is not None, SCALED=scale is not None,
+        FP32=x.dtype == torch.float32, PRECISION=precision, num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+    return out
+
+
+def _output(x: torch.Tensor, n: int, out: torch.Tensor | None) -> torch.Tensor:
+    return torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device) if out is None else out
+
+
+def linear(x: torch.Tensor, payload: torch.Tensor, qtype: "GGMLType | int", n: int, *,
+           out: torch.Tensor | None = None, out_col: int = 0, scale: torch.Tensor | None = None,
+           precision: str = FLOAT32_PRECISION) -> torch.Tensor:
+    """``x @ W.T`` (``x [m, k]``; ``W [n, k]`` as its packed payload), into ``out[:, out_col:out_col + n]``
+    (a new ``[m, n]`` tensor by default); ``scale``: an NVFP4 global scale (one value); ``precision``: Triton's
+    ``input_precision`` for float32 activations (``ieee``: plain float32 products, no tensor cores)."""
+    return _launch(x, payload.reshape(-1), qtype, n, _output(x, n, out), out_col, None, scale, precision)
+
+
+def grouped_linear(x: torch.Tensor, payload: torch.Tensor, qtype: "GGMLType | int", n: int, counts: torch.Tensor,
+                   *, out: torch.Tensor | None = None, out_col: int = 0, scale: torch.Tensor | None = None,
+                   tiles: torch.Tensor | None = None) -> torch.Tensor:
+    """``x[i] @ W[e_i].T`` for rows sorted by expert (``counts[e]`` rows of expert ``e``; ``W [experts, n, k]`` as
+    its packed payload), every expert in one launch; ``scale``: NVFP4 global scales (one, or one per expert);
+    ``tiles``: :func:`expert_tiles` of ``counts`` (computed here if not given)."""
+    if tiles is None:
+        tiles = expert_tiles(counts, x.shape[0])
+    return _launch(x, payload.reshape(-1), qtype, n, _output(x, n, out), out_col, tiles, scale, FLOAT32_PRECISION)
