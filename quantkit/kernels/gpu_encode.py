@@ -302,8 +302,10 @@ def make_qkx_quants(xt: torch.Tensor, wt: torch.Tensor, nmax: int, rmin: float, 
 FUSED_SEARCH_ON = {"cuda"}
 _SEARCH_DECL = ("std::vector<torch::Tensor> qkx_search_lanes(torch::Tensor xt, torch::Tensor wt, int64_t nmax, "
                 "double rmin, double rdelta, int64_t nstep, bool use_mad);\n"
-                "std::vector<torch::Tensor> qp_quants_lanes(torch::Tensor xt, torch::Tensor wt, int64_t nmax);")
-_SEARCH_FUNCTIONS = ["qkx_search_lanes", "qp_quants_lanes"]
+                "std::vector<torch::Tensor> qp_quants_lanes(torch::Tensor xt, torch::Tensor wt, int64_t nmax);\n"
+                "std::vector<torch::Tensor> iq2_xxs_encode(torch::Tensor x, torch::Tensor qw, torch::Tensor kmap3, "
+                "torch::Tensor grid_codes, torch::Tensor nb_index, int64_t variant);")
+_SEARCH_FUNCTIONS = ["qkx_search_lanes", "qp_quants_lanes", "iq2_xxs_encode"]
 
 
 _EXTENSIONS: dict[str, object] = {}
@@ -549,6 +551,43 @@ def _iq2_xxs_tables(device: str):
                  for a in (t.kmap.astype(np.int64), lists, lattice))
 
 
+@functools.lru_cache(maxsize=None)
+def _iq2_xxs_fused_tables(device: str):
+    """The tables of ``kq_search.cu``'s IQ2_XXS kernel on device: (kmap3[3^8] int32, grid codes[256] int16,
+    neighbour lists uint8[total]).  kmap3 is indexed by the base-3 code Σ l_i·3^i of levels 0..2 (the only ones
+    the encoder rounds to): the grid index, or ``INT32_MIN | start << 8 | count`` of the point's neighbour list
+    (ggml's order) in the lists array."""
+    from ..formats.iq_tables import tables
+
+    t = tables(GGMLType.IQ2_XXS)
+    lists = [t.nb_index[start:start + count] for start, count in zip(t.nb_start, t.nb_count)]
+    starts = np.concatenate([[0], np.cumsum([len(a) for a in lists])[:-1]]).astype(np.int64)
+    levels = (np.arange(3 ** 8)[:, None] // 3 ** np.arange(8)) % 3
+    entry = t.kmap[(levels << (2 * np.arange(8))).sum(axis=1)].astype(np.int64)
+    lst = np.where(entry < 0, -entry - 1, 0)
+    packed = np.int64(-2 ** 31) | (starts[lst] << 8) | t.nb_count[lst]
+    kmap3 = np.where(entry >= 0, entry, packed).astype(np.int32)
+    grid_codes = (t.levels.astype(np.int64) << (2 * np.arange(8))).sum(axis=1).astype(np.int16)
+    nb = np.concatenate(lists).astype(np.uint8)
+    return tuple(torch.from_numpy(np.ascontiguousarray(a)).to(device) for a in (kmap3, grid_codes, nb))
+
+
+#: IQ2_XXS kernel variant: bit 0 keeps the neighbour lists (113 KB) in shared memory (else read through the
+#: cache), bit 1 asks for two blocks per SM (registers capped at 128).
+IQ2_VARIANT = 1
+
+
+def _iq2_xxs_fused(ext, x: torch.Tensor, imatrix) -> torch.Tensor:
+    qw = imatrix if imatrix is not None else torch.empty(0, dtype=torch.float32, device=x.device)
+    out, status = ext.iq2_xxs_encode(x.contiguous(), qw.contiguous(), *_iq2_xxs_fused_tables(str(x.device)),
+                                     IQ2_VARIANT)
+    aborted = status > 0
+    if bool(aborted.any()):                          # the first failing sub-block of the first failing row
+        row = int(aborted.any(dim=1).nonzero()[0, 0])
+        raise RowAbort(row, int(status[row, int(aborted[row].nonzero()[0, 0])]))
+    return out
+
+
 def _group_codes(L: torch.Tensor) -> torch.Tensor:
     """Lattice codes Σ l_i << 2i of each group of 8 of lanes L[32, K]: [4, K] (int64)."""
     g = L.reshape(4, 8, -1).to(torch.int64)
@@ -590,6 +629,9 @@ def _iq2_snap(inv_scale, scale, xval, waux, active):
 
 
 def _iq2_xxs(x: torch.Tensor, imatrix) -> torch.Tensor:
+    ext = search_extension(x.device.type) if x.device.type in FUSED_SEARCH_ON else None
+    if ext is not None:
+        return _iq2_xxs_fused(ext, x, imatrix)
     rows, n = x.shape
     b = x.reshape(-1, _QK_K)
     nb = b.shape[0]

@@ -5,6 +5,8 @@
 // or with a C++ compiler (-ffp-contract=off) for the CPU check of the same source.
 #include <torch/extension.h>
 #include <cstdint>
+#include <algorithm>
+#include <cmath>
 #include <cstring>
 
 #ifdef __CUDACC__
@@ -276,4 +278,308 @@ std::vector<torch::Tensor> qp_quants_lanes(torch::Tensor xt, torch::Tensor wt, i
     }
 #endif
     return {Lt, scale};
+}
+
+// ------------------------------------------------------------------------------------------------ IQ2_XXS
+// quantize_row_iq2_xxs_impl fused: one thread per 32-weight sub-block (steps 1-6 of quantkit.formats.iquants: σ²,
+// importance weights, sign folding, make_qp_quants, 13 trial scales with the neighbour search, the refinement pass),
+// the 8 threads of a super-block then agree on its scale d (warp shuffles on CUDA) and each writes its 8 bytes.
+// The float32 sequence is quantkit.kernels.iquants_numba's (_sub_block, _search, _encode_row), operation for
+// operation.  Levels are kept as 2-bit lattice codes per group of 8 (u = Σ l_i << 2i, the code ggml's kmap reads).
+//
+// Tables (built by quantkit.kernels.gpu_encode from quantkit.formats.iq_tables):
+//   kmap3[6561]: indexed by the base-3 code Σ l_i·3^i of levels 0..2: the grid index (>= 0), or for a point off
+//                the grid INT32_MIN | start << 8 | count of its neighbour list in nb_index;
+//   grid_codes[256]: the lattice code of each grid entry;  nb_index[]: grid indices of the neighbours, ggml's order.
+// Status per sub-block: -1 empty (nothing stored), 0 encoded, 1..3 iquants_numba's abort codes.
+
+constexpr int IQ2_KMAP3 = 6561;
+constexpr int IQ2_BLOCK_BYTES = 66;
+
+QK_DEV float sqrt_rn(float v) {
+#ifdef __CUDACC__
+    return __fsqrt_rn(v);
+#else
+    return std::sqrt(v);
+#endif
+}
+
+QK_DEV uint16_t f16_bits_rn(float v) {
+#ifdef __CUDACC__
+    return __half_as_ushort(__float2half_rn(v));
+#else
+    return c10::detail::fp16_ieee_from_fp32_value(v);
+#endif
+}
+
+// Round one group of 8 to levels at inv_scale; off the grid, move it to the listed neighbour of least
+// Σ waux·(scale·p − x)² (the first strict minimum, as ggml scans).  False when every distance is inf/NaN.
+QK_DEV bool iq2_snap(const float* xval, const float* waux, float inv_scale, float this_scale, const int32_t* kmap3,
+                     const uint16_t* grid_codes, const uint8_t* nb_index, int* code) {
+    int u = 0, b3 = 0, p3 = 1;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+        int l = nearest_int(FMUL(0.5f, FSUB(FMUL(inv_scale, xval[i]), 1.0f)));
+        l = l < 0 ? 0 : (l > 2 ? 2 : l);
+        u |= l << (2 * i);
+        b3 += l * p3;
+        p3 *= 3;
+    }
+    const int32_t e = kmap3[b3];
+    if (e >= 0) { *code = u; return true; }
+    const int start = (e & 0x7FFFFFFF) >> 8, count = e & 0xFF;
+    float best_d2 = 3.40282346638528859812e+38f;   // FLT_MAX
+    int best_code = -1;
+    for (int j = 0; j < count; ++j) {
+        const int c = grid_codes[nb_index[start + j]];
+        float acc = 0.0f;
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+            float diff = FSUB(FMUL(this_scale, (float)(2 * ((c >> (2 * i)) & 3) + 1)), xval[i]);
+            acc = FADD(acc, FMUL(FMUL(waux[i], diff), diff));
+        }
+        if (acc < best_d2) { best_d2 = acc; best_code = c; }
+    }
+    if (best_code < 0) return false;
+    *code = best_code;
+    return true;
+}
+
+// Σ w·x·q and Σ w·q² over the 32 weights, q = 2l+1 from the group codes.
+QK_DEV void iq2_sums(const float* weight, const float* xval, const int* codes, float* sumqx, float* sumq2) {
+    float sqx = 0.0f, sq2 = 0.0f;
+#pragma unroll
+    for (int i = 0; i < 32; ++i) {
+        const float q = (float)(2 * ((codes[i >> 3] >> (2 * (i & 7))) & 3) + 1);
+        sqx = FADD(sqx, FMUL(FMUL(weight[i], xval[i]), q));
+        sq2 = FADD(sq2, FMUL(FMUL(weight[i], q), q));
+    }
+    *sumqx = sqx;
+    *sumq2 = sq2;
+}
+
+// One sub-block (x: its 32 weights, qw: their importances or nullptr): status, and on success its scale, the
+// 7-bit sign code and the grid index of each group of 8.
+QK_DEV int iq2_sub_block(const float* x, const float* qw, float sigma2, const int32_t* kmap3,
+                         const uint16_t* grid_codes, const uint8_t* nb_index, float* scale_out, int* signs,
+                         int* grid) {
+    float weight[32], waux[32], xval[32];
+#pragma unroll
+    for (int i = 0; i < 32; ++i) {
+        const float v = x[i];
+        weight[i] = qw ? FMUL(qw[i], sqrt_rn(FADD(sigma2, FMUL(v, v)))) : FMUL(v, v);
+        waux[i] = sqrt_rn(weight[i]);
+    }
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {          // fold the signs: an odd count of negatives flips the cheapest weight
+        int nflip = 0, s = 0;
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+            const float v = x[8 * k + i];
+            if (v >= 0.0f) xval[8 * k + i] = v;
+            else { xval[8 * k + i] = -v; ++nflip; s |= 1 << i; }
+        }
+        if (nflip & 1) {
+            int imin = 0;
+            float vmin = FMUL(FMUL(weight[8 * k], x[8 * k]), x[8 * k]);
+#pragma unroll
+            for (int i = 1; i < 8; ++i) {
+                const float ax = FMUL(FMUL(weight[8 * k + i], x[8 * k + i]), x[8 * k + i]);
+                if (ax < vmin) { vmin = ax; imin = i; }
+            }
+#pragma unroll
+            for (int i = 0; i < 8; ++i)
+                if (i == imin) xval[8 * k + i] = -xval[8 * k + i];
+            s ^= 1 << imin;
+        }
+        signs[k] = s & 127;
+    }
+    float mx = xval[0];
+#pragma unroll
+    for (int i = 1; i < 32; ++i) mx = mx > xval[i] ? mx : xval[i];
+    *scale_out = 0.0f;
+    if (mx < 1e-15f) return -1;
+    int Lqp[32];
+    float scale = qp_search<32>(xval, weight, 4, Lqp);
+    const float denom = FMUL(scale, 3.0f);
+    if (denom <= 0.0f) return -1;
+    int best_codes[4] = {0, 0, 0, 0}, codes[4];
+    float best = 0.0f;
+    for (int t = -6; t <= 6; ++t) {
+        const float inv_scale = FDIV(FADD(5.0f, FMUL((float)t, 0.1f)), denom);
+        const float this_scale = FDIV(1.0f, inv_scale);
+#pragma unroll
+        for (int k = 0; k < 4; ++k)
+            if (!iq2_snap(xval + 8 * k, waux + 8 * k, inv_scale, this_scale, kmap3, grid_codes, nb_index, &codes[k]))
+                { *scale_out = scale; return 1; }
+        float sumqx, sumq2;
+        iq2_sums(weight, xval, codes, &sumqx, &sumq2);
+        if (sumq2 > 0.0f && FMUL(sumqx, sumqx) > FMUL(best, sumq2)) {
+            scale = FDIV(sumqx, sumq2);
+            best = FMUL(scale, sumqx);
+#pragma unroll
+            for (int k = 0; k < 4; ++k) best_codes[k] = codes[k];
+        }
+    }
+    if (scale > 0.0f) {                    // the refinement pass: every group re-snapped at the chosen scale
+        const float inv_scale = FDIV(1.0f, scale);
+#pragma unroll
+        for (int k = 0; k < 4; ++k)
+            if (!iq2_snap(xval + 8 * k, waux + 8 * k, inv_scale, scale, kmap3, grid_codes, nb_index,
+                          &best_codes[k]))
+                { *scale_out = scale; return 1; }
+        float sumqx, sumq2;
+        iq2_sums(weight, xval, best_codes, &sumqx, &sumq2);
+        if (sumq2 > 0.0f) scale = FDIV(sumqx, sumq2);
+    }
+    *scale_out = scale;
+    if (scale != scale) return 2;
+    if (scale < 0.0f) {
+        *scale_out = -scale;
+#pragma unroll
+        for (int k = 0; k < 4; ++k) signs[k] = ~signs[k] & 127;
+    }
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+        int u = best_codes[k], b3 = 0, p3 = 1;
+        for (int i = 0; i < 8; ++i) { b3 += ((u >> (2 * i)) & 3) * p3; p3 *= 3; }
+        const int32_t e = kmap3[b3];
+        if (e < 0) return 3;
+        grid[k] = e;
+    }
+    return 0;
+}
+
+QK_DEV void put_byte(uint8_t* p, int v) { *p = (uint8_t)(v & 0xFF); }
+
+// A sub-block's 8 bytes (4 grid indices, the sign word with its 4-bit scale) once the super-block's largest
+// scale is known; sub-block 0 also writes d.  A super-block whose scales are all 0 is all zero bytes.
+QK_DEV void iq2_put(uint8_t* blk, int ib, float max_scale, float scale, int status, const int* signs,
+                    const int* grid) {
+    uint8_t* q = blk + 2 + 8 * ib;
+    if (max_scale == 0.0f) {
+        for (int b = 0; b < 8; ++b) q[b] = 0;
+        if (ib == 0) { blk[0] = 0; blk[1] = 0; }
+        return;
+    }
+    const float d = FDIV(max_scale, 31.0f);
+    if (ib == 0) {
+        const uint16_t h = f16_bits_rn(d);
+        blk[0] = (uint8_t)(h & 0xFF);
+        blk[1] = (uint8_t)(h >> 8);
+    }
+    int ls = nearest_int(FMUL(0.5f, FSUB(FMUL(FDIV(1.0f, d), scale), 1.0f)));
+    ls = ls < 0 ? 0 : (ls > 15 ? 15 : ls);
+    uint32_t word = (uint32_t)ls << 28;
+    for (int k = 0; k < 4; ++k) {
+        q[k] = status == 0 ? (uint8_t)grid[k] : 0;
+        if (status == 0) word |= (uint32_t)signs[k] << (7 * k);
+    }
+    for (int b = 0; b < 4; ++b) q[4 + b] = (uint8_t)((word >> (8 * b)) & 0xFF);
+}
+
+// The sub-block's σ² (Σx² over its super-block, sequential from 0, / 256) and its encode.
+QK_DEV int iq2_lane(const float* x, const float* qw, int64_t n, int64_t s, const int32_t* kmap3,
+                    const uint16_t* grid_codes, const uint8_t* nb_index, float* scale, int* signs, int* grid) {
+    const float* xb = x + (s >> 3) * 256;
+    float ss = 0.0f;
+    for (int i = 0; i < 256; ++i) ss = FADD(ss, FMUL(xb[i], xb[i]));
+    const float sigma2 = FDIV(ss, 256.0f);
+    const int64_t off = s * 32;
+    return iq2_sub_block(x + off, qw ? qw + off % n : nullptr, sigma2, kmap3, grid_codes, nb_index, scale, signs,
+                         grid);
+}
+
+#ifdef __CUDACC__
+constexpr int IQ2_THREADS = 256;
+
+// Persistent blocks: the tables go to shared memory once per block (nb_index too when nb_shared), then the block
+// strides over the sub-blocks; the 8 lanes of a super-block are 8 consecutive lanes of one warp.
+template <int MIN_BLOCKS>
+__global__ void __launch_bounds__(IQ2_THREADS, MIN_BLOCKS) iq2_xxs_kernel(const float* x, const float* qw, int64_t n,
+        int64_t n_sub, const int32_t* kmap3_g, const uint16_t* grid_codes_g, const uint8_t* nb_g, int nb_total,
+        bool nb_shared, uint8_t* out, int8_t* status) {
+    extern __shared__ int32_t smem[];
+    int32_t* kmap3 = smem;
+    uint16_t* grid_codes = reinterpret_cast<uint16_t*>(smem + IQ2_KMAP3);
+    uint8_t* nb_s = reinterpret_cast<uint8_t*>(grid_codes + 256);
+    for (int i = threadIdx.x; i < IQ2_KMAP3; i += blockDim.x) kmap3[i] = kmap3_g[i];
+    for (int i = threadIdx.x; i < 256; i += blockDim.x) grid_codes[i] = grid_codes_g[i];
+    if (nb_shared)
+        for (int i = threadIdx.x; i < nb_total; i += blockDim.x) nb_s[i] = nb_g[i];
+    __syncthreads();
+    const uint8_t* nb_index = nb_shared ? nb_s : nb_g;
+    const int lane = threadIdx.x & 31, first = lane & ~7;
+    for (int64_t base = (int64_t)blockIdx.x * blockDim.x; base < n_sub; base += (int64_t)gridDim.x * blockDim.x) {
+        const int64_t s = base + threadIdx.x;
+        float scale = 0.0f;
+        int signs[4], grid[4], st = -1;
+        if (s < n_sub) st = iq2_lane(x, qw, n, s, kmap3, grid_codes, nb_index, &scale, signs, grid);
+        float max_scale = 0.0f;
+        for (int j = 0; j < 8; ++j) {       // ggml's running MAX over the stored (non-empty) sub-blocks, in order
+            const float sj = __shfl_sync(0xffffffffu, scale, first + j);
+            const int stj = __shfl_sync(0xffffffffu, st, first + j);
+            if (stj != -1) max_scale = max_scale > sj ? max_scale : sj;
+        }
+        if (s < n_sub) {
+            iq2_put(out + (s >> 3) * IQ2_BLOCK_BYTES, (int)(s & 7), max_scale, scale, st, signs, grid);
+            status[s] = (int8_t)st;
+        }
+    }
+}
+#endif
+
+std::vector<torch::Tensor> iq2_xxs_encode(torch::Tensor x, torch::Tensor qw, torch::Tensor kmap3,
+                                          torch::Tensor grid_codes, torch::Tensor nb_index, int64_t variant) {
+    TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2 && x.is_contiguous() && x.size(1) % 256 == 0,
+                "contiguous float32 rows of whole super-blocks expected");
+    TORCH_CHECK(qw.numel() == 0 || (qw.dtype() == torch::kFloat32 && qw.is_contiguous() && qw.numel() == x.size(1)),
+                "importance: float32[n]");
+    TORCH_CHECK(kmap3.dtype() == torch::kInt32 && kmap3.numel() == IQ2_KMAP3 && grid_codes.numel() == 256 &&
+                grid_codes.dtype() == torch::kInt16 && nb_index.dtype() == torch::kUInt8, "IQ2_XXS tables");
+    const int64_t rows = x.size(0), n = x.size(1), n_sub = rows * n / 32;
+    auto out = torch::empty({rows, n / 256 * IQ2_BLOCK_BYTES}, x.options().dtype(torch::kUInt8));
+    auto status = torch::empty({rows, n / 32}, x.options().dtype(torch::kInt8));
+    const float* xp = x.data_ptr<float>();
+    const float* qp = qw.numel() ? qw.data_ptr<float>() : nullptr;
+    const int32_t* km = kmap3.data_ptr<int32_t>();
+    const uint16_t* gc = reinterpret_cast<const uint16_t*>(grid_codes.data_ptr<int16_t>());
+    const uint8_t* nb = nb_index.data_ptr<uint8_t>();
+    uint8_t* op = out.data_ptr<uint8_t>();
+    int8_t* sp = status.data_ptr<int8_t>();
+#ifdef __CUDACC__
+    TORCH_CHECK(x.is_cuda(), "CUDA rows expected");
+    if (n_sub > 0) {
+        const int nb_total = (int)nb_index.numel();
+        const bool nb_shared = variant & 1;
+        auto kernel = (variant & 2) ? iq2_xxs_kernel<2> : iq2_xxs_kernel<1>;
+        const size_t shared = IQ2_KMAP3 * 4 + 256 * 2 + (nb_shared ? nb_total : 0);
+        C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)shared));
+        int per_sm = 0, sms = 0, dev = 0;
+        C10_CUDA_CHECK(cudaGetDevice(&dev));
+        C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+        C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, IQ2_THREADS, shared));
+        const int64_t needed = (n_sub + IQ2_THREADS - 1) / IQ2_THREADS;
+        const int64_t blocks = std::min<int64_t>(needed, (int64_t)std::max(per_sm, 1) * sms);
+        kernel<<<(unsigned)blocks, IQ2_THREADS, shared, c10::cuda::getCurrentCUDAStream()>>>(
+            xp, qp, n, n_sub, km, gc, nb, nb_total, nb_shared, op, sp);
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
+    }
+#else
+    TORCH_CHECK(!x.is_cuda(), "CPU rows expected");
+    for (int64_t blk = 0; blk < n_sub / 8; ++blk) {
+        float scale[8];
+        int signs[8][4], grid[8][4], st[8];
+        float max_scale = 0.0f;
+        for (int ib = 0; ib < 8; ++ib) {
+            st[ib] = iq2_lane(xp, qp, n, blk * 8 + ib, km, gc, nb, &scale[ib], signs[ib], grid[ib]);
+            if (st[ib] != -1) max_scale = max_scale > scale[ib] ? max_scale : scale[ib];
+        }
+        for (int ib = 0; ib < 8; ++ib) {
+            iq2_put(op + blk * IQ2_BLOCK_BYTES, ib, max_scale, scale[ib], st[ib], signs[ib], grid[ib]);
+            sp[blk * 8 + ib] = (int8_t)st[ib];
+        }
+    }
+#endif
+    return {out, status};
 }
