@@ -304,8 +304,9 @@ _SEARCH_DECL = ("std::vector<torch::Tensor> qkx_search_lanes(torch::Tensor xt, t
                 "double rmin, double rdelta, int64_t nstep, bool use_mad);\n"
                 "std::vector<torch::Tensor> qp_quants_lanes(torch::Tensor xt, torch::Tensor wt, int64_t nmax);\n"
                 "std::vector<torch::Tensor> iq2_xxs_encode(torch::Tensor x, torch::Tensor qw, torch::Tensor kmap3, "
-                "torch::Tensor grid_codes, torch::Tensor nb_index, int64_t variant);")
-_SEARCH_FUNCTIONS = ["qkx_search_lanes", "qp_quants_lanes", "iq2_xxs_encode"]
+                "torch::Tensor grid_codes, torch::Tensor nb_index, int64_t variant);\n"
+                "torch::Tensor kquant_imatrix_encode(torch::Tensor x, torch::Tensor qw, int64_t sub);")
+_SEARCH_FUNCTIONS = ["qkx_search_lanes", "qp_quants_lanes", "iq2_xxs_encode", "kquant_imatrix_encode"]
 
 
 _EXTENSIONS: dict[str, object] = {}
@@ -455,7 +456,17 @@ def _search(b, qwb, sub, nmax, ref_params, imatrix_sigma_factor, ref_weights):
     return _unlanes(L, nb), scales.reshape(nb, -1), mins.reshape(nb, -1), sw
 
 
+def _fused_kquant_imatrix(x: torch.Tensor, imatrix, sub: int):
+    """The whole imatrix path of Q2_K (sub 16) / Q4_K (sub 32) as one kernel of ``kq_search.cu``, or None where
+    it does not run (no importance, a device outside :data:`FUSED_SEARCH_ON`, or no build)."""
+    ext = search_extension(x.device.type) if imatrix is not None and x.device.type in FUSED_SEARCH_ON else None
+    return None if ext is None else ext.kquant_imatrix_encode(x.contiguous(), imatrix.contiguous(), sub)
+
+
 def _q2_k(x: torch.Tensor, imatrix) -> torch.Tensor:
+    fused = _fused_kquant_imatrix(x, imatrix, 16)
+    if fused is not None:
+        return fused
     rows, n = x.shape
     b = x.reshape(-1, _QK_K)
     nb = b.shape[0]
@@ -491,6 +502,9 @@ def _q4_k_ref_weights(xt: torch.Tensor) -> torch.Tensor:
 
 
 def _q4_k(x: torch.Tensor, imatrix) -> torch.Tensor:
+    fused = _fused_kquant_imatrix(x, imatrix, 32)
+    if fused is not None:
+        return fused
     rows, n = x.shape
     b = x.reshape(-1, _QK_K)
     nb = b.shape[0]

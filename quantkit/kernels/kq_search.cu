@@ -583,3 +583,203 @@ std::vector<torch::Tensor> iq2_xxs_encode(torch::Tensor x, torch::Tensor qw, tor
 #endif
     return {out, status};
 }
+
+// ------------------------------------------------------------------------------------------------ Q2_K / Q4_K +imatrix
+// quantize_row_q2_K_impl / quantize_row_q4_K_impl fused (kquants_numba._q2_k_row / _k4_row with use_qw): per
+// sub-block of N weights (16: Q2_K, 32: Q4_K) σ², the importance weights and their sum, make_qkx3_quants; per
+// super-block make_qp_quants of the scales and of the mins, f16 d/dmin; per sub-block the final re-quantization
+// with the f16-rounded factors; then the packing.  On CUDA one thread per sub-block, a super-block's S = 256/N
+// threads sharing its scales through shared memory; on the CPU the same phases in a loop.
+
+constexpr int KQ_THREADS = 256;
+
+// ggml's f16 of the x86 default NaN is 0xFE00 (quantkit.kernels.gpu_encode.f16_bytes does the same).
+QK_DEV uint16_t f16_bits_x86(float v) { return v != v ? (uint16_t)0xFE00 : f16_bits_rn(v); }
+
+QK_DEV float f16_value(uint16_t h) {
+#ifdef __CUDACC__
+    return __half2float(__ushort_as_half(h));
+#else
+    return c10::detail::fp16_ieee_to_fp32_value(h);
+#endif
+}
+
+template <int N> struct KQuant;
+template <> struct KQuant<16> {      // Q2_K: scales[16] | qs[64] | d | dmin
+    static constexpr int S = 16, NMAX = 3, QP_NMAX = 15, BYTES = 84;
+    static constexpr int D = 80, DMIN = 82, SCALES = 0, QS = 16;
+    static constexpr float SIGMA_FACTOR = 1.0f;
+};
+template <> struct KQuant<32> {      // Q4_K: d | dmin | scales[12] | qs[128]
+    static constexpr int S = 8, NMAX = 15, QP_NMAX = 63, BYTES = 144;
+    static constexpr int D = 0, DMIN = 2, SCALES = 4, QS = 16;
+    static constexpr float SIGMA_FACTOR = 2.0f;
+};
+
+// Phase 1, sub-block j of the super-block at xb: its quants L (search), scale, min and weight sum.
+template <int N>
+QK_DEV void kq_search_sub(const float* xb, const float* qwb, int j, int* L, float* scale, float* mn, float* sw) {
+    float ss = 0.0f;
+    for (int i = 0; i < 256; ++i) ss = FADD(ss, FMUL(xb[i], xb[i]));
+    const float sf = KQuant<N>::SIGMA_FACTOR;
+    const float sigma2 = FDIV(sf == 1.0f ? ss : FMUL(sf, ss), 256.0f);
+    float x[N], w[N], sumw = 0.0f;
+#pragma unroll
+    for (int i = 0; i < N; ++i) {
+        x[i] = xb[N * j + i];
+        w[i] = FMUL(qwb[N * j + i], sqrt_rn(FADD(sigma2, FMUL(x[i], x[i]))));
+        sumw = FADD(sumw, w[i]);
+    }
+    float qi, qm;
+    qkx_search<N>(x, w, KQuant<N>::NMAX, -0.9f, 0.05f, 36, false, scale, mn, &qi, &qm);
+#pragma unroll
+    for (int i = 0; i < N; ++i) L[i] = (int)level(qi, x[i], qm, KQuant<N>::NMAX);
+    *sw = sumw;
+}
+
+// Phase 2 (two lanes of a super-block: which 0 the scales, 1 the mins): make_qp_quants weighted by the sub-block
+// weight sums; the 4/6-bit codes into q[S] and the f16 bits of d (or dmin) into blk.
+template <int N>
+QK_DEV void kq_scales(const float* v, const float* sw, int which, int* q, uint8_t* blk) {
+    constexpr int S = KQuant<N>::S;
+    const float d = qp_search<S>(v, sw, KQuant<N>::QP_NMAX, q);
+    const uint16_t h = f16_bits_x86(d);
+    const int at = which ? KQuant<N>::DMIN : KQuant<N>::D;
+    blk[at] = (uint8_t)(h & 0xFF);
+    blk[at + 1] = (uint8_t)(h >> 8);
+}
+
+// Phase 3 (one lane per super-block, after phase 2): the scale bytes from the codes.
+template <int N>
+QK_DEV void kq_pack_scales(const int* ls, const int* lm, uint8_t* blk) {
+    uint8_t* y = blk + KQuant<N>::SCALES;
+    if constexpr (N == 16) {
+        for (int j = 0; j < 16; ++j) y[j] = (uint8_t)((ls[j] | (lm[j] << 4)) & 0xFF);
+    } else {                          // _pack_k4_scale, sub-blocks in order
+        for (int j = 0; j < 8; ++j) {
+            if (j < 4) { y[j] = (uint8_t)(ls[j] & 0xFF); y[j + 4] = (uint8_t)(lm[j] & 0xFF); }
+            else {
+                y[j + 4] = (uint8_t)(((ls[j] & 0xF) | ((lm[j] & 0xF) << 4)) & 0xFF);
+                y[j - 4] = (uint8_t)((y[j - 4] | ((ls[j] >> 4) << 6)) & 0xFF);
+                y[j] = (uint8_t)((y[j] | ((lm[j] >> 4) << 6)) & 0xFF);
+            }
+        }
+    }
+}
+
+// Phase 4, sub-block j: re-quantize with the f16-rounded d·scale and dmin·min read back from the block bytes (a
+// sub-block whose d·scale is 0 keeps its search quants); the quants into Lb[256] (block order).
+template <int N>
+QK_DEV void kq_requantize_sub(const float* xb, const uint8_t* blk, int j, const int* L, uint8_t* Lb) {
+    const float dd = f16_value((uint16_t)(blk[KQuant<N>::D] | (blk[KQuant<N>::D + 1] << 8)));
+    const float dmm = f16_value((uint16_t)(blk[KQuant<N>::DMIN] | (blk[KQuant<N>::DMIN + 1] << 8)));
+    const uint8_t* y = blk + KQuant<N>::SCALES;
+    int sc, m;
+    if constexpr (N == 16) { sc = y[j] & 0xF; m = y[j] >> 4; }
+    else if (j < 4) { sc = y[j] & 63; m = y[j + 4] & 63; }
+    else { sc = (y[j + 4] & 0xF) | ((y[j - 4] >> 6) << 4); m = (y[j + 4] >> 4) | ((y[j] >> 6) << 4); }
+    const float d = FMUL(dd, (float)sc), dm = FMUL(dmm, (float)m);
+#pragma unroll
+    for (int i = 0; i < N; ++i) {
+        int l = nearest_int(FDIV(FADD(xb[N * j + i], dm), d));
+        l = l < 0 ? 0 : (l > KQuant<N>::NMAX ? KQuant<N>::NMAX : l);
+        Lb[N * j + i] = (uint8_t)(d == 0.0f ? L[i] : l);
+    }
+}
+
+// Phase 5: qs bytes [b0, b1) of the block from its quants.
+template <int N>
+QK_DEV void kq_pack_qs(const uint8_t* Lb, int b0, int b1, uint8_t* blk) {
+    for (int b = b0; b < b1; ++b) {
+        int v;
+        if constexpr (N == 16) {       // _pack_2bit: byte 32h + l holds quants l, l+32, l+64, l+96 of chunk h
+            const int h = b >> 5, l = b & 31, o = 128 * h + l;
+            v = Lb[o] | (Lb[o + 32] << 2) | (Lb[o + 64] << 4) | (Lb[o + 96] << 6);
+        } else {                       // _q4_k_pack: byte 32c + l holds quants l and l+32 of chunk c
+            const int c = b >> 5, l = b & 31, o = 64 * c + l;
+            v = Lb[o] | (Lb[o + 32] << 4);
+        }
+        blk[KQuant<N>::QS + b] = (uint8_t)(v & 0xFF);
+    }
+}
+
+#ifdef __CUDACC__
+template <int N>
+__global__ void __launch_bounds__(KQ_THREADS) kq_imatrix_kernel(const float* x, const float* qw, int64_t n,
+                                                                int64_t n_blocks, uint8_t* out) {
+    constexpr int S = KQuant<N>::S, PER = KQ_THREADS / S, BYTES = KQuant<N>::BYTES;
+    __shared__ float scales[KQ_THREADS], mins[KQ_THREADS], sws[KQ_THREADS];
+    __shared__ int codes[2][KQ_THREADS];
+    __shared__ uint8_t blk[PER][BYTES];
+    __shared__ uint8_t Lb[PER][256];
+    const int t = threadIdx.x, sb = t / S, j = t % S;
+    const int64_t g = (int64_t)blockIdx.x * PER + sb;
+    const bool valid = g < n_blocks;
+    const float* xb = x + g * 256;
+    const float* qwb = qw + (g * 256) % n;
+    int L[N];
+    if (valid) kq_search_sub<N>(xb, qwb, j, L, &scales[t], &mins[t], &sws[t]);
+    __syncthreads();
+    if (valid && j < 2)
+        kq_scales<N>(j ? &mins[sb * S] : &scales[sb * S], &sws[sb * S], j, &codes[j][sb * S], blk[sb]);
+    __syncthreads();
+    if (valid && j == 0) kq_pack_scales<N>(&codes[0][sb * S], &codes[1][sb * S], blk[sb]);
+    __syncthreads();
+    if (valid) kq_requantize_sub<N>(xb, blk[sb], j, L, Lb[sb]);
+    __syncthreads();
+    constexpr int QS_BYTES = N == 16 ? 64 : 128, PER_LANE = QS_BYTES / S;
+    if (valid) kq_pack_qs<N>(Lb[sb], PER_LANE * j, PER_LANE * (j + 1), blk[sb]);
+    __syncthreads();
+    for (int i = t; i < PER * BYTES; i += KQ_THREADS) {        // coalesced copy-out of the finished blocks
+        const int64_t gb = (int64_t)blockIdx.x * PER + i / BYTES;
+        if (gb < n_blocks) out[gb * BYTES + i % BYTES] = blk[i / BYTES][i % BYTES];
+    }
+}
+#endif
+
+template <int N>
+void kq_imatrix_run(const float* x, const float* qw, int64_t n, int64_t n_blocks, uint8_t* out) {
+#ifdef __CUDACC__
+    constexpr int PER = KQ_THREADS / KQuant<N>::S;
+    if (n_blocks > 0) {
+        kq_imatrix_kernel<N><<<(unsigned)((n_blocks + PER - 1) / PER), KQ_THREADS, 0,
+                               c10::cuda::getCurrentCUDAStream()>>>(x, qw, n, n_blocks, out);
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
+    }
+#else
+    constexpr int S = KQuant<N>::S, BYTES = KQuant<N>::BYTES;
+    for (int64_t g = 0; g < n_blocks; ++g) {
+        const float* xb = x + g * 256;
+        const float* qwb = qw + (g * 256) % n;
+        uint8_t* blk = out + g * BYTES;
+        int L[S][N], codes[2][S];
+        float scales[S], mins[S], sws[S];
+        uint8_t Lb[256];
+        for (int j = 0; j < S; ++j) kq_search_sub<N>(xb, qwb, j, L[j], &scales[j], &mins[j], &sws[j]);
+        kq_scales<N>(scales, sws, 0, codes[0], blk);
+        kq_scales<N>(mins, sws, 1, codes[1], blk);
+        kq_pack_scales<N>(codes[0], codes[1], blk);
+        for (int j = 0; j < S; ++j) kq_requantize_sub<N>(xb, blk, j, L[j], Lb);
+        kq_pack_qs<N>(Lb, 0, N == 16 ? 64 : 128, blk);
+    }
+#endif
+}
+
+torch::Tensor kquant_imatrix_encode(torch::Tensor x, torch::Tensor qw, int64_t sub) {
+    TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2 && x.is_contiguous() && x.size(1) % 256 == 0,
+                "contiguous float32 rows of whole super-blocks expected");
+    TORCH_CHECK(qw.dtype() == torch::kFloat32 && qw.is_contiguous() && qw.numel() == x.size(1), "importance: float32[n]");
+    TORCH_CHECK(sub == 16 || sub == 32, "sub-blocks of 16 (Q2_K) or 32 (Q4_K)");
+    TORCH_CHECK(x.is_cuda() == qw.is_cuda(), "rows and importance on one device");
+#ifdef __CUDACC__
+    TORCH_CHECK(x.is_cuda(), "CUDA rows expected");
+#else
+    TORCH_CHECK(!x.is_cuda(), "CPU rows expected");
+#endif
+    const int64_t rows = x.size(0), n = x.size(1), n_blocks = rows * n / 256;
+    const int bytes = sub == 16 ? KQuant<16>::BYTES : KQuant<32>::BYTES;
+    auto out = torch::empty({rows, n / 256 * bytes}, x.options().dtype(torch::kUInt8));
+    if (sub == 16) kq_imatrix_run<16>(x.data_ptr<float>(), qw.data_ptr<float>(), n, n_blocks, out.data_ptr<uint8_t>());
+    else kq_imatrix_run<32>(x.data_ptr<float>(), qw.data_ptr<float>(), n, n_blocks, out.data_ptr<uint8_t>());
+    return out;
+}
