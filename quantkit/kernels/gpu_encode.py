@@ -5,10 +5,10 @@ module is a third implementation beside the numba kernels, vectorized over block
 reference's float32 operation sequence, written so that torch cannot reorder or fuse it:
 
 * eager torch (no ``torch.compile``/Triton: Triton contracts ``a*b + c`` into FMA by default and divides
-  approximately; ggml's x86-64 baseline build has no FMA), one torch op per C operation, in C's order; the one
-  hand-written kernel, ``kq_search.cu`` (the K-quant searches on CUDA: make_qkx2/qkx3_quants per sub-block,
-  make_qp_quants per super-block), uses round-to-nearest
-  intrinsics for every operation and is built with ``-fmad=false``;
+  approximately; ggml's x86-64 baseline build has no FMA), one torch op per C operation, in C's order; the
+  hand-written kernels of ``kq_search.cu`` (on CUDA: the K-quant searches make_qkx2/qkx3_quants per sub-block and
+  make_qp_quants per super-block, and whole encodes of IQ2_XXS and of the Q2_K/Q4_K imatrix paths) use
+  round-to-nearest intrinsics for every operation and are built with ``-fmad=false``;
 * divisions are tensor / tensor: torch rewrites ``t / scalar`` as ``t * (1/scalar)`` on CUDA (two roundings)
   and ``scalar / t`` as ``reciprocal(t) * scalar``;
 * sequential C sums (``s += term``) are explicit loops over the summed axis, never ``sum``/``cumsum`` (pairwise
@@ -21,10 +21,10 @@ reference's float32 operation sequence, written so that torch cannot reorder or 
   from numpy's float32 ``log2``, which the fp4 module documents as equal to glibc's on every positive float32;
 * ``sqrtf`` goes through float64 (torch's float32 sqrt on the CPU is not correctly rounded).
 
-IQ2_XXS follows :mod:`quantkit.formats.iquants` steps 1-7 on lanes of 32-weight sub-blocks; the neighbour search
-runs only on the groups that are off the grid, over the same neighbour lists (:mod:`quantkit.formats.iq_tables`,
-padded), taking the first strict minimum as ggml does.  Where ggml would abort, the CPU encoders' EncodeError is
-raised, naming the same row.
+IQ2_XXS follows :mod:`quantkit.formats.iquants` steps 1-7 on lanes of 32-weight sub-blocks (on CUDA one thread
+per sub-block in ``kq_search.cu``, eagerly elsewhere); the neighbour search runs only on the groups that are off the
+grid, over the same neighbour lists (:mod:`quantkit.formats.iq_tables`), taking the first strict minimum as ggml
+does.  Where ggml would abort, the CPU encoders' EncodeError is raised, naming the same row.
 
 The K-quant scale searches run on "lanes" (sub-block k = column k of ``xt[n, K]``), as the numba kernels do:
 each sub-block sees ggml's exact sequence, the lanes run side by side (on CUDA one thread per lane in
