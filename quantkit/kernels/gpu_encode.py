@@ -304,7 +304,7 @@ _SEARCH_DECL = ("std::vector<torch::Tensor> qkx_search_lanes(torch::Tensor xt, t
                 "double rmin, double rdelta, int64_t nstep, bool use_mad);\n"
                 "std::vector<torch::Tensor> qp_quants_lanes(torch::Tensor xt, torch::Tensor wt, int64_t nmax);\n"
                 "std::vector<torch::Tensor> iq2_xxs_encode(torch::Tensor x, torch::Tensor qw, torch::Tensor kmap3, "
-                "torch::Tensor grid_codes, torch::Tensor nb_index, int64_t variant);\n"
+                "torch::Tensor grid_codes, torch::Tensor nb_index);\n"
                 "torch::Tensor kquant_imatrix_encode(torch::Tensor x, torch::Tensor qw, int64_t sub);")
 _SEARCH_FUNCTIONS = ["qkx_search_lanes", "qp_quants_lanes", "iq2_xxs_encode", "kquant_imatrix_encode"]
 
@@ -586,15 +586,9 @@ def _iq2_xxs_fused_tables(device: str):
     return tuple(torch.from_numpy(np.ascontiguousarray(a)).to(device) for a in (kmap3, grid_codes, nb))
 
 
-#: IQ2_XXS kernel variant: bit 0 keeps the neighbour lists (113 KB) in shared memory (else read through the
-#: cache), bit 1 asks for two blocks per SM (registers capped at 128).
-IQ2_VARIANT = 1
-
-
 def _iq2_xxs_fused(ext, x: torch.Tensor, imatrix) -> torch.Tensor:
     qw = imatrix if imatrix is not None else torch.empty(0, dtype=torch.float32, device=x.device)
-    out, status = ext.iq2_xxs_encode(x.contiguous(), qw.contiguous(), *_iq2_xxs_fused_tables(str(x.device)),
-                                     IQ2_VARIANT)
+    out, status = ext.iq2_xxs_encode(x.contiguous(), qw.contiguous(), *_iq2_xxs_fused_tables(str(x.device)))
     aborted = status > 0
     if bool(aborted.any()):                          # the first failing sub-block of the first failing row
         row = int(aborted.any(dim=1).nonzero()[0, 0])
