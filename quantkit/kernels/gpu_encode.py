@@ -739,8 +739,9 @@ ENCODERS = {
 
 #: Weights encoded per device pass.  The eager encoders launch thousands of small kernels per pass, so a pass
 #: must be large to keep the GPU busy; it also bounds device memory: peak ≈ 60 bytes/weight for the K-quants
-#: (~20 float32 temporaries), 200 for FP4's 16-way code search, more for IQ2_XXS's neighbour lists
-#: (bench/gpu_encode.py reports the peaks).
+#: (~20 float32 temporaries), 200 for FP4's 16-way code search, more for IQ2_XXS's neighbour lists; the
+#: whole-encode kernels of ``kq_search.cu`` (IQ2_XXS, the K-quant imatrix paths) need under 1 byte/weight beyond
+#: input and output (bench/gpu_encode.py reports the peaks).
 DEFAULT_CHUNK_WEIGHTS = 1 << 26
 CHUNK_WEIGHTS = {GGMLType.IQ2_XXS: 1 << 24, GGMLType.MXFP4: 1 << 25, GGMLType.NVFP4: 1 << 25}
 
