@@ -244,3 +244,22 @@ def test_fused_cuda_qp_quants_equals_eager(n, nmax):
     canon = [torch.where(torch.isnan(s), torch.full_like(s, float("nan")), s).view(torch.int32) for s in
              (fused[1], eager[1])]
     assert torch.equal(*canon)
+
+
+@pytest.mark.parametrize("qtype", [GGMLType.IQ2_XXS, GGMLType.Q4_K, GGMLType.Q2_K], **by_name)
+def test_fused_encoders_cpu_build_match_ggml(ggml, qtype, monkeypatch):
+    """kq_search.cu's whole-encode kernels (what CUDA runs for IQ2_XXS and the K-quant imatrix paths), built from
+    the same source for the CPU (-ffp-contract=off): ggml's bytes on the parity corpus, aborts included.  This is
+    CI's check of the kernels' arithmetic; the CUDA tests above run the CUDA build."""
+    if gpu_encode.search_extension("cpu") is None:
+        pytest.skip("no C++ compiler for torch extensions")
+    monkeypatch.setattr(gpu_encode, "FUSED_SEARCH_ON", {"cpu", "cuda"})
+    reports = []
+    for fam in corpus.FAMILIES:
+        for n in (256, 1536):
+            x = corpus.family(fam, 3, n, 0)
+            for variant, im in _imatrix_cases(qtype, n).items():
+                if im is not None:
+                    report = _check(ggml, qtype, x, im, "cpu", f"{qtype.name} fused cpu {fam} {variant} n={n}")
+                    reports += [report] if report else []
+    assert not reports, "\n".join(reports[:3])

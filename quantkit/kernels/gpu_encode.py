@@ -5,10 +5,10 @@ module is a third implementation beside the numba kernels, vectorized over block
 reference's float32 operation sequence, written so that torch cannot reorder or fuse it:
 
 * eager torch (no ``torch.compile``/Triton: Triton contracts ``a*b + c`` into FMA by default and divides
-  approximately; ggml's x86-64 baseline build has no FMA), one torch op per C operation, in C's order; the one
-  hand-written kernel, ``kq_search.cu`` (the K-quant searches on CUDA: make_qkx2/qkx3_quants per sub-block,
-  make_qp_quants per super-block), uses round-to-nearest
-  intrinsics for every operation and is built with ``-fmad=false``;
+  approximately; ggml's x86-64 baseline build has no FMA), one torch op per C operation, in C's order; the
+  hand-written kernels of ``kq_search.cu`` (on CUDA: the K-quant searches make_qkx2/qkx3_quants per sub-block and
+  make_qp_quants per super-block, and whole encodes of IQ2_XXS and of the Q2_K/Q4_K imatrix paths) use
+  round-to-nearest intrinsics for every operation and are built with ``-fmad=false``;
 * divisions are tensor / tensor: torch rewrites ``t / scalar`` as ``t * (1/scalar)`` on CUDA (two roundings)
   and ``scalar / t`` as ``reciprocal(t) * scalar``;
 * sequential C sums (``s += term``) are explicit loops over the summed axis, never ``sum``/``cumsum`` (pairwise
@@ -21,10 +21,10 @@ reference's float32 operation sequence, written so that torch cannot reorder or 
   from numpy's float32 ``log2``, which the fp4 module documents as equal to glibc's on every positive float32;
 * ``sqrtf`` goes through float64 (torch's float32 sqrt on the CPU is not correctly rounded).
 
-IQ2_XXS follows :mod:`quantkit.formats.iquants` steps 1-7 on lanes of 32-weight sub-blocks; the neighbour search
-runs only on the groups that are off the grid, over the same neighbour lists (:mod:`quantkit.formats.iq_tables`,
-padded), taking the first strict minimum as ggml does.  Where ggml would abort, the CPU encoders' EncodeError is
-raised, naming the same row.
+IQ2_XXS follows :mod:`quantkit.formats.iquants` steps 1-7 on lanes of 32-weight sub-blocks (on CUDA one thread
+per sub-block in ``kq_search.cu``, eagerly elsewhere); the neighbour search runs only on the groups that are off the
+grid, over the same neighbour lists (:mod:`quantkit.formats.iq_tables`), taking the first strict minimum as ggml
+does.  Where ggml would abort, the CPU encoders' EncodeError is raised, naming the same row.
 
 The K-quant scale searches run on "lanes" (sub-block k = column k of ``xt[n, K]``), as the numba kernels do:
 each sub-block sees ggml's exact sequence, the lanes run side by side (on CUDA one thread per lane in
@@ -302,8 +302,11 @@ def make_qkx_quants(xt: torch.Tensor, wt: torch.Tensor, nmax: int, rmin: float, 
 FUSED_SEARCH_ON = {"cuda"}
 _SEARCH_DECL = ("std::vector<torch::Tensor> qkx_search_lanes(torch::Tensor xt, torch::Tensor wt, int64_t nmax, "
                 "double rmin, double rdelta, int64_t nstep, bool use_mad);\n"
-                "std::vector<torch::Tensor> qp_quants_lanes(torch::Tensor xt, torch::Tensor wt, int64_t nmax);")
-_SEARCH_FUNCTIONS = ["qkx_search_lanes", "qp_quants_lanes"]
+                "std::vector<torch::Tensor> qp_quants_lanes(torch::Tensor xt, torch::Tensor wt, int64_t nmax);\n"
+                "std::vector<torch::Tensor> iq2_xxs_encode(torch::Tensor x, torch::Tensor qw, torch::Tensor kmap3, "
+                "torch::Tensor grid_codes, torch::Tensor nb_index);\n"
+                "torch::Tensor kquant_imatrix_encode(torch::Tensor x, torch::Tensor qw, int64_t sub);")
+_SEARCH_FUNCTIONS = ["qkx_search_lanes", "qp_quants_lanes", "iq2_xxs_encode", "kquant_imatrix_encode"]
 
 
 _EXTENSIONS: dict[str, object] = {}
@@ -453,7 +456,17 @@ def _search(b, qwb, sub, nmax, ref_params, imatrix_sigma_factor, ref_weights):
     return _unlanes(L, nb), scales.reshape(nb, -1), mins.reshape(nb, -1), sw
 
 
+def _fused_kquant_imatrix(x: torch.Tensor, imatrix, sub: int):
+    """The whole imatrix path of Q2_K (sub 16) / Q4_K (sub 32) as one kernel of ``kq_search.cu``, or None where
+    it does not run (no importance, a device outside :data:`FUSED_SEARCH_ON`, or no build)."""
+    ext = search_extension(x.device.type) if imatrix is not None and x.device.type in FUSED_SEARCH_ON else None
+    return None if ext is None else ext.kquant_imatrix_encode(x.contiguous(), imatrix.contiguous(), sub)
+
+
 def _q2_k(x: torch.Tensor, imatrix) -> torch.Tensor:
+    fused = _fused_kquant_imatrix(x, imatrix, 16)
+    if fused is not None:
+        return fused
     rows, n = x.shape
     b = x.reshape(-1, _QK_K)
     nb = b.shape[0]
@@ -489,6 +502,9 @@ def _q4_k_ref_weights(xt: torch.Tensor) -> torch.Tensor:
 
 
 def _q4_k(x: torch.Tensor, imatrix) -> torch.Tensor:
+    fused = _fused_kquant_imatrix(x, imatrix, 32)
+    if fused is not None:
+        return fused
     rows, n = x.shape
     b = x.reshape(-1, _QK_K)
     nb = b.shape[0]
@@ -549,6 +565,37 @@ def _iq2_xxs_tables(device: str):
                  for a in (t.kmap.astype(np.int64), lists, lattice))
 
 
+@functools.lru_cache(maxsize=None)
+def _iq2_xxs_fused_tables(device: str):
+    """The tables of ``kq_search.cu``'s IQ2_XXS kernel on device: (kmap3[3^8] int32, grid codes[256] int16,
+    neighbour lists uint8[total]).  kmap3 is indexed by the base-3 code Σ l_i·3^i of levels 0..2 (the only ones
+    the encoder rounds to): the grid index, or ``INT32_MIN | start << 8 | count`` of the point's neighbour list
+    (ggml's order) in the lists array."""
+    from ..formats.iq_tables import tables
+
+    t = tables(GGMLType.IQ2_XXS)
+    lists = [t.nb_index[start:start + count] for start, count in zip(t.nb_start, t.nb_count)]
+    starts = np.concatenate([[0], np.cumsum([len(a) for a in lists])[:-1]]).astype(np.int64)
+    levels = (np.arange(3 ** 8)[:, None] // 3 ** np.arange(8)) % 3
+    entry = t.kmap[(levels << (2 * np.arange(8))).sum(axis=1)].astype(np.int64)
+    lst = np.where(entry < 0, -entry - 1, 0)
+    packed = np.int64(-2 ** 31) | (starts[lst] << 8) | t.nb_count[lst]
+    kmap3 = np.where(entry >= 0, entry, packed).astype(np.int32)
+    grid_codes = (t.levels.astype(np.int64) << (2 * np.arange(8))).sum(axis=1).astype(np.int16)
+    nb = np.concatenate(lists).astype(np.uint8)
+    return tuple(torch.from_numpy(np.ascontiguousarray(a)).to(device) for a in (kmap3, grid_codes, nb))
+
+
+def _iq2_xxs_fused(ext, x: torch.Tensor, imatrix) -> torch.Tensor:
+    qw = imatrix if imatrix is not None else torch.empty(0, dtype=torch.float32, device=x.device)
+    out, status = ext.iq2_xxs_encode(x.contiguous(), qw.contiguous(), *_iq2_xxs_fused_tables(str(x.device)))
+    aborted = status > 0
+    if bool(aborted.any()):                          # the first failing sub-block of the first failing row
+        row = int(aborted.any(dim=1).nonzero()[0, 0])
+        raise RowAbort(row, int(status[row, int(aborted[row].nonzero()[0, 0])]))
+    return out
+
+
 def _group_codes(L: torch.Tensor) -> torch.Tensor:
     """Lattice codes Σ l_i << 2i of each group of 8 of lanes L[32, K]: [4, K] (int64)."""
     g = L.reshape(4, 8, -1).to(torch.int64)
@@ -590,6 +637,9 @@ def _iq2_snap(inv_scale, scale, xval, waux, active):
 
 
 def _iq2_xxs(x: torch.Tensor, imatrix) -> torch.Tensor:
+    ext = search_extension(x.device.type) if x.device.type in FUSED_SEARCH_ON else None
+    if ext is not None:
+        return _iq2_xxs_fused(ext, x, imatrix)
     rows, n = x.shape
     b = x.reshape(-1, _QK_K)
     nb = b.shape[0]
@@ -689,8 +739,9 @@ ENCODERS = {
 
 #: Weights encoded per device pass.  The eager encoders launch thousands of small kernels per pass, so a pass
 #: must be large to keep the GPU busy; it also bounds device memory: peak ≈ 60 bytes/weight for the K-quants
-#: (~20 float32 temporaries), 200 for FP4's 16-way code search, more for IQ2_XXS's neighbour lists
-#: (bench/gpu_encode.py reports the peaks).
+#: (~20 float32 temporaries), 200 for FP4's 16-way code search, more for IQ2_XXS's neighbour lists; the
+#: whole-encode kernels of ``kq_search.cu`` (IQ2_XXS, the K-quant imatrix paths) need under 1 byte/weight beyond
+#: input and output (bench/gpu_encode.py reports the peaks).
 DEFAULT_CHUNK_WEIGHTS = 1 << 26
 CHUNK_WEIGHTS = {GGMLType.IQ2_XXS: 1 << 24, GGMLType.MXFP4: 1 << 25, GGMLType.NVFP4: 1 << 25}
 

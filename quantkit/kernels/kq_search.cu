@@ -5,6 +5,8 @@
 // or with a C++ compiler (-ffp-contract=off) for the CPU check of the same source.
 #include <torch/extension.h>
 #include <cstdint>
+#include <algorithm>
+#include <cmath>
 #include <cstring>
 
 #ifdef __CUDACC__
@@ -276,4 +278,510 @@ std::vector<torch::Tensor> qp_quants_lanes(torch::Tensor xt, torch::Tensor wt, i
     }
 #endif
     return {Lt, scale};
+}
+
+// ------------------------------------------------------------------------------------------------ IQ2_XXS
+// quantize_row_iq2_xxs_impl fused: one thread per 32-weight sub-block (steps 1-6 of quantkit.formats.iquants: σ²,
+// importance weights, sign folding, make_qp_quants, 13 trial scales with the neighbour search, the refinement pass),
+// the 8 threads of a super-block then agree on its scale d (warp shuffles on CUDA) and each writes its 8 bytes.
+// The float32 sequence is quantkit.kernels.iquants_numba's (_sub_block, _search, _encode_row), operation for
+// operation.  Levels are kept as 2-bit lattice codes per group of 8 (u = Σ l_i << 2i, the code ggml's kmap reads).
+//
+// Tables (built by quantkit.kernels.gpu_encode from quantkit.formats.iq_tables):
+//   kmap3[6561]: indexed by the base-3 code Σ l_i·3^i of levels 0..2: the grid index (>= 0), or for a point off
+//                the grid INT32_MIN | start << 8 | count of its neighbour list in nb_index;
+//   grid_codes[256]: the lattice code of each grid entry;  nb_index[]: grid indices of the neighbours, ggml's order.
+// Status per sub-block: -1 empty (nothing stored), 0 encoded, 1..3 iquants_numba's abort codes.
+
+constexpr int IQ2_KMAP3 = 6561;
+constexpr int IQ2_BLOCK_BYTES = 66;
+
+QK_DEV float sqrt_rn(float v) {
+#ifdef __CUDACC__
+    return __fsqrt_rn(v);
+#else
+    return std::sqrt(v);
+#endif
+}
+
+// float32 -> IEEE half bits, round to nearest even (NaN -> sign | 0x7E00), in integer arithmetic: on CUDA the
+// byte stores of __float2half_rn's 16-bit result came out wrong (the low byte was 0, or 0xFF for inf).
+QK_DEV uint16_t f16_bits_rn(float v) {
+    const uint32_t x = (uint32_t)f32_bits(v), sign = (x >> 16) & 0x8000u, ax = x & 0x7FFFFFFFu;
+    if (ax > 0x7F800000u) return (uint16_t)(sign | 0x7E00u);
+    if (ax >= 0x477FF000u) return (uint16_t)(sign | 0x7C00u);      // 65520 and up round to inf
+    if (ax >= 0x38800000u) {                                       // a normal half
+        uint32_t h = (((ax >> 23) - 112u) << 10) | ((ax >> 13) & 0x3FFu);
+        const uint32_t rem = ax & 0x1FFFu;
+        if (rem > 0x1000u || (rem == 0x1000u && (h & 1u))) ++h;    // a carry rounds up into the exponent
+        return (uint16_t)(sign | h);
+    }
+    if (ax <= 0x33000000u) return (uint16_t)sign;                  // 2^-25 and below round to ±0
+    const uint32_t mant = (ax & 0x7FFFFFu) | 0x800000u, shift = 126u - (ax >> 23);   // a subnormal half
+    uint32_t h = mant >> shift;
+    const uint32_t rem = mant & ((1u << shift) - 1u), half = 1u << (shift - 1u);
+    if (rem > half || (rem == half && (h & 1u))) ++h;
+    return (uint16_t)(sign | h);
+}
+
+// Round one group of 8 to levels at inv_scale; off the grid, move it to the listed neighbour of least
+// Σ waux·(scale·p − x)² (the first strict minimum, as ggml scans).  False when every distance is inf/NaN.
+QK_DEV bool iq2_snap(const float* xval, const float* waux, float inv_scale, float this_scale, const int32_t* kmap3,
+                     const uint16_t* grid_codes, const uint8_t* nb_index, int* code) {
+    int u = 0, b3 = 0, p3 = 1;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+        int l = nearest_int(FMUL(0.5f, FSUB(FMUL(inv_scale, xval[i]), 1.0f)));
+        l = l < 0 ? 0 : (l > 2 ? 2 : l);
+        u |= l << (2 * i);
+        b3 += l * p3;
+        p3 *= 3;
+    }
+    const int32_t e = kmap3[b3];
+    if (e >= 0) { *code = u; return true; }
+    const int start = (e & 0x7FFFFFFF) >> 8, count = e & 0xFF;
+    float best_d2 = 3.40282346638528859812e+38f;   // FLT_MAX
+    int best_code = -1;
+    for (int j = 0; j < count; ++j) {
+        const int c = grid_codes[nb_index[start + j]];
+        float acc = 0.0f;
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+            float diff = FSUB(FMUL(this_scale, (float)(2 * ((c >> (2 * i)) & 3) + 1)), xval[i]);
+            acc = FADD(acc, FMUL(FMUL(waux[i], diff), diff));
+        }
+        if (acc < best_d2) { best_d2 = acc; best_code = c; }
+    }
+    if (best_code < 0) return false;
+    *code = best_code;
+    return true;
+}
+
+// Σ w·x·q and Σ w·q² over the 32 weights, q = 2l+1 from the group codes.
+QK_DEV void iq2_sums(const float* weight, const float* xval, const int* codes, float* sumqx, float* sumq2) {
+    float sqx = 0.0f, sq2 = 0.0f;
+#pragma unroll
+    for (int i = 0; i < 32; ++i) {
+        const float q = (float)(2 * ((codes[i >> 3] >> (2 * (i & 7))) & 3) + 1);
+        sqx = FADD(sqx, FMUL(FMUL(weight[i], xval[i]), q));
+        sq2 = FADD(sq2, FMUL(FMUL(weight[i], q), q));
+    }
+    *sumqx = sqx;
+    *sumq2 = sq2;
+}
+
+// One sub-block (x: its 32 weights, qw: their importances or nullptr): status, and on success its scale, the
+// 7-bit sign code and the grid index of each group of 8.
+QK_DEV int iq2_sub_block(const float* x, const float* qw, float sigma2, const int32_t* kmap3,
+                         const uint16_t* grid_codes, const uint8_t* nb_index, float* scale_out, int* signs,
+                         int* grid) {
+    float weight[32], waux[32], xval[32];
+#pragma unroll
+    for (int i = 0; i < 32; ++i) {
+        const float v = x[i];
+        weight[i] = qw ? FMUL(qw[i], sqrt_rn(FADD(sigma2, FMUL(v, v)))) : FMUL(v, v);
+        waux[i] = sqrt_rn(weight[i]);
+    }
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {          // fold the signs: an odd count of negatives flips the cheapest weight
+        int nflip = 0, s = 0;
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+            const float v = x[8 * k + i];
+            if (v >= 0.0f) xval[8 * k + i] = v;
+            else { xval[8 * k + i] = -v; ++nflip; s |= 1 << i; }
+        }
+        if (nflip & 1) {
+            int imin = 0;
+            float vmin = FMUL(FMUL(weight[8 * k], x[8 * k]), x[8 * k]);
+#pragma unroll
+            for (int i = 1; i < 8; ++i) {
+                const float ax = FMUL(FMUL(weight[8 * k + i], x[8 * k + i]), x[8 * k + i]);
+                if (ax < vmin) { vmin = ax; imin = i; }
+            }
+#pragma unroll
+            for (int i = 0; i < 8; ++i)
+                if (i == imin) xval[8 * k + i] = -xval[8 * k + i];
+            s ^= 1 << imin;
+        }
+        signs[k] = s & 127;
+    }
+    float mx = xval[0];
+#pragma unroll
+    for (int i = 1; i < 32; ++i) mx = mx > xval[i] ? mx : xval[i];
+    *scale_out = 0.0f;
+    if (mx < 1e-15f) return -1;
+    int Lqp[32];
+    float scale = qp_search<32>(xval, weight, 4, Lqp);
+    const float denom = FMUL(scale, 3.0f);
+    if (denom <= 0.0f) return -1;
+    int best_codes[4] = {0, 0, 0, 0}, codes[4];
+    float best = 0.0f;
+    for (int t = -6; t <= 6; ++t) {
+        const float inv_scale = FDIV(FADD(5.0f, FMUL((float)t, 0.1f)), denom);
+        const float this_scale = FDIV(1.0f, inv_scale);
+#pragma unroll
+        for (int k = 0; k < 4; ++k)
+            if (!iq2_snap(xval + 8 * k, waux + 8 * k, inv_scale, this_scale, kmap3, grid_codes, nb_index, &codes[k]))
+                { *scale_out = scale; return 1; }
+        float sumqx, sumq2;
+        iq2_sums(weight, xval, codes, &sumqx, &sumq2);
+        if (sumq2 > 0.0f && FMUL(sumqx, sumqx) > FMUL(best, sumq2)) {
+            scale = FDIV(sumqx, sumq2);
+            best = FMUL(scale, sumqx);
+#pragma unroll
+            for (int k = 0; k < 4; ++k) best_codes[k] = codes[k];
+        }
+    }
+    if (scale > 0.0f) {                    // the refinement pass: every group re-snapped at the chosen scale
+        const float inv_scale = FDIV(1.0f, scale);
+#pragma unroll
+        for (int k = 0; k < 4; ++k)
+            if (!iq2_snap(xval + 8 * k, waux + 8 * k, inv_scale, scale, kmap3, grid_codes, nb_index,
+                          &best_codes[k]))
+                { *scale_out = scale; return 1; }
+        float sumqx, sumq2;
+        iq2_sums(weight, xval, best_codes, &sumqx, &sumq2);
+        if (sumq2 > 0.0f) scale = FDIV(sumqx, sumq2);
+    }
+    *scale_out = scale;
+    if (scale != scale) return 2;
+    if (scale < 0.0f) {
+        *scale_out = -scale;
+#pragma unroll
+        for (int k = 0; k < 4; ++k) signs[k] = ~signs[k] & 127;
+    }
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+        int u = best_codes[k], b3 = 0, p3 = 1;
+        for (int i = 0; i < 8; ++i) { b3 += ((u >> (2 * i)) & 3) * p3; p3 *= 3; }
+        const int32_t e = kmap3[b3];
+        if (e < 0) return 3;
+        grid[k] = e;
+    }
+    return 0;
+}
+
+QK_DEV void put_byte(uint8_t* p, int v) { *p = (uint8_t)(v & 0xFF); }
+
+// A sub-block's 8 bytes (4 grid indices, the sign word with its 4-bit scale) once the super-block's largest
+// scale is known; sub-block 0 also writes d.  A super-block whose scales are all 0 is all zero bytes.
+QK_DEV void iq2_put(uint8_t* blk, int ib, float max_scale, float scale, int status, const int* signs,
+                    const int* grid) {
+    uint8_t* q = blk + 2 + 8 * ib;
+    if (max_scale == 0.0f) {
+        for (int b = 0; b < 8; ++b) q[b] = 0;
+        if (ib == 0) { blk[0] = 0; blk[1] = 0; }
+        return;
+    }
+    const float d = FDIV(max_scale, 31.0f);
+    if (ib == 0) {
+        const uint16_t h = f16_bits_rn(d);
+        blk[0] = (uint8_t)(h & 0xFF);
+        blk[1] = (uint8_t)(h >> 8);
+    }
+    int ls = nearest_int(FMUL(0.5f, FSUB(FMUL(FDIV(1.0f, d), scale), 1.0f)));
+    ls = ls < 0 ? 0 : (ls > 15 ? 15 : ls);
+    uint32_t word = (uint32_t)ls << 28;
+    for (int k = 0; k < 4; ++k) {
+        q[k] = status == 0 ? (uint8_t)grid[k] : 0;
+        if (status == 0) word |= (uint32_t)signs[k] << (7 * k);
+    }
+    for (int b = 0; b < 4; ++b) q[4 + b] = (uint8_t)((word >> (8 * b)) & 0xFF);
+}
+
+// The sub-block's σ² (Σx² over its super-block, sequential from 0, / 256) and its encode.
+QK_DEV int iq2_lane(const float* x, const float* qw, int64_t n, int64_t s, const int32_t* kmap3,
+                    const uint16_t* grid_codes, const uint8_t* nb_index, float* scale, int* signs, int* grid) {
+    const float* xb = x + (s >> 3) * 256;
+    float ss = 0.0f;
+    for (int i = 0; i < 256; ++i) ss = FADD(ss, FMUL(xb[i], xb[i]));
+    const float sigma2 = FDIV(ss, 256.0f);
+    const int64_t off = s * 32;
+    return iq2_sub_block(x + off, qw ? qw + off % n : nullptr, sigma2, kmap3, grid_codes, nb_index, scale, signs,
+                         grid);
+}
+
+#ifdef __CUDACC__
+constexpr int IQ2_THREADS = 256;
+
+// Persistent blocks: kmap3 and the grid codes go to shared memory once per block (the neighbour lists, 113 KB, are
+// read through the cache: keeping them in shared memory measured no faster on an H200), then the block strides over
+// the sub-blocks; the 8 lanes of a super-block are 8 consecutive lanes of one warp.
+__global__ void __launch_bounds__(IQ2_THREADS) iq2_xxs_kernel(const float* x, const float* qw, int64_t n,
+        int64_t n_sub, const int32_t* kmap3_g, const uint16_t* grid_codes_g, const uint8_t* nb_index,
+        uint8_t* out, int8_t* status) {
+    __shared__ int32_t kmap3[IQ2_KMAP3];
+    __shared__ uint16_t grid_codes[256];
+    for (int i = threadIdx.x; i < IQ2_KMAP3; i += blockDim.x) kmap3[i] = kmap3_g[i];
+    for (int i = threadIdx.x; i < 256; i += blockDim.x) grid_codes[i] = grid_codes_g[i];
+    __syncthreads();
+    const int lane = threadIdx.x & 31, first = lane & ~7;
+    for (int64_t base = (int64_t)blockIdx.x * blockDim.x; base < n_sub; base += (int64_t)gridDim.x * blockDim.x) {
+        const int64_t s = base + threadIdx.x;
+        float scale = 0.0f;
+        int signs[4], grid[4], st = -1;
+        if (s < n_sub) st = iq2_lane(x, qw, n, s, kmap3, grid_codes, nb_index, &scale, signs, grid);
+        float max_scale = 0.0f;
+        for (int j = 0; j < 8; ++j) {       // ggml's running MAX over the stored (non-empty) sub-blocks, in order
+            const float sj = __shfl_sync(0xffffffffu, scale, first + j);
+            const int stj = __shfl_sync(0xffffffffu, st, first + j);
+            if (stj != -1) max_scale = max_scale > sj ? max_scale : sj;
+        }
+        if (s < n_sub) {
+            iq2_put(out + (s >> 3) * IQ2_BLOCK_BYTES, (int)(s & 7), max_scale, scale, st, signs, grid);
+            status[s] = (int8_t)st;
+        }
+    }
+}
+#endif
+
+std::vector<torch::Tensor> iq2_xxs_encode(torch::Tensor x, torch::Tensor qw, torch::Tensor kmap3,
+                                          torch::Tensor grid_codes, torch::Tensor nb_index) {
+    TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2 && x.is_contiguous() && x.size(1) % 256 == 0,
+                "contiguous float32 rows of whole super-blocks expected");
+    TORCH_CHECK(qw.numel() == 0 || (qw.dtype() == torch::kFloat32 && qw.is_contiguous() && qw.numel() == x.size(1)),
+                "importance: float32[n]");
+    TORCH_CHECK(kmap3.dtype() == torch::kInt32 && kmap3.numel() == IQ2_KMAP3 && grid_codes.numel() == 256 &&
+                grid_codes.dtype() == torch::kInt16 && nb_index.dtype() == torch::kUInt8, "IQ2_XXS tables");
+    const int64_t rows = x.size(0), n = x.size(1), n_sub = rows * n / 32;
+    auto out = torch::empty({rows, n / 256 * IQ2_BLOCK_BYTES}, x.options().dtype(torch::kUInt8));
+    auto status = torch::empty({rows, n / 32}, x.options().dtype(torch::kInt8));
+    const float* xp = x.data_ptr<float>();
+    const float* qp = qw.numel() ? qw.data_ptr<float>() : nullptr;
+    const int32_t* km = kmap3.data_ptr<int32_t>();
+    const uint16_t* gc = reinterpret_cast<const uint16_t*>(grid_codes.data_ptr<int16_t>());
+    const uint8_t* nb = nb_index.data_ptr<uint8_t>();
+    uint8_t* op = out.data_ptr<uint8_t>();
+    int8_t* sp = status.data_ptr<int8_t>();
+#ifdef __CUDACC__
+    TORCH_CHECK(x.is_cuda(), "CUDA rows expected");
+    if (n_sub > 0) {
+        int per_sm = 0, sms = 0, dev = 0;
+        C10_CUDA_CHECK(cudaGetDevice(&dev));
+        C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+        C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, iq2_xxs_kernel, IQ2_THREADS, 0));
+        const int64_t needed = (n_sub + IQ2_THREADS - 1) / IQ2_THREADS;
+        const int64_t blocks = std::min<int64_t>(needed, (int64_t)std::max(per_sm, 1) * sms);
+        iq2_xxs_kernel<<<(unsigned)blocks, IQ2_THREADS, 0, c10::cuda::getCurrentCUDAStream()>>>(
+            xp, qp, n, n_sub, km, gc, nb, op, sp);
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
+    }
+#else
+    TORCH_CHECK(!x.is_cuda(), "CPU rows expected");
+    for (int64_t blk = 0; blk < n_sub / 8; ++blk) {
+        float scale[8];
+        int signs[8][4], grid[8][4], st[8];
+        float max_scale = 0.0f;
+        for (int ib = 0; ib < 8; ++ib) {
+            st[ib] = iq2_lane(xp, qp, n, blk * 8 + ib, km, gc, nb, &scale[ib], signs[ib], grid[ib]);
+            if (st[ib] != -1) max_scale = max_scale > scale[ib] ? max_scale : scale[ib];
+        }
+        for (int ib = 0; ib < 8; ++ib) {
+            iq2_put(op + blk * IQ2_BLOCK_BYTES, ib, max_scale, scale[ib], st[ib], signs[ib], grid[ib]);
+            sp[blk * 8 + ib] = (int8_t)st[ib];
+        }
+    }
+#endif
+    return {out, status};
+}
+
+// ------------------------------------------------------------------------------------------------ Q2_K / Q4_K +imatrix
+// quantize_row_q2_K_impl / quantize_row_q4_K_impl fused (kquants_numba._q2_k_row / _k4_row with use_qw): per
+// sub-block of N weights (16: Q2_K, 32: Q4_K) σ², the importance weights and their sum, make_qkx3_quants; per
+// super-block make_qp_quants of the scales and of the mins, f16 d/dmin; per sub-block the final re-quantization
+// with the f16-rounded factors; then the packing.  On CUDA one thread per sub-block, a super-block's S = 256/N
+// threads sharing its scales through shared memory; on the CPU the same phases in a loop.
+
+constexpr int KQ_THREADS = 256;
+
+// ggml's f16 of the x86 default NaN is 0xFE00 (quantkit.kernels.gpu_encode.f16_bytes does the same).
+QK_DEV uint16_t f16_bits_x86(float v) { return v != v ? (uint16_t)0xFE00 : f16_bits_rn(v); }
+
+QK_DEV float f16_value(uint16_t h) {
+#ifdef __CUDACC__
+    return __half2float(__ushort_as_half(h));
+#else
+    return c10::detail::fp16_ieee_to_fp32_value(h);
+#endif
+}
+
+template <int N> struct KQuant;
+template <> struct KQuant<16> {      // Q2_K: scales[16] | qs[64] | d | dmin
+    static constexpr int S = 16, NMAX = 3, QP_NMAX = 15, BYTES = 84;
+    static constexpr int D = 80, DMIN = 82, SCALES = 0, QS = 16;
+    static constexpr float SIGMA_FACTOR = 1.0f;
+};
+template <> struct KQuant<32> {      // Q4_K: d | dmin | scales[12] | qs[128]
+    static constexpr int S = 8, NMAX = 15, QP_NMAX = 63, BYTES = 144;
+    static constexpr int D = 0, DMIN = 2, SCALES = 4, QS = 16;
+    static constexpr float SIGMA_FACTOR = 2.0f;
+};
+
+// Phase 1, sub-block j of the super-block at xb: its quants L (search), scale, min and weight sum.
+template <int N>
+QK_DEV void kq_search_sub(const float* xb, const float* qwb, int j, int* L, float* scale, float* mn, float* sw) {
+    float ss = 0.0f;
+    for (int i = 0; i < 256; ++i) ss = FADD(ss, FMUL(xb[i], xb[i]));
+    const float sf = KQuant<N>::SIGMA_FACTOR;
+    const float sigma2 = FDIV(sf == 1.0f ? ss : FMUL(sf, ss), 256.0f);
+    float x[N], w[N], sumw = 0.0f;
+#pragma unroll
+    for (int i = 0; i < N; ++i) {
+        x[i] = xb[N * j + i];
+        w[i] = FMUL(qwb[N * j + i], sqrt_rn(FADD(sigma2, FMUL(x[i], x[i]))));
+        sumw = FADD(sumw, w[i]);
+    }
+    float qi, qm;
+    qkx_search<N>(x, w, KQuant<N>::NMAX, -0.9f, 0.05f, 36, false, scale, mn, &qi, &qm);
+#pragma unroll
+    for (int i = 0; i < N; ++i) L[i] = (int)level(qi, x[i], qm, KQuant<N>::NMAX);
+    *sw = sumw;
+}
+
+// Phase 2 (two lanes of a super-block: which 0 the scales, 1 the mins): make_qp_quants weighted by the sub-block
+// weight sums; the 4/6-bit codes into q[S] and the f16 bits of d (or dmin) into blk.
+template <int N>
+QK_DEV void kq_scales(const float* v, const float* sw, int which, int* q, uint8_t* blk) {
+    constexpr int S = KQuant<N>::S;
+    const float d = qp_search<S>(v, sw, KQuant<N>::QP_NMAX, q);
+    const uint16_t h = f16_bits_x86(d);
+    const int at = which ? KQuant<N>::DMIN : KQuant<N>::D;
+    blk[at] = (uint8_t)(h & 0xFF);
+    blk[at + 1] = (uint8_t)(h >> 8);
+}
+
+// Phase 3 (one lane per super-block, after phase 2): the scale bytes from the codes.
+template <int N>
+QK_DEV void kq_pack_scales(const int* ls, const int* lm, uint8_t* blk) {
+    uint8_t* y = blk + KQuant<N>::SCALES;
+    if constexpr (N == 16) {
+        for (int j = 0; j < 16; ++j) y[j] = (uint8_t)((ls[j] | (lm[j] << 4)) & 0xFF);
+    } else {                          // _pack_k4_scale, sub-blocks in order
+        for (int j = 0; j < 8; ++j) {
+            if (j < 4) { y[j] = (uint8_t)(ls[j] & 0xFF); y[j + 4] = (uint8_t)(lm[j] & 0xFF); }
+            else {
+                y[j + 4] = (uint8_t)(((ls[j] & 0xF) | ((lm[j] & 0xF) << 4)) & 0xFF);
+                y[j - 4] = (uint8_t)((y[j - 4] | ((ls[j] >> 4) << 6)) & 0xFF);
+                y[j] = (uint8_t)((y[j] | ((lm[j] >> 4) << 6)) & 0xFF);
+            }
+        }
+    }
+}
+
+// Phase 4, sub-block j: re-quantize with the f16-rounded d·scale and dmin·min read back from the block bytes (a
+// sub-block whose d·scale is 0 keeps its search quants); the quants into Lb[256] (block order).
+template <int N>
+QK_DEV void kq_requantize_sub(const float* xb, const uint8_t* blk, int j, const int* L, uint8_t* Lb) {
+    const float dd = f16_value((uint16_t)(blk[KQuant<N>::D] | (blk[KQuant<N>::D + 1] << 8)));
+    const float dmm = f16_value((uint16_t)(blk[KQuant<N>::DMIN] | (blk[KQuant<N>::DMIN + 1] << 8)));
+    const uint8_t* y = blk + KQuant<N>::SCALES;
+    int sc, m;
+    if constexpr (N == 16) { sc = y[j] & 0xF; m = y[j] >> 4; }
+    else if (j < 4) { sc = y[j] & 63; m = y[j + 4] & 63; }
+    else { sc = (y[j + 4] & 0xF) | ((y[j - 4] >> 6) << 4); m = (y[j + 4] >> 4) | ((y[j] >> 6) << 4); }
+    const float d = FMUL(dd, (float)sc), dm = FMUL(dmm, (float)m);
+#pragma unroll
+    for (int i = 0; i < N; ++i) {
+        int l = nearest_int(FDIV(FADD(xb[N * j + i], dm), d));
+        l = l < 0 ? 0 : (l > KQuant<N>::NMAX ? KQuant<N>::NMAX : l);
+        Lb[N * j + i] = (uint8_t)(d == 0.0f ? L[i] : l);
+    }
+}
+
+// Phase 5: qs bytes [b0, b1) of the block from its quants.
+template <int N>
+QK_DEV void kq_pack_qs(const uint8_t* Lb, int b0, int b1, uint8_t* blk) {
+    for (int b = b0; b < b1; ++b) {
+        int v;
+        if constexpr (N == 16) {       // _pack_2bit: byte 32h + l holds quants l, l+32, l+64, l+96 of chunk h
+            const int h = b >> 5, l = b & 31, o = 128 * h + l;
+            v = Lb[o] | (Lb[o + 32] << 2) | (Lb[o + 64] << 4) | (Lb[o + 96] << 6);
+        } else {                       // _q4_k_pack: byte 32c + l holds quants l and l+32 of chunk c
+            const int c = b >> 5, l = b & 31, o = 64 * c + l;
+            v = Lb[o] | (Lb[o + 32] << 4);
+        }
+        blk[KQuant<N>::QS + b] = (uint8_t)(v & 0xFF);
+    }
+}
+
+#ifdef __CUDACC__
+template <int N>
+__global__ void __launch_bounds__(KQ_THREADS) kq_imatrix_kernel(const float* x, const float* qw, int64_t n,
+                                                                int64_t n_blocks, uint8_t* out) {
+    constexpr int S = KQuant<N>::S, PER = KQ_THREADS / S, BYTES = KQuant<N>::BYTES;
+    __shared__ float scales[KQ_THREADS], mins[KQ_THREADS], sws[KQ_THREADS];
+    __shared__ int codes[2][KQ_THREADS];
+    __shared__ uint8_t blk[PER][BYTES];
+    __shared__ uint8_t Lb[PER][256];
+    const int t = threadIdx.x, sb = t / S, j = t % S;
+    const int64_t g = (int64_t)blockIdx.x * PER + sb;
+    const bool valid = g < n_blocks;
+    const float* xb = x + g * 256;
+    const float* qwb = qw + (g * 256) % n;
+    int L[N];
+    if (valid) kq_search_sub<N>(xb, qwb, j, L, &scales[t], &mins[t], &sws[t]);
+    __syncthreads();
+    if (valid && j < 2)
+        kq_scales<N>(j ? &mins[sb * S] : &scales[sb * S], &sws[sb * S], j, &codes[j][sb * S], blk[sb]);
+    __syncthreads();
+    if (valid && j == 0) kq_pack_scales<N>(&codes[0][sb * S], &codes[1][sb * S], blk[sb]);
+    __syncthreads();
+    if (valid) kq_requantize_sub<N>(xb, blk[sb], j, L, Lb[sb]);
+    __syncthreads();
+    constexpr int QS_BYTES = N == 16 ? 64 : 128, PER_LANE = QS_BYTES / S;
+    if (valid) kq_pack_qs<N>(Lb[sb], PER_LANE * j, PER_LANE * (j + 1), blk[sb]);
+    __syncthreads();
+    for (int i = t; i < PER * BYTES; i += KQ_THREADS) {        // coalesced copy-out of the finished blocks
+        const int64_t gb = (int64_t)blockIdx.x * PER + i / BYTES;
+        if (gb < n_blocks) out[gb * BYTES + i % BYTES] = blk[i / BYTES][i % BYTES];
+    }
+}
+#endif
+
+template <int N>
+void kq_imatrix_run(const float* x, const float* qw, int64_t n, int64_t n_blocks, uint8_t* out) {
+#ifdef __CUDACC__
+    constexpr int PER = KQ_THREADS / KQuant<N>::S;
+    if (n_blocks > 0) {
+        kq_imatrix_kernel<N><<<(unsigned)((n_blocks + PER - 1) / PER), KQ_THREADS, 0,
+                               c10::cuda::getCurrentCUDAStream()>>>(x, qw, n, n_blocks, out);
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
+    }
+#else
+    constexpr int S = KQuant<N>::S, BYTES = KQuant<N>::BYTES;
+    for (int64_t g = 0; g < n_blocks; ++g) {
+        const float* xb = x + g * 256;
+        const float* qwb = qw + (g * 256) % n;
+        uint8_t* blk = out + g * BYTES;
+        int L[S][N], codes[2][S];
+        float scales[S], mins[S], sws[S];
+        uint8_t Lb[256];
+        for (int j = 0; j < S; ++j) kq_search_sub<N>(xb, qwb, j, L[j], &scales[j], &mins[j], &sws[j]);
+        kq_scales<N>(scales, sws, 0, codes[0], blk);
+        kq_scales<N>(mins, sws, 1, codes[1], blk);
+        kq_pack_scales<N>(codes[0], codes[1], blk);
+        for (int j = 0; j < S; ++j) kq_requantize_sub<N>(xb, blk, j, L[j], Lb);
+        kq_pack_qs<N>(Lb, 0, N == 16 ? 64 : 128, blk);
+    }
+#endif
+}
+
+torch::Tensor kquant_imatrix_encode(torch::Tensor x, torch::Tensor qw, int64_t sub) {
+    TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2 && x.is_contiguous() && x.size(1) % 256 == 0,
+                "contiguous float32 rows of whole super-blocks expected");
+    TORCH_CHECK(qw.dtype() == torch::kFloat32 && qw.is_contiguous() && qw.numel() == x.size(1), "importance: float32[n]");
+    TORCH_CHECK(sub == 16 || sub == 32, "sub-blocks of 16 (Q2_K) or 32 (Q4_K)");
+    TORCH_CHECK(x.is_cuda() == qw.is_cuda(), "rows and importance on one device");
+#ifdef __CUDACC__
+    TORCH_CHECK(x.is_cuda(), "CUDA rows expected");
+#else
+    TORCH_CHECK(!x.is_cuda(), "CPU rows expected");
+#endif
+    const int64_t rows = x.size(0), n = x.size(1), n_blocks = rows * n / 256;
+    const int bytes = sub == 16 ? KQuant<16>::BYTES : KQuant<32>::BYTES;
+    auto out = torch::empty({rows, n / 256 * bytes}, x.options().dtype(torch::kUInt8));
+    if (sub == 16) kq_imatrix_run<16>(x.data_ptr<float>(), qw.data_ptr<float>(), n, n_blocks, out.data_ptr<uint8_t>());
+    else kq_imatrix_run<32>(x.data_ptr<float>(), qw.data_ptr<float>(), n, n_blocks, out.data_ptr<uint8_t>());
+    return out;
 }
