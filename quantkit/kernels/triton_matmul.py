@@ -35,11 +35,14 @@ FUSED_TYPES = {
 #: Values of one K step: a step holds whole blocks (the largest K step of at most this many values that divides
 #: the row).
 MAX_STEP_VALUES = 128
-#: Rows (tokens) and output columns per program, and warps (measured on the H200, bench/runtime_gpu.py).
+#: Rows (tokens) per program, and warps (measured on the H200, bench/runtime_gpu.py).
 BLOCK_M = 64
-BLOCK_N = 64
 NUM_WARPS = 4
-NUM_STAGES = 2
+#: (pipeline stages, output columns per program), tried in order until one fits the device's shared memory: a
+#: 256-value K step (IQ2_XXS) in float32 needs 256 KB at two stages, over the H200's 227 KB; smaller GPUs have less.
+LAUNCH_CONFIGS = ((2, 64), (1, 64), (1, 32), (1, 16))
+#: (format, float32 activations, precision, device) -> index of the first launch config that fit.
+_fitting: dict[tuple, int] = {}
 #: Triton's ``input_precision`` for float32 activations (see the module doc).
 FLOAT32_PRECISION = "tf32x3"
 
@@ -171,15 +174,23 @@ def _launch(x: torch.Tensor, payload: torch.Tensor, qtype: GGMLType, n: int, out
     if m == 0 or n == 0:
         return out
     kb = _step_blocks(k, block_values)
-    grid = (triton.cdiv(m, BLOCK_M) if tiles is None else tiles.shape[0], triton.cdiv(n, BLOCK_N))
     scale_arg = scale if scale is not None else payload
-    _packed_matmul_kernel[grid](
-        x, payload, out, tiles if tiles is not None else payload, scale_arg, *args, m, n, x.stride(0),
-        out.stride(0), out_col, n * row_bytes, row_bytes, 0 if scale is None or scale.numel() == 1 else 1,
-        FORMAT=qtype.name, TYPE_SIZE=type_size, NSUB=nsub, SUB=sub, KB=kb, K_STEPS=k // (kb * block_values),
-        BM=BLOCK_M, BN=BLOCK_N, GROUPED=tiles is not None, SCALED=scale is not None,
-        FP32=x.dtype == torch.float32, PRECISION=precision, num_warps=NUM_WARPS, num_stages=NUM_STAGES)
-    return out
+    key = (qtype.name, x.dtype == torch.float32, precision, x.device)
+    for index in range(_fitting.get(key, 0), len(LAUNCH_CONFIGS)):
+        stages, block_n = LAUNCH_CONFIGS[index]
+        grid = (triton.cdiv(m, BLOCK_M) if tiles is None else tiles.shape[0], triton.cdiv(n, block_n))
+        try:
+            _packed_matmul_kernel[grid](
+                x, payload, out, tiles if tiles is not None else payload, scale_arg, *args, m, n, x.stride(0),
+                out.stride(0), out_col, n * row_bytes, row_bytes, 0 if scale is None or scale.numel() == 1 else 1,
+                FORMAT=qtype.name, TYPE_SIZE=type_size, NSUB=nsub, SUB=sub, KB=kb, K_STEPS=k // (kb * block_values),
+                BM=BLOCK_M, BN=block_n, GROUPED=tiles is not None, SCALED=scale is not None,
+                FP32=x.dtype == torch.float32, PRECISION=precision, num_warps=NUM_WARPS, num_stages=stages)
+        except triton.runtime.errors.OutOfResources:
+            continue
+        _fitting[key] = index
+        return out
+    raise FormatError(f"no launch configuration of the fused {qtype.name} product fits this device's shared memory")
 
 
 def _output(x: torch.Tensor, n: int, out: torch.Tensor | None) -> torch.Tensor:
