@@ -16,7 +16,7 @@ from gguf.quants import dequantize as gguf_dequantize
 import quantkit
 from quantkit.errors import FormatError
 from quantkit.formats import GGMLType, get_format
-from quantkit.kernels.dequant import FAST_DECODERS
+from quantkit.kernels.dequant import BF16_NUMPY_VALUES, FAST_DECODERS
 
 # Byte offsets of each type's little-endian f16 scale fields (ggml-common.h).  Random payloads get finite
 # halves there so every decoded weight is finite and can be compared bit for bit.
@@ -170,6 +170,10 @@ def test_f16_and_bf16_every_bit_pattern_exactly_as_ggml(ggml):
         ours = FAST_DECODERS[qtype](halves)
         assert_bits_equal(ours, ggml_decode(ggml, qtype, halves), f"{qtype.name} vs ggml")   # NaN bits too
         assert_equal_nan_aware(ours, gguf_decode(qtype, halves), f"{qtype.name} vs gguf-py")
+        # large arrays take the numba kernel (small BF16 ones numpy): every pattern again, past the threshold
+        many = np.tile(halves, (BF16_NUMPY_VALUES // (1 << 16) + 1, 1))
+        assert_bits_equal(FAST_DECODERS[qtype](many).reshape(-1), np.tile(ours.reshape(-1), len(many) // len(halves)),
+                          qtype.name)
 
 
 def test_every_scale_byte_of_mxfp4_and_nvfp4(ggml):
