@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from _common import emit
+from runtime_gpu import cuda_median
 
 from quantkit.formats.registry import GGMLType
 from quantkit.kernels import triton_matmul
@@ -47,16 +48,9 @@ def payload(qtype: GGMLType, rows: int, k: int, rng) -> torch.Tensor:
 
 
 def timed(fn, repeats: int) -> float:
+    """Median seconds of ``repeats`` calls after one warm-up (CUDA events)."""
     fn()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    return statistics.median(times)
+    return statistics.median(cuda_median(fn, repeats))
 
 
 def main() -> None:
