@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import resource
 import statistics
 import subprocess
 import time
@@ -42,6 +43,19 @@ def interleaved_medians(fns: dict, repeats: int = 5, warmup: int = 1) -> dict:
             fn()
             times[k].append(time.perf_counter() - t0)
     return {k: statistics.median(v) for k, v in times.items()}
+
+
+def run_timed(command: list[str], env: dict | None = None) -> tuple[subprocess.CompletedProcess, dict]:
+    """Run ``command``; its wall time, its CPU time (user + system, all threads: what it costs regardless of the
+    machine's other load) and the load average before it."""
+    load = os.getloadavg()[0]
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    start = time.perf_counter()
+    proc = subprocess.run(command, capture_output=True, text=True, env=env)
+    wall = time.perf_counter() - start
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = after.ru_utime - before.ru_utime + after.ru_stime - before.ru_stime
+    return proc, {"wall_s": wall, "cpu_s": cpu, "load_average": load}
 
 
 def emit(record: dict) -> None:

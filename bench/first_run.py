@@ -11,27 +11,21 @@ from __future__ import annotations
 
 import argparse
 import os
-import resource
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
-from _common import emit
+from _common import emit, run_timed
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def run_demo(tree: Path, cache_dir: str, extra: list[str]) -> tuple[float, float]:
     env = dict(os.environ, NUMBA_CACHE_DIR=cache_dir, PYTHONPATH=str(tree))
-    before = resource.getrusage(resource.RUSAGE_CHILDREN)
-    start = time.perf_counter()
-    subprocess.run([sys.executable, "-m", "quantkit.cli", "demo", *extra], env=env, check=True,
-                   stdout=subprocess.DEVNULL)
-    wall = time.perf_counter() - start
-    after = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return wall, (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    proc, measured = run_timed([sys.executable, "-m", "quantkit.cli", "demo", *extra], env)
+    if proc.returncode != 0:
+        raise SystemExit(f"quantkit demo failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+    return measured["wall_s"], measured["cpu_s"]
 
 
 def main() -> None:

@@ -12,8 +12,8 @@ tokens per forward pass (``--batch``: quantkit's ``--batch``, llama-imatrix's ``
 count), runs interleaved.  Cold: quantkit with an empty numba cache (it compiles its decoders), llama-imatrix's first run;
 warm: a numba cache filled by an earlier run.  Measured per run: wall time of the whole command (tokens/s =
 ctx x chunks / wall, what a user waits for), its CPU time (user + system of every thread: what the run costs
-whatever else the machine does; with one thread, llama.cpp's thread pool does not spin, so the two compare) and, inside quantkit's process, the imports, the load and the
-chunk loop alone; llama-imatrix's own ``prompt eval`` figure where it prints one; the 1-minute load average
+whatever else the machine does; with one thread, llama.cpp's thread pool does not spin, so the two compare)
+and, inside quantkit's process, the imports, the load and the chunk loop alone; llama-imatrix's own ``prompt eval`` figure where it prints one; the 1-minute load average
 before each run (the machine's other work: ratios are only comparable within one run).  Prints one JSON object per
 configuration (medians) and a table.  ``--baseline CHECKOUT`` adds quantkit from another source tree (e.g. the
 commit before a change, unpacked with ``git archive``), interleaved with the rest; ``--no-cold`` skips the cold
@@ -48,7 +48,7 @@ import threading
 import time
 from pathlib import Path
 
-from _common import emit
+from _common import emit, run_timed
 from convert import EXPERT_WIDTH, EXPERTS, GIB, HIDDEN, SAMPLE_SECONDS, layers_for, synthetic_checkpoint
 
 from quantkit.cli.imatrix import ByteSize
@@ -216,21 +216,6 @@ def run_quantkit(model: Path, out: Path, ctx: int, batch: int, chunks: int, thre
     if proc.returncode != 0:
         raise SystemExit(f"quantkit failed:\n{proc.stderr[-3000:]}")
     return {**measured, **json.loads(proc.stdout.strip().splitlines()[-1])}
-
-
-def run_timed(command: list[str], env: dict | None = None) -> tuple[subprocess.CompletedProcess, dict]:
-    """Run ``command``; its wall time, its CPU time (user + system, all threads: what it costs regardless of the
-    machine's other load) and the load average before it."""
-    import resource
-
-    load = os.getloadavg()[0]
-    before = resource.getrusage(resource.RUSAGE_CHILDREN)
-    start = time.perf_counter()
-    proc = subprocess.run(command, capture_output=True, text=True, env=env)
-    wall = time.perf_counter() - start
-    after = resource.getrusage(resource.RUSAGE_CHILDREN)
-    cpu = after.ru_utime - before.ru_utime + after.ru_stime - before.ru_stime
-    return proc, {"wall_s": wall, "cpu_s": cpu, "load_average": load}
 
 
 def run_llama(binary: str, gguf: Path, out: Path, ctx: int, batch: int, chunks: int, threads: int) -> dict:

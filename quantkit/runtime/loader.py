@@ -363,12 +363,12 @@ def logits_batch(model: RuntimeModel, sequences: Sequence[Sequence[int]]) -> lis
     with torch.no_grad(), model.forward_mode():
         out = model.module(input_ids=input_ids, use_cache=False).logits
     model.store.check()
+    # one reduction per sequence where the logits are, and one wait for all of them (not a host pass over them)
+    finite = torch.stack([finite_flag(out[row, :n]) for row, n in enumerate(lengths)]).tolist()
     results = []
     for row, n in enumerate(lengths):
-        valid = out[row, :n]
-        finite = bool(finite_flag(valid))     # one reduction where the logits are, not a host pass over them
-        result = _host_float32(valid)
-        if not finite:
+        result = _host_float32(out[row, :n])
+        if not finite[row]:
             position = int(np.argwhere(~np.isfinite(result))[0][0])
             raise ValidationError(f"non-finite logits at position {position}; first non-finite output: module "
                                   f"{_first_non_finite(model.module, input_ids[row:row + 1, :n])!r}",

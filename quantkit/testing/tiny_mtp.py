@@ -59,6 +59,18 @@ def write_glm_with_nextn(out: Path, seed: int = 0) -> Path:
     return out
 
 
+def _editable_copy(src: Path, out: Path) -> tuple[dict, dict[str, np.ndarray], dict[str, str]]:
+    """``src``'s config, raw tensors and their safetensors dtypes, read into memory, and its other files (tokenizer,
+    generation config) copied to ``out``: the start of a checkpoint written again with edits."""
+    config = json.loads((src / "config.json").read_text())
+    with open_checkpoint(src) as ckpt:
+        tensors = {name: np.array(ckpt.raw(name)) for name in ckpt.tensor_names()}
+        dtypes = {name: ckpt.tensor_info(name).dtype for name in tensors}
+    shutil.copytree(src, out, ignore=shutil.ignore_patterns("*.safetensors", "*.index.json", "config.json"),
+                    dirs_exist_ok=True)
+    return config, tensors, dtypes
+
+
 def write_v4_with_mtp(out: Path, seed: int = 0) -> Path:
     """The tiny DeepSeek V4 checkpoint (official layout, FP8 + FP4 experts: the release encoding llama.cpp's
     converter reads) with one MTP block as the release lays it out: ``mtp.0.*`` holds an uncompressed decoder
@@ -69,12 +81,7 @@ def write_v4_with_mtp(out: Path, seed: int = 0) -> Path:
     out = Path(out)
     with tempfile.TemporaryDirectory(prefix="quantkit-mtp-") as tmp:
         write_checkpoint("deepseek_v4", Path(tmp), layout="official", encoding="fp4-experts", seed=seed)
-        config = json.loads((Path(tmp) / "config.json").read_text())
-        with open_checkpoint(tmp) as ckpt:
-            tensors = {name: np.array(ckpt.raw(name)) for name in ckpt.tensor_names()}
-            dtypes = {name: ckpt.tensor_info(name).dtype for name in tensors}
-        shutil.copytree(tmp, out, ignore=shutil.ignore_patterns("*.safetensors", "*.index.json", "config.json"),
-                        dirs_exist_ok=True)
+        config, tensors, dtypes = _editable_copy(Path(tmp), out)
     n, hidden = config["num_hidden_layers"], config["hidden_size"]
     rng = np.random.default_rng([seed, 4])
 
@@ -117,13 +124,7 @@ def write_v4_dspark(out: Path, seed: int = 0) -> Path:
     is the MTP block of :func:`write_v4_with_mtp` (stage 1 a perturbed copy)."""
     out = Path(out)
     with tempfile.TemporaryDirectory(prefix="quantkit-dspark-") as tmp:
-        src = write_v4_with_mtp(Path(tmp) / "v4", seed=seed)
-        config = json.loads((src / "config.json").read_text())
-        with open_checkpoint(src) as ckpt:
-            tensors = {name: np.array(ckpt.raw(name)) for name in ckpt.tensor_names()}
-            dtypes = {name: ckpt.tensor_info(name).dtype for name in tensors}
-        shutil.copytree(src, out, ignore=shutil.ignore_patterns("*.safetensors", "*.index.json", "config.json"),
-                        dirs_exist_ok=True)
+        config, tensors, dtypes = _editable_copy(write_v4_with_mtp(Path(tmp) / "v4", seed=seed), out)
     hidden, vocab = config["hidden_size"], config["vocab_size"]
     rng = np.random.default_rng([seed, 5])
     for leaf in ("e_proj.weight", "e_proj.scale", "h_proj.weight", "h_proj.scale", "enorm.weight", "hnorm.weight"):
