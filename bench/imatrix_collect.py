@@ -53,7 +53,7 @@ from convert import EXPERT_WIDTH, EXPERTS, GIB, HIDDEN, SAMPLE_SECONDS, layers_f
 
 from quantkit.cli.imatrix import ByteSize
 from quantkit.examples import example_model_dir
-from quantkit.runtime.weights import available_memory
+from quantkit.resources import available_memory
 
 #: Memory available must be at least this many checkpoints for the unlimited run (the cache, plus the page cache).
 UNLIMITED_HEADROOM = 2

@@ -26,7 +26,7 @@ from quantkit.cli import main
 from quantkit.convert import execute as execute_module
 from quantkit.convert.journal import Journal, journal_path, read_journal
 from quantkit.convert.plan import inspect_sources
-from quantkit.convert.pool import available_cpus
+from quantkit.resources import available_cpus
 from quantkit.convert.repack import mxfp4_from_fp4_e8m0, nvfp4_from_modelopt_layout, nvfp4_tensor_scale
 from quantkit.convert.source import FileHash
 from quantkit.errors import EncodeError, FormatError, ValidationError

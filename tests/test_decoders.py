@@ -16,7 +16,8 @@ from gguf.quants import dequantize as gguf_dequantize
 import quantkit
 from quantkit.errors import FormatError
 from quantkit.formats import GGMLType, get_format
-from quantkit.kernels.dequant import BF16_NUMPY_VALUES, FAST_DECODERS
+from quantkit.formats.api import NUMPY_DECODE_VALUES, decode
+from quantkit.kernels.dequant import FAST_DECODERS
 
 # Byte offsets of each type's little-endian f16 scale fields (ggml-common.h).  Random payloads get finite
 # halves there so every decoded weight is finite and can be compared bit for bit.
@@ -167,13 +168,21 @@ def test_unconstrained_bytes_agree_with_ggml_and_gguf_nan_aware(qtype, ggml):
 def test_f16_and_bf16_every_bit_pattern_exactly_as_ggml(ggml):
     halves = np.arange(1 << 16, dtype=np.uint16).view(np.uint8).reshape(-1, 2)
     for qtype in (GGMLType.F16, GGMLType.BF16):
+        expected = ggml_decode(ggml, qtype, halves)
         ours = FAST_DECODERS[qtype](halves)
-        assert_bits_equal(ours, ggml_decode(ggml, qtype, halves), f"{qtype.name} vs ggml")   # NaN bits too
+        assert_bits_equal(ours, expected, f"{qtype.name} vs ggml")   # NaN bits too
         assert_equal_nan_aware(ours, gguf_decode(qtype, halves), f"{qtype.name} vs gguf-py")
-        # large arrays take the numba kernel (small BF16 ones numpy): every pattern again, past the threshold
-        many = np.tile(halves, (BF16_NUMPY_VALUES // (1 << 16) + 1, 1))
-        assert_bits_equal(FAST_DECODERS[qtype](many).reshape(-1), np.tile(ours.reshape(-1), len(many) // len(halves)),
-                          qtype.name)
+        # decode() takes the numpy reference below NUMPY_DECODE_VALUES, the numba kernel above: both give ggml's bits
+        assert_bits_equal(decode(halves, qtype, (1 << 16,)), expected.reshape(-1), f"{qtype.name} small")
+        many = np.tile(halves, (NUMPY_DECODE_VALUES // (1 << 16) + 1, 1))
+        assert_bits_equal(decode(many, qtype, (len(many),)), np.tile(expected.reshape(-1), len(many) // len(halves)),
+                          f"{qtype.name} large")
+
+
+def test_small_f32_decode_keeps_every_bit():
+    bits = np.random.default_rng(5).integers(0, 1 << 32, 1 << 16, dtype=np.uint64).astype(np.uint32)
+    bits[:4] = (0x7F800001, 0xFFC00000, 0x00000001, 0x80000000)   # signaling and quiet NaN, subnormal, -0
+    assert_bits_equal(decode(bits.view(np.uint8), GGMLType.F32, (len(bits),)), bits.view(np.float32), "F32 small")
 
 
 def test_every_scale_byte_of_mxfp4_and_nvfp4(ggml):

@@ -22,7 +22,8 @@ from quantkit.runtime import load_model, logits
 from quantkit.runtime.inverse import VALUE_INVERSES
 from quantkit.runtime.packed import Strided
 from quantkit.examples import example_model_dir
-from quantkit.runtime.weights import (DEFAULT_CACHE_FRACTION, CheckpointWeights, GGUFWeights, available_memory,
+from quantkit.resources import available_memory
+from quantkit.runtime.weights import (DEFAULT_CACHE_FRACTION, CheckpointWeights, GGUFWeights,
                                       open_weights)
 from quantkit.testing.tiny_checkpoints import ENCODINGS, OFFICIAL_ENCODINGS, PLAIN_ENCODINGS
 

@@ -5,7 +5,7 @@ import click
 
 
 def default_jobs() -> int:
-    from ..convert.pool import available_cpus
+    from ..resources import available_cpus
 
     return available_cpus()
 

@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, Callable, Iterable, Iterator
 from ..errors import ConcurrentWriteError, FormatError, OutOfSpaceError, QuantkitError
 from ..io.atomic import is_out_of_space
 from ..io.gguf_writer import pwrite_all
+from ..resources import available_cpus, available_memory
 from ..formats.warm import encoder_kinds
 from .tensors import ROW_CHUNK_BYTES, SourceContext, TensorJob, source_digests, tensor_bytes
 
@@ -350,38 +351,6 @@ class WorkerPool:
 
 
 # -- how many workers ---------------------------------------------------------------------------------------------
-
-def available_cpus() -> int:
-    try:
-        return max(1, len(os.sched_getaffinity(0)))
-    except AttributeError:   # not every platform has affinity
-        return max(1, os.cpu_count() or 1)
-
-
-def _read_int(path: str) -> int | None:
-    try:
-        text = open(path).read().split()[0]
-    except (OSError, IndexError):
-        return None
-    return int(text) if text.isdigit() else None
-
-
-def available_memory() -> int | None:
-    """Bytes of memory this process can still use: the kernel's MemAvailable, lowered to what the cgroup (v2)
-    limit leaves; None where neither can be read."""
-    found = []
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    found.append(int(line.split()[1]) * 1024)
-    except (OSError, ValueError, IndexError):
-        pass
-    limit, used = _read_int("/sys/fs/cgroup/memory.max"), _read_int("/sys/fs/cgroup/memory.current")
-    if limit is not None and used is not None:
-        found.append(max(0, limit - used))
-    return min(found) if found else None
-
 
 def _unit_bytes(job: TensorJob) -> int:
     """float32 bytes of the largest unit a job holds at once (see :mod:`quantkit.convert.tensors`)."""

@@ -44,7 +44,7 @@ A target file records no identity key: its identity is computed from its ``quant
 from __future__ import annotations
 
 import hashlib
-from typing import Iterable, Sequence
+from typing import TYPE_CHECKING, Iterable, Sequence
 
 import numpy as np
 from gguf.constants import GGUFValueType, LlamaFileType
@@ -54,7 +54,9 @@ from ..formats.registry import GGMLType
 from ..imatrix.bootstrap import BOOTSTRAP_KEY, CALIBRATION_KEY, expert_ranges
 from ..io.gguf import KV, ArrayOf
 from .source import FileHash, ResolvedSource
-from .tensors import TensorJob
+
+if TYPE_CHECKING:   # the encoders (numba) are not needed to describe a file: the runtime reads this module
+    from .tensors import TensorJob
 
 QUANTIZATION_VERSION = 2
 SOURCE_CONFIG_KEY = "quantkit.source.config"

@@ -65,3 +65,4 @@ FORMATS = [
     QuantFormat(GGMLType.BF16, imatrix=ImatrixUse.IGNORED, encode_reference=_encode_bf16,
                 encode_fast=_encode_bf16, decode_reference=_decode_bf16),
 ]
+FORMATS_BY_TYPE = {fmt.qtype: fmt for fmt in FORMATS}

@@ -741,11 +741,11 @@ def load_collection_model(source: Path, config: dict, opts: CollectOptions):
     """The runtime model a collection runs (:func:`quantkit.runtime.load_model`) with the options' memory bounds."""
     import torch
 
+    from ..resources import memory_for
     from ..runtime import load_model
-    from ..runtime.weights import available_memory
 
     # a memory bound on CUDA also streams the weights to the device per use instead of placing every one there
-    keep = int(KEEP_FRACTION * available_memory()) if opts.max_memory is None else 0
+    keep = int(KEEP_FRACTION * memory_for("--max-memory")) if opts.max_memory is None else 0
     return load_model(source, opts.device, config=config, dtype=getattr(torch, opts.dtype),
                       stream=opts.max_memory is not None, cache_bytes=opts.max_memory, keep_bytes=keep)
 

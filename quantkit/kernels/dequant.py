@@ -56,18 +56,11 @@ def _decode_f32(blocks: np.ndarray) -> np.ndarray:
     return _check_blocks(blocks, GGMLType.F32, 4).view(np.float32).copy()
 
 
-#: BF16 arrays of fewer values decode with numpy: the shift is numba's too, and a process whose first numba call
-#: this would be spares numba's start-up (~0.3 s, as long as a small model's whole load).
-BF16_NUMPY_VALUES = 1 << 21
-
-
 def _half_decoder(qtype: GGMLType, kernel) -> Callable[[np.ndarray], np.ndarray]:
     """F16/BF16: the kernels run on the flat uint16 view (2-byte rows would keep LLVM from vectorizing)."""
 
     def decode(blocks: np.ndarray) -> np.ndarray:
         halves = _check_blocks(blocks, qtype, 2).view(np.uint16).reshape(-1)
-        if qtype is GGMLType.BF16 and halves.shape[0] < BF16_NUMPY_VALUES:
-            return (halves.astype(np.uint32) << 16).view(np.float32).reshape(-1, 1)
         y = np.empty(halves.shape[0], dtype=np.float32)
         over_rows(halves.shape[0], lambda r0, r1: kernel(halves[r0:r1], y[r0:r1]))
         return y.reshape(-1, 1)

@@ -54,6 +54,7 @@ from ..io.checkpoint import open_checkpoint
 from ..io.config import check_config_sizes
 from ..io.gguf import KV
 from ..io.gguf_reader import GGUFFile, is_gguf
+from ..resources import memory_for
 from .inverse import VALUE_INVERSES
 
 #: The numpy type of each payload type a checkpoint's tensors are given (see the module doc).
@@ -111,20 +112,6 @@ class GGUFWeights:
 DEFAULT_CACHE_FRACTION = 0.5
 
 
-def available_memory() -> int:
-    """Bytes of memory available to new allocations without swapping (``MemAvailable``, else free pages)."""
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, AttributeError):
-        raise UnsupportedError("cannot tell the available memory on this system; pass cache_bytes") from None
-
-
 class PayloadCache:
     """Least-recently-used payloads by key (``(name, index)``), at most ``budget`` bytes in all (an entry larger
     than the budget is not kept).  Entries are arrays or tensors (anything with ``nbytes``).
@@ -177,7 +164,7 @@ class CheckpointWeights:
 
         if cache_bytes is not None and cache_bytes < 0:
             raise SourceError(f"cache_bytes must be >= 0 or None, got {cache_bytes}", field="cache_bytes")
-        budget = int(DEFAULT_CACHE_FRACTION * available_memory()) if cache_bytes is None else int(cache_bytes)
+        budget = int(DEFAULT_CACHE_FRACTION * memory_for("cache_bytes")) if cache_bytes is None else int(cache_bytes)
         self.path = Path(path)
         self._ckpt = open_checkpoint(self.path)
         try:
