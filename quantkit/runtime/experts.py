@@ -70,7 +70,7 @@ def _fusable(weight) -> bool:
 
 
 def _product(x: torch.Tensor, weight, experts: torch.Tensor, counts: torch.Tensor, transposed: bool,
-             tiles: torch.Tensor | None) -> torch.Tensor:
+             tiles) -> torch.Tensor:
     """One projection of every routed row: fused (packed weights multiplied as they are) where it applies, else
     the decoded weights' grouped product."""
     if not transposed and tiles is not None:

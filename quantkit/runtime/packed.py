@@ -374,10 +374,11 @@ class PackedTensor(torch.Tensor):
         return self.__dict__["_fused"]
 
     def fused_linear(self, x: torch.Tensor, counts: torch.Tensor | None = None,
-                     tiles: torch.Tensor | None = None) -> torch.Tensor | None:
+                     tiles=None) -> torch.Tensor | None:
         """``x @ W.T`` multiplied packed (no decoded weight), or None where the fused products do not apply.
         ``x``: ``[rows, in]`` in this weight's dtype.  A sliced (experts) weight multiplies rows sorted by expert,
-        ``counts[e]`` rows of expert ``e`` (``tiles``: their tile table, when already computed)."""
+        ``counts[e]`` rows of expert ``e`` (``tiles``: their :func:`~quantkit.kernels.triton_matmul.expert_tiles`,
+        when already computed)."""
         parts = self.fused()
         if parts is None or x.dtype != self.dtype or (counts is None) == self.plan.sliced:
             return None
