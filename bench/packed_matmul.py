@@ -4,8 +4,8 @@
         [--dtypes float32,bfloat16] [--repeats 20] [--markdown FILE]
 
 Shapes of the synthetic Qwen3-MoE GGUFs of bench/score_vs_llamacpp.py, one launch as the runtime makes it (one per
-GGUF tensor): dense Q8_0 products (attention's query and key projections and the 32000-row output head, hidden
-2048) and the routed experts' Q4_K products grouped by expert (``1b``: 16 experts top-4, width 1024; ``7b``: 64
+GGUF tensor): dense Q8_0 products (attention's query and key projections, the 7b router and the 32000-row output
+head, hidden 2048) and the routed experts' Q4_K products grouped by expert (``1b``: 16 experts top-4, width 1024; ``7b``: 64
 experts top-8, width 768; gate and up are separate tensors of the same shape), at each ``--tokens`` count.
 Reference: the payload decoded by the Triton decoders into a float32 buffer, converted to the compute dtype, then
 ``torch.matmul`` (dense) or :func:`quantkit.runtime.experts.grouped_linear` (experts) — the runtime's path before
@@ -34,6 +34,7 @@ SCALES = {GGMLType.Q4_K: ((0, 1e-4), (2, 1e-4)), GGMLType.Q8_0: ((0, 3e-4),)}
 CASES = {  # short name: (name, qtype, experts, top_k, n, k)
     "q": ("dense q_proj", GGMLType.Q8_0, 0, 0, 2048, 2048),
     "kv": ("dense k_proj", GGMLType.Q8_0, 0, 0, 512, 2048),
+    "router": ("dense router (7b)", GGMLType.Q8_0, 0, 0, 64, 2048),
     "head": ("dense output", GGMLType.Q8_0, 0, 0, 32000, 2048),
     "1b": ("1b experts gate", GGMLType.Q4_K, 16, 4, 1024, 2048),
     "1b-down": ("1b experts down", GGMLType.Q4_K, 16, 4, 2048, 1024),
@@ -92,7 +93,7 @@ def main() -> None:
                 cells, best = [], float("inf")
                 for label, config in zip(names, configs):
                     if n_experts:
-                        tiles = triton_matmul.expert_tiles(counts, rows, None if config is None else config.block_m)
+                        tiles = triton_matmul.expert_tiles(counts, rows, (config or triton_matmul.GROUPED).block_m)
 
                         def fused():
                             return triton_matmul.grouped_linear(x, w, qtype, n, counts, tiles=tiles, config=config)
@@ -105,9 +106,8 @@ def main() -> None:
                         emit({"name": f"{name} {tokens} {dtype} {label}", "error": repr(exc)[:300]})
                         cells.append("fails")
                         continue
-                    asked = config or triton_matmul.CONFIGS[dtype == torch.float32, bool(n_experts),
-                                                            tiles.block_m if n_experts else
-                                                            triton_matmul.block_m_for(rows)]
+                    asked = config or (triton_matmul.GROUPED if n_experts else triton_matmul.NARROW
+                                       if n <= triton_matmul.NARROW_N else triton_matmul.DENSE)
                     ran = triton_matmul._fitting[qtype.name, dtype == torch.float32,
                                                  triton_matmul.FLOAT32_PRECISION, x.device, asked]
                     err = float((fused().float() - want).abs().max() / want.abs().max())

@@ -49,33 +49,21 @@ class Config:
     stages: int
 
 
-#: (float32 activations, grouped, rows per program) -> the rest of the launch, measured on the H200
-#: (bench/packed_matmul.py, bench/results/score-gpu-2026-12-02c.md).  Larger row tiles decode each weight tile
-#: for more rows; the K step is cut to keep float32 tiles within shared memory.
-CONFIGS = {
-    (True, False, 64): Config(64, 64, 64, 4, 3), (True, False, 128): Config(128, 64, 64, 8, 3),
-    (True, True, 64): Config(64, 64, 64, 4, 3), (True, True, 128): Config(128, 64, 64, 8, 3),
-    (False, False, 64): Config(64, 64, 64, 4, 3), (False, False, 128): Config(128, 64, 64, 8, 3),
-    (False, True, 64): Config(64, 64, 64, 4, 3), (False, True, 128): Config(128, 64, 64, 8, 3),
-}
-#: Rows per program: the largest of these that at most ``1 / TILE_WASTE`` of a program's rows would idle for
-#: (on average over an expert's rows: its last tile is part-filled).
-BLOCK_MS = (128, 64)
-TILE_WASTE = 4
+#: Default launches, measured on the H200 in float32 (bench/packed_matmul.py; bench/results/score-gpu-2026-12-02c.md):
+#: K steps of 64 values (a quarter of a K-quant block) beat whole 256-value blocks 2.5-3x in the grouped Q4_K
+#: products (the float32 tiles of long steps leave one program per SM, nothing hides the decode); dense products
+#: take 128-row tiles (each decoded weight tile serves more rows), the grouped ones 64-row tiles (a 7.6B MoE's
+#: experts see ~250 rows at 2048 tokens: 128-row tiles idle more).
+DENSE = Config(128, 64, 64, 8, 3)
+GROUPED = Config(64, 128, 64, 4, 3)
+#: Narrow dense products (the router: ``n`` at most :data:`NARROW_N`) have few row tiles, each a long chain of K
+#: steps: fewer, longer steps on smaller row tiles.
+NARROW = Config(32, 64, 256, 4, 2)
+NARROW_N = 64
 #: (format, float32 activations, precision, device, asked config) -> the config that fit the device's shared memory.
 _fitting: dict[tuple, Config] = {}
 #: Triton's ``input_precision`` for float32 activations (see the module doc).
 FLOAT32_PRECISION = "tf32x3"
-
-
-def block_m_for(rows_per_group: float) -> int:
-    """Rows per program for products whose row groups (one per expert; all rows for a dense product) average
-    ``rows_per_group`` rows: the largest of :data:`BLOCK_MS` that leaves at most a ``1 / TILE_WASTE`` part of its
-    rows idle (half a tile per group, on average), else the smallest."""
-    for block_m in BLOCK_MS:
-        if block_m / 2 <= rows_per_group / TILE_WASTE:
-            return block_m
-    return BLOCK_MS[-1]
 
 
 def block_shape(qtype: GGMLType) -> tuple[int, int]:
@@ -172,13 +160,11 @@ class ExpertTiles:
     block_m: int
 
 
-def expert_tiles(counts: torch.Tensor, rows: int, block_m: int | None = None) -> ExpertTiles:
-    """The :class:`ExpertTiles` of ``rows`` rows sorted by expert, ``counts[e]`` rows of expert ``e``; ``block_m``
-    (rows per tile) by default from the mean rows per expert (:func:`block_m_for`).  Computed on the device without
-    waiting for it: the table has the most tiles any counts of ``rows`` rows can need."""
+def expert_tiles(counts: torch.Tensor, rows: int, block_m: int = GROUPED.block_m) -> ExpertTiles:
+    """The :class:`ExpertTiles` of ``rows`` rows sorted by expert, ``counts[e]`` rows of expert ``e``, ``block_m``
+    rows per tile.  Computed on the device without waiting for it: the table has the most tiles any counts of
+    ``rows`` rows can need."""
     n_experts = counts.numel()
-    if block_m is None:
-        block_m = block_m_for(rows / max(n_experts, 1))
     counts = counts.to(torch.int64)
     per_expert = (counts + block_m - 1) // block_m
     tile_ends = torch.cumsum(per_expert, 0)
@@ -235,8 +221,7 @@ def _launch(x: torch.Tensor, payload: torch.Tensor, qtype: GGMLType, n: int, out
         return out
     fp32 = x.dtype == torch.float32
     if config is None:
-        block_m = block_m_for(m) if tiles is None else tiles.block_m
-        config = CONFIGS[fp32, tiles is not None, block_m]
+        config = GROUPED if tiles is not None else NARROW if n <= NARROW_N else DENSE
     if tiles is not None and tiles.block_m != config.block_m:
         raise FormatError(f"expert tiles of {tiles.block_m} rows for a launch of {config.block_m}-row programs")
     key = (qtype.name, fp32, precision, x.device, config)
@@ -268,7 +253,7 @@ def linear(x: torch.Tensor, payload: torch.Tensor, qtype: "GGMLType | int", n: i
     """``x @ W.T`` (``x [m, k]``; ``W [n, k]`` as its packed payload), into ``out[:, out_col:out_col + n]``
     (a new ``[m, n]`` tensor by default); ``scale``: an NVFP4 global scale (one value); ``precision``: Triton's
     ``input_precision`` for float32 activations (``ieee``: plain float32 products, no tensor cores); ``config``:
-    the launch (by default from :data:`CONFIGS`)."""
+    the launch (by default :data:`DENSE`, or :data:`NARROW`)."""
     return _launch(x, payload.reshape(-1), qtype, n, _output(x, n, out), out_col, None, scale, precision, config)
 
 
@@ -278,8 +263,8 @@ def grouped_linear(x: torch.Tensor, payload: torch.Tensor, qtype: "GGMLType | in
     """``x[i] @ W[e_i].T`` for rows sorted by expert (``counts[e]`` rows of expert ``e``; ``W [experts, n, k]`` as
     its packed payload), every expert in one launch; ``scale``: NVFP4 global scales (one, or one per expert);
     ``tiles``: :func:`expert_tiles` of ``counts`` (computed here if not given, of ``config``'s rows per tile);
-    ``config``: the launch (by default from :data:`CONFIGS`, for the tiles' rows)."""
+    ``config``: the launch (by default :data:`GROUPED`)."""
     if tiles is None:
-        tiles = expert_tiles(counts, x.shape[0], None if config is None else config.block_m)
+        tiles = expert_tiles(counts, x.shape[0], (config or GROUPED).block_m)
     return _launch(x, payload.reshape(-1), qtype, n, _output(x, n, out), out_col, tiles, scale, FLOAT32_PRECISION,
                    config)
