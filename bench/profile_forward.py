@@ -132,8 +132,6 @@ def main() -> None:
                 with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
                     logits(model, ids)
                     torch.cuda.synchronize()
-                kernels = [e for e in prof.key_averages() if getattr(e, "self_device_time_total", 0) > 0]
-                rec["profiled_device_s"] = sum(e.self_device_time_total for e in kernels) / 1e6
                 syncs = {e.key: e.count for e in prof.key_averages()
                          if e.key in ("cudaStreamSynchronize", "cudaDeviceSynchronize", "aten::_local_scalar_dense",
                                       "cudaMemcpyAsync", "aten::item")}
