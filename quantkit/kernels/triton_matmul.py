@@ -50,10 +50,10 @@ class Config:
 
 
 #: Default launches, measured on the H200 in float32 (bench/packed_matmul.py; bench/results/score-gpu-2026-12-02c.md):
-#: K steps of 64 values (a quarter of a K-quant block) beat whole 256-value blocks 2.5-3x in the grouped Q4_K
-#: products (the float32 tiles of long steps leave one program per SM, nothing hides the decode); dense products
-#: take 128-row tiles (each decoded weight tile serves more rows), the grouped ones 64-row tiles (a 7.6B MoE's
-#: experts see ~250 rows at 2048 tokens: 128-row tiles idle more).
+#: K steps of 64 values (a quarter of a K-quant block) beat whole 256-value blocks 2.0-3.4x in the grouped Q4_K
+#: products (a 256-value step's float32 tiles fill shared memory: one program per SM, nothing hides the decode);
+#: dense products take 128-row tiles (each decoded weight tile serves more rows), the grouped ones 64-row tiles
+#: (a 7.6B MoE's experts see ~250 rows at 2048 tokens: 128-row tiles idle more).
 DENSE = Config(128, 64, 64, 8, 3)
 GROUPED = Config(64, 128, 64, 4, 3)
 #: Narrow dense products (the router: ``n`` at most :data:`NARROW_N`) keep the first kernels' launch: 64 x 64
