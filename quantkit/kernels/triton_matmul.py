@@ -16,6 +16,8 @@ An NVFP4 tensor's global scale (one per tensor or per expert) multiplies the pro
 """
 from __future__ import annotations
 
+from dataclasses import dataclass, replace
+
 import torch
 import triton
 import triton.language as tl
@@ -32,17 +34,35 @@ FUSED_TYPES = {
     GGMLType.IQ2_XXS: (32, 8, ("grid_iq2xxs", "ksigns")), GGMLType.MXFP4: (2, 16, ("kvalues_e2m1",)),
     GGMLType.NVFP4: (4, 16, ("kvalues_e2m1",)), GGMLType.BF16: (1, 32, ()), GGMLType.F32: (1, 32, ()),
 }
-#: Values of one K step: a step holds whole blocks (the largest K step of at most this many values that divides
-#: the row).
-MAX_STEP_VALUES = 128
-#: Rows (tokens) per program, and warps (measured on the H200, bench/runtime_gpu.py).
-BLOCK_M = 64
-NUM_WARPS = 4
-#: (pipeline stages, output columns per program), tried in order until one fits the device's shared memory: a
-#: 256-value K step (IQ2_XXS) in float32 needs 256 KB at two stages, over the H200's 227 KB; smaller GPUs have less.
-LAUNCH_CONFIGS = ((2, 64), (1, 64), (1, 32), (1, 16))
-#: (format, float32 activations, precision, device) -> index of the first launch config that fit.
-_fitting: dict[tuple, int] = {}
+
+
+@dataclass(frozen=True)
+class Config:
+    """A launch of the fused kernel: rows (tokens) and output columns per program, values per K step (each step
+    decodes a ``[block_n, block_k]`` weight tile once and multiplies it by ``block_m`` rows), warps and software
+    pipeline stages."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    warps: int
+    stages: int
+
+
+#: Default launches, measured on the H200 in float32 (bench/packed_matmul.py; bench/results/score-gpu-2026-12-02c.md):
+#: K steps of 64 values (a quarter of a K-quant block) beat whole 256-value blocks 2.0-3.4x in the grouped Q4_K
+#: products (a 256-value step's float32 tiles fill shared memory: one program per SM, nothing hides the decode);
+#: dense products take 128-row tiles (each decoded weight tile serves more rows), the grouped ones 64-row tiles
+#: (a 7.6B MoE's experts see ~250 rows at 2048 tokens: 128-row tiles idle more).
+DENSE = Config(128, 64, 64, 8, 3)
+GROUPED = Config(64, 128, 64, 4, 3)
+#: Narrow dense products (the router: ``n`` at most :data:`NARROW_N`) keep the first kernels' launch: 64 x 64
+#: tiles, 128-value steps, two stages (0.08 ms for the 7.6B MoE's router at 2048 tokens; 32-row tiles with
+#: 256-value steps took 1.0 ms, and :data:`DENSE` leaves half as many programs for a launch of few row tiles).
+NARROW = Config(64, 64, 128, 4, 2)
+NARROW_N = 64
+#: (format, float32 activations, precision, device, asked config) -> the config that fit the device's shared memory.
+_fitting: dict[tuple, Config] = {}
 #: Triton's ``input_precision`` for float32 activations (see the module doc).
 FLOAT32_PRECISION = "tf32x3"
 
@@ -81,7 +101,7 @@ def _decode(FORMAT: tl.constexpr, base, sub, val, m, t0, t1):
 def _packed_matmul_kernel(x, w, out, tiles, scale, t0, t1, M, N, stride_x, stride_out, out_col, expert_bytes,
                           row_bytes, scale_stride,
                           FORMAT: tl.constexpr, TYPE_SIZE: tl.constexpr, NSUB: tl.constexpr, SUB: tl.constexpr,
-                          KB: tl.constexpr, K_STEPS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                          S_STEP: tl.constexpr, K_STEPS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                           GROUPED: tl.constexpr,
                           SCALED: tl.constexpr, FP32: tl.constexpr, PRECISION: tl.constexpr):
     pid_m = tl.program_id(0)
@@ -95,21 +115,22 @@ def _packed_matmul_kernel(x, w, out, tiles, scale, t0, t1, M, N, stride_x, strid
         row0 = pid_m * BM
         row_end = M
     if expert >= 0:
-        BK: tl.constexpr = KB * NSUB * SUB
+        BK: tl.constexpr = S_STEP * SUB
         rows = row0 + tl.arange(0, BM)
         row_ok = rows < row_end
         cols = pid_n * BN + tl.arange(0, BN)
         col_ok = cols < N
-        # the weight tile [BN, KB * NSUB, SUB]: sub-tile s is sub-tile s % NSUB of the step's block s // NSUB
-        s = tl.arange(0, KB * NSUB)[None, :, None]
+        # the weight tile [BN, S_STEP, SUB]: step t holds sub-tiles g = t * S_STEP + s of the row, sub-tile g % NSUB
+        # of block g // NSUB (a step may hold several blocks, or part of one)
+        s = tl.arange(0, S_STEP)[None, :, None]
         val = tl.arange(0, SUB)[None, None, :]
-        w_tile = (w + expert.to(tl.int64) * expert_bytes + cols.to(tl.int64)[:, None, None] * row_bytes
-                  + (s // NSUB) * TYPE_SIZE)
+        w_row = w + expert.to(tl.int64) * expert_bytes + cols.to(tl.int64)[:, None, None] * row_bytes
         w_ok = col_ok[:, None, None]
         x_tile = x + rows.to(tl.int64)[:, None] * stride_x + tl.arange(0, BK)[None, :]
         acc = tl.zeros((BM, BN), dtype=tl.float32)
         for step in range(K_STEPS):
-            wv = _decode(FORMAT, w_tile + step * (KB * TYPE_SIZE), s % NSUB, val, w_ok, t0, t1)
+            g = step * S_STEP + s
+            wv = _decode(FORMAT, w_row + (g // NSUB) * TYPE_SIZE, g % NSUB, val, w_ok, t0, t1)
             wv = tl.reshape(wv, (BN, BK))
             xv = tl.load(x_tile + step * BK, mask=row_ok[:, None], other=0.0)
             if FP32:
@@ -122,19 +143,28 @@ def _packed_matmul_kernel(x, w, out, tiles, scale, t0, t1, M, N, stride_x, strid
         tl.store(dst, acc.to(out.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
 
-def _step_blocks(k: int, block_values: int) -> int:
-    """Blocks per K step: the most (a power of two) whose values stay within MAX_STEP_VALUES and divide ``k``."""
-    kb = 1
-    while kb * 2 * block_values <= MAX_STEP_VALUES and k % (kb * 2 * block_values) == 0:
-        kb *= 2
-    return kb
+def _step_values(k: int, sub: int, asked: int) -> int:
+    """Values per K step: the largest power-of-two multiple of the decoder's sub-tile, at most ``asked`` (and at
+    least the 16 a product needs), that divides ``k`` (the sub-tile always does: it divides the block)."""
+    step = sub
+    while step * 2 <= max(asked, 16) and k % (step * 2) == 0:
+        step *= 2
+    return step
 
 
-def expert_tiles(counts: torch.Tensor, rows: int) -> torch.Tensor:
-    """int32 ``[tiles, 3]``: for each :data:`BLOCK_M`-row tile of rows sorted by expert (``counts[e]`` rows of expert
-    ``e``), its expert (-1 for spare tiles), first row and the end of its expert's rows.  Computed on the device
-    without waiting for it: the table has the most tiles any counts of ``rows`` rows can need."""
-    block_m = BLOCK_M
+@dataclass(frozen=True)
+class ExpertTiles:
+    """Row tiles of rows sorted by expert (:func:`expert_tiles`): ``table`` int32 ``[tiles, 3]`` (expert or -1 for
+    a spare tile, first row, end of the expert's rows), ``block_m`` rows each."""
+
+    table: torch.Tensor
+    block_m: int
+
+
+def expert_tiles(counts: torch.Tensor, rows: int, block_m: int = GROUPED.block_m) -> ExpertTiles:
+    """The :class:`ExpertTiles` of ``rows`` rows sorted by expert, ``counts[e]`` rows of expert ``e``, ``block_m``
+    rows per tile.  Computed on the device without waiting for it: the table has the most tiles any counts of
+    ``rows`` rows can need."""
     n_experts = counts.numel()
     counts = counts.to(torch.int64)
     per_expert = (counts + block_m - 1) // block_m
@@ -145,11 +175,28 @@ def expert_tiles(counts: torch.Tensor, rows: int) -> torch.Tensor:
     valid = expert < n_experts
     expert = expert.clamp(max=n_experts - 1)
     first = row_starts[expert] + (t - (tile_ends[expert] - per_expert[expert])) * block_m
-    return torch.stack([torch.where(valid, expert, -1), first, row_starts[expert] + counts[expert]], 1).to(torch.int32)
+    table = torch.stack([torch.where(valid, expert, -1), first, row_starts[expert] + counts[expert]], 1)
+    return ExpertTiles(table.to(torch.int32), block_m)
+
+
+def _fallbacks(config: Config, sub: int):
+    """``config``, then ones needing less shared memory: fewer stages, then shorter K steps, then fewer columns."""
+    yield config
+    for stages in range(config.stages - 1, 0, -1):
+        yield replace(config, stages=stages)
+    block_k = config.block_k
+    while block_k > max(sub, 16):
+        block_k //= 2
+        yield replace(config, block_k=block_k, stages=1)
+    block_n = config.block_n
+    while block_n > 16:
+        block_n //= 2
+        yield replace(config, block_k=max(sub, 16), block_n=block_n, stages=1)
 
 
 def _launch(x: torch.Tensor, payload: torch.Tensor, qtype: GGMLType, n: int, out: torch.Tensor, out_col: int,
-            tiles: torch.Tensor | None, scale: torch.Tensor | None, precision: str) -> torch.Tensor:
+            tiles: ExpertTiles | None, scale: torch.Tensor | None, precision: str,
+            config: Config | None) -> torch.Tensor:
     qtype = GGMLType(int(qtype))
     if qtype not in FUSED_TYPES:
         raise FormatError(f"no fused product for {qtype.name}")
@@ -173,22 +220,26 @@ def _launch(x: torch.Tensor, payload: torch.Tensor, qtype: GGMLType, n: int, out
     m = x.shape[0]
     if m == 0 or n == 0:
         return out
-    kb = _step_blocks(k, block_values)
-    scale_arg = scale if scale is not None else payload
-    key = (qtype.name, x.dtype == torch.float32, precision, x.device)
-    for index in range(_fitting.get(key, 0), len(LAUNCH_CONFIGS)):
-        stages, block_n = LAUNCH_CONFIGS[index]
-        grid = (triton.cdiv(m, BLOCK_M) if tiles is None else tiles.shape[0], triton.cdiv(n, block_n))
+    fp32 = x.dtype == torch.float32
+    if config is None:
+        config = GROUPED if tiles is not None else NARROW if n <= NARROW_N else DENSE
+    if tiles is not None and tiles.block_m != config.block_m:
+        raise FormatError(f"expert tiles of {tiles.block_m} rows for a launch of {config.block_m}-row programs")
+    key = (qtype.name, fp32, precision, x.device, config)
+    for fit in ((_fitting[key],) if key in _fitting else _fallbacks(config, sub)):
+        step = _step_values(k, sub, fit.block_k)
+        grid = (triton.cdiv(m, fit.block_m) if tiles is None else tiles.table.shape[0], triton.cdiv(n, fit.block_n))
         try:
             _packed_matmul_kernel[grid](
-                x, payload, out, tiles if tiles is not None else payload, scale_arg, *args, m, n, x.stride(0),
-                out.stride(0), out_col, n * row_bytes, row_bytes, 0 if scale is None or scale.numel() == 1 else 1,
-                FORMAT=qtype.name, TYPE_SIZE=type_size, NSUB=nsub, SUB=sub, KB=kb, K_STEPS=k // (kb * block_values),
-                BM=BLOCK_M, BN=block_n, GROUPED=tiles is not None, SCALED=scale is not None,
-                FP32=x.dtype == torch.float32, PRECISION=precision, num_warps=NUM_WARPS, num_stages=stages)
+                x, payload, out, tiles.table if tiles is not None else payload, scale if scale is not None else
+                payload, *args, m, n, x.stride(0), out.stride(0), out_col, n * row_bytes, row_bytes,
+                0 if scale is None or scale.numel() == 1 else 1,
+                FORMAT=qtype.name, TYPE_SIZE=type_size, NSUB=nsub, SUB=sub, S_STEP=step // sub, K_STEPS=k // step,
+                BM=fit.block_m, BN=fit.block_n, GROUPED=tiles is not None, SCALED=scale is not None, FP32=fp32,
+                PRECISION=precision, num_warps=fit.warps, num_stages=fit.stages)
         except triton.runtime.errors.OutOfResources:
             continue
-        _fitting[key] = index
+        _fitting[key] = fit
         return out
     raise FormatError(f"no launch configuration of the fused {qtype.name} product fits this device's shared memory")
 
@@ -199,19 +250,22 @@ def _output(x: torch.Tensor, n: int, out: torch.Tensor | None) -> torch.Tensor:
 
 def linear(x: torch.Tensor, payload: torch.Tensor, qtype: "GGMLType | int", n: int, *,
            out: torch.Tensor | None = None, out_col: int = 0, scale: torch.Tensor | None = None,
-           precision: str = FLOAT32_PRECISION) -> torch.Tensor:
+           precision: str = FLOAT32_PRECISION, config: Config | None = None) -> torch.Tensor:
     """``x @ W.T`` (``x [m, k]``; ``W [n, k]`` as its packed payload), into ``out[:, out_col:out_col + n]``
     (a new ``[m, n]`` tensor by default); ``scale``: an NVFP4 global scale (one value); ``precision``: Triton's
-    ``input_precision`` for float32 activations (``ieee``: plain float32 products, no tensor cores)."""
-    return _launch(x, payload.reshape(-1), qtype, n, _output(x, n, out), out_col, None, scale, precision)
+    ``input_precision`` for float32 activations (``ieee``: plain float32 products, no tensor cores); ``config``:
+    the launch (by default :data:`DENSE`, or :data:`NARROW`)."""
+    return _launch(x, payload.reshape(-1), qtype, n, _output(x, n, out), out_col, None, scale, precision, config)
 
 
 def grouped_linear(x: torch.Tensor, payload: torch.Tensor, qtype: "GGMLType | int", n: int, counts: torch.Tensor,
                    *, out: torch.Tensor | None = None, out_col: int = 0, scale: torch.Tensor | None = None,
-                   tiles: torch.Tensor | None = None) -> torch.Tensor:
+                   tiles: ExpertTiles | None = None, config: Config | None = None) -> torch.Tensor:
     """``x[i] @ W[e_i].T`` for rows sorted by expert (``counts[e]`` rows of expert ``e``; ``W [experts, n, k]`` as
     its packed payload), every expert in one launch; ``scale``: NVFP4 global scales (one, or one per expert);
-    ``tiles``: :func:`expert_tiles` of ``counts`` (computed here if not given)."""
+    ``tiles``: :func:`expert_tiles` of ``counts`` (computed here if not given, of ``config``'s rows per tile);
+    ``config``: the launch (by default :data:`GROUPED`)."""
     if tiles is None:
-        tiles = expert_tiles(counts, x.shape[0])
-    return _launch(x, payload.reshape(-1), qtype, n, _output(x, n, out), out_col, tiles, scale, FLOAT32_PRECISION)
+        tiles = expert_tiles(counts, x.shape[0], (config or GROUPED).block_m)
+    return _launch(x, payload.reshape(-1), qtype, n, _output(x, n, out), out_col, tiles, scale, FLOAT32_PRECISION,
+                   config)

@@ -70,7 +70,7 @@ def _fusable(weight) -> bool:
 
 
 def _product(x: torch.Tensor, weight, experts: torch.Tensor, counts: torch.Tensor, transposed: bool,
-             tiles: torch.Tensor | None) -> torch.Tensor:
+             tiles) -> torch.Tensor:
     """One projection of every routed row: fused (packed weights multiplied as they are) where it applies, else
     the decoded weights' grouped product."""
     if not transposed and tiles is not None:
@@ -110,7 +110,9 @@ def grouped_experts_forward(self, hidden_states: torch.Tensor, top_k_index: torc
     pairs = top_k_index.reshape(-1)
     order = torch.argsort(pairs, stable=True)
     experts = pairs[order]
-    counts = torch.bincount(pairs, minlength=self.num_experts)
+    # bincount on CUDA waits for the device (it reads the largest id); a scatter of ones does not
+    counts = torch.zeros(self.num_experts, dtype=torch.int64, device=pairs.device).index_add_(
+        0, pairs, torch.ones_like(pairs, dtype=torch.int64))
     x = hidden_states[order // top_k]
     transposed = self.is_transposed
     tiles = None
