@@ -32,6 +32,7 @@ import pickle
 import signal
 import time
 from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from multiprocessing.connection import wait
 from typing import TYPE_CHECKING, Callable, Iterable, Iterator
@@ -40,6 +41,7 @@ from ..errors import ConcurrentWriteError, FormatError, OutOfSpaceError, Quantki
 from ..io.atomic import is_out_of_space
 from ..io.gguf_writer import pwrite_all
 from ..formats.warm import encoder_kinds
+from ..io.checkpoint import open_checkpoint
 from .tensors import ROW_CHUNK_BYTES, SourceContext, TensorJob, source_digests, tensor_bytes
 
 if TYPE_CHECKING:
@@ -51,6 +53,8 @@ WORKER_EXIT_TIMEOUT = 10.0
 PR_SET_PDEATHSIG = 1
 #: Resident memory of a worker before its first tensor (Python, numpy, numba, quantkit): measured ~150 MB.
 WORKER_BASE_BYTES = 160 << 20
+#: Threads computing source digests beside a GPU conversion (SHA-256 runs at ~2 GB/s a thread; see TensorWriter).
+DIGEST_THREADS = 4
 #: A worker holds a unit as float32 plus its importance, encoder scratch and encoded bytes: about 3x the unit.
 UNIT_MEMORY_FACTOR = 3
 
@@ -108,20 +112,26 @@ class TensorDone:
     """Source file name → SHA-256 of the stored bytes the tensor was made from (journaled for resume)."""
 
 
-def produce_tensor(context: SourceContext, job: TensorJob, put: Callable[["np.ndarray", int], None]) -> TensorDone:
+def produce_tensor(context: SourceContext, job: TensorJob, put: Callable[["np.ndarray", int], None],
+                   sources: "Future | None" = None) -> TensorDone:
     """Produce ``job``'s payload, handing each piece to ``put(piece, offset within the payload)``, hashing it as it
-    goes; the source pages read are released afterwards."""
+    goes; the source pages read are released afterwards.  ``sources``: the job's :func:`source_digests` being
+    computed elsewhere (else they are computed here first)."""
     start = time.perf_counter()
     digest = hashlib.sha256()
     written = 0
     try:
-        sources = source_digests(context.checkpoint, job)
-        for piece in tensor_bytes(context, job):
-            if written + piece.nbytes > job.nbytes:
-                raise FormatError(f"produced more than the {job.nbytes} bytes planned", tensor=job.name)
-            put(piece, written)
-            digest.update(piece)
-            written += piece.nbytes
+        if sources is None:
+            sources = source_digests(context.checkpoint, job)
+        with contextlib.closing(tensor_bytes(context, job)) as produced:
+            for piece in produced:
+                if written + piece.nbytes > job.nbytes:
+                    raise FormatError(f"produced more than the {job.nbytes} bytes planned", tensor=job.name)
+                put(piece, written)
+                digest.update(piece)
+                written += piece.nbytes
+        if not isinstance(sources, dict):
+            sources = sources.result()
     finally:
         context.release()
     if written != job.nbytes:
@@ -129,11 +139,26 @@ def produce_tensor(context: SourceContext, job: TensorJob, put: Callable[["np.nd
     return TensorDone(job.name, digest.hexdigest(), written, time.perf_counter() - start, sources)
 
 
+def _digests_apart(source_path: str, job: TensorJob) -> dict[str, str]:
+    """:func:`source_digests` through a checkpoint of its own (the producing thread unmaps its own after each
+    tensor)."""
+    with open_checkpoint(source_path) as checkpoint:
+        return source_digests(checkpoint, job)
+
+
 class TensorWriter:
-    """Produces tensors by name and writes them into the partial file (one per process)."""
+    """Produces tensors by name and writes them into the partial file (one per process).
+
+    On a GPU (``setup.device`` not "cpu") the encoding is no longer what bounds a tensor, so the SHA-256 of the
+    source bytes it reads (for resume) runs beside it in :data:`DIGEST_THREADS` threads, for the tensors named to
+    :meth:`prefetch` ahead of :meth:`run` too; on the CPU the workers already use every core.
+    """
 
     def __init__(self, setup: WorkerSetup):
         self.setup = setup
+        self._digests: dict[str, Future] = {}
+        self._digester = (ThreadPoolExecutor(DIGEST_THREADS, thread_name_prefix="quantkit-digest")
+                          if setup.device != "cpu" else None)
         self.context = SourceContext(setup.source_path, setup.model_type, setup.imatrix_path,
                                      setup.imatrix_shapes, setup.allow_synthetic_imatrix, setup.device)
         try:
@@ -145,11 +170,21 @@ class TensorWriter:
             self.close()
             raise partial_gone(setup.partial_path)
 
+    def prefetch(self, names: Iterable[str]) -> None:
+        """Start the source digests of tensors about to be run (on a GPU; nothing on the CPU)."""
+        if self._digester is not None:
+            for name in names:
+                if name not in self._digests:
+                    self._digests[name] = self._digester.submit(_digests_apart, self.setup.source_path,
+                                                                self.setup.jobs[name])
+
     def run(self, name: str) -> TensorDone:
         offset = self.setup.offsets[name]
+        self.prefetch([name])
         try:
             return produce_tensor(self.context, self.setup.jobs[name],
-                                  lambda piece, at: pwrite_all(self._fd, piece, offset + at))
+                                  lambda piece, at: pwrite_all(self._fd, piece, offset + at),
+                                  self._digests.pop(name, None))
         except OSError as exc:
             if is_out_of_space(exc):
                 raise out_of_space(self.setup.partial_path, name) from None
@@ -160,6 +195,8 @@ class TensorWriter:
         return self._fd
 
     def close(self) -> None:
+        if self._digester is not None:
+            self._digester.shutdown(wait=True, cancel_futures=True)
         self.context.release()
         fd, self._fd = self._fd, None
         if fd is not None:
@@ -201,6 +238,11 @@ def _worker_main(conn) -> None:
     # a failure here comes back with its tensor's name when that tensor is encoded
     with contextlib.suppress(Exception):
         warm_encoders(share)
+    if setup.device != "cpu":
+        with contextlib.suppress(Exception):
+            from ..kernels.gpu_encode import warm_device
+
+            warm_device(setup.device)
     conn.send(("ready",))
     try:
         writer = TensorWriter(setup)
@@ -284,8 +326,10 @@ class WorkerPool:
         self._started = True
         if not self._workers:
             writer = TensorWriter(setup)
+            names = list(names)
             try:
-                for name in names:
+                for i, name in enumerate(names):
+                    writer.prefetch(names[i:i + DIGEST_THREADS])
                     yield writer.run(name)
             finally:
                 writer.close()
@@ -300,6 +344,10 @@ class WorkerPool:
         # Each worker first compiles (or loads from numba's disk cache) its own share of the encoders the
         # tensors need, all shares in parallel; then every worker finds every kernel in the cache.
         kinds = encoder_kinds(setup.jobs[name] for name in queue)
+        if setup.device != "cpu":   # the types the GPU encodes need no CPU kernel
+            from ..kernels.gpu_encode import supports
+
+            kinds = [k for k in kinds if not supports(k[0])]
         for i, worker in enumerate(self._workers):
             worker.send(setup, setup)
             worker.send(kinds[i::len(self._workers)], setup)
