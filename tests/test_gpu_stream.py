@@ -153,3 +153,27 @@ def test_read_error_is_raised_in_place_and_the_reader_stops(tiny, tmp_path, monk
         next(stream)
     assert len(calls) == 2
     assert not any(t.name == "quantkit-gpu-reader" for t in __import__("threading").enumerate())
+
+
+def test_convert_through_the_stream_writes_the_cpu_file(tiny, tmp_path, monkeypatch):
+    """A whole ``convert --device cuda -j 1`` (source digests in their threads, the device warmed beside the
+    planning; expert 0 unobserved, so its bootstrap importance takes the piece path) with torch's CPU encoders
+    standing in for the GPU: the file of the CPU path, byte for byte."""
+    from quantkit.convert import execute
+
+    ckpt = tiny.get("qwen3_moe", "fused", "bf16")
+    prepared, im_path = _prepared(ckpt, tmp_path, True)
+    stream, encode = gpu_stream.encode_stream, gpu_encode.encode
+    monkeypatch.setattr(gpu_encode, "encode", lambda *a, device, **kw: encode(*a, device="cpu", **kw))
+    monkeypatch.setattr(gpu_encode, "check_device", lambda device: None)
+    monkeypatch.setattr(gpu_encode, "warm_device", lambda device: None)
+    monkeypatch.setattr(gpu_stream, "encode_stream", lambda ctx, job, units, device, **kw: stream(ctx, job, units,
+                                                                                                 "cpu", **kw))
+    files = {}
+    for device in ("cpu", "cuda"):
+        request = ConvertRequest(str(ckpt), tmp_path / f"{device}.gguf", str(tmp_path / "recipe.toml"),
+                                 imatrix=im_path, allow_synthetic_imatrix=True, pre_tokenizer=PRE, progress=False,
+                                 device=device)
+        execute.convert(request)
+        files[device] = request.out.read_bytes()
+    assert files["cuda"] == files["cpu"]
