@@ -12,7 +12,8 @@ for every weight of the blocks, then measures, for each process count N of ``--j
     (``SourceContext.array``: the BF16 bits widened by numpy), each tensor's maps released after it as convert
     does; N processes started and warm beforehand take the tensors largest first, as convert's workers do; the
     figure is the wall time from handing out the first tensor to the last one read (page cache warm: the
-    checkpoint was just written and synced).  ``raw read`` is the same with the stored bits copied, not widened.
+    checkpoint was just written and synced).  ``raw read`` (first N only) is the same with the stored bits
+    copied, not widened.
 (b) encode: every tensor with a GPU type encoded on the GPU from float32 already resident there (each expert
     with its imatrix slice, in the encoders' pass sizes), timed between two synchronizations, tensor by tensor,
     summed; uploads excluded; after one warm-up encode of each type (its compile or load reported apart).
@@ -241,7 +242,7 @@ def main() -> None:
             outputs = set()
             for n in counts:
                 read = time_reads(prepared, imatrix, n, widen=True)
-                raw = time_reads(prepared, imatrix, n, widen=False)
+                raw = time_reads(prepared, imatrix, n, widen=False) if n == counts[0] else float("nan")
                 conv = run_convert(ckpt, root / f"{key}-j{n}.gguf", recipe, imatrix, n, args.device)
                 outputs.add(conv.pop("sha256"))
                 bound = max(read, encode["seconds"])
