@@ -208,7 +208,8 @@ def run_convert(ckpt: Path, out: Path, recipe: Path, imatrix: Path, jobs: int, d
             digest.update(block)
     out.unlink()
     report.unlink()
-    return {**timing, "sha256": digest.hexdigest(), "phases_s": rep["phases"], "jobs_used": rep["jobs"],
+    return {**timing, "sha256": digest.hexdigest(), "executor_s": rep["wall_seconds"], "phases_s": rep["phases"],
+            "jobs_used": rep["jobs"],
             "tensor_seconds": rep["tensor_seconds"], "file_size": rep["file_size"]}
 
 
