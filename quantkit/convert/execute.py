@@ -356,7 +356,7 @@ def execute(prepared: Prepared, request: ConvertRequest) -> ConvertResult:
             raise UnsupportedError(f"--device {request.device} needs torch (pip install 'quantkit[runtime]'): "
                                    f"{exc}") from None
         check_device(request.device)
-        if prepared.workers == 1:   # the context and the fused kernels load while the header is written
+        if prepared.workers == 1:   # the context starts while the header is written
             from ..kernels.gpu_encode import warm_device
 
             threading.Thread(target=_quietly, args=(warm_device, request.device), daemon=True).start()

@@ -37,7 +37,6 @@ the host copies overlapped); :func:`encode_tensor` encodes a tensor already on i
 from __future__ import annotations
 
 import functools
-import threading
 from pathlib import Path
 
 import numpy as np
@@ -311,25 +310,17 @@ _SEARCH_FUNCTIONS = ["qkx_search_lanes", "qp_quants_lanes", "iq2_xxs_encode", "k
 
 
 _EXTENSIONS: dict[str, object] = {}
-_EXTENSIONS_LOCK = threading.Lock()   # warm_device loads it in a thread while the first tensor may need it
+
+
+def warm_device(device: str) -> None:
+    """Start ``device``'s context (a conversion does it while it plans).  The fused kernels still load at first
+    use: a build interrupted by the process's exit would leave torch's extension lock behind."""
+    torch.empty(1, device=torch.device(device))
 
 
 def search_extension(device_type: str):
     """The compiled ``kq_search.cu`` for ``device_type`` ("cuda": nvcc; "cpu": the C++ compiler, for checks), or
     None when it cannot be built here (no CUDA toolkit or compiler): the eager search gives the same bytes."""
-    with _EXTENSIONS_LOCK:
-        return _search_extension(device_type)
-
-
-def warm_device(device: str) -> None:
-    """Start ``device``'s context and load its fused kernels (a conversion does it while it plans and hashes)."""
-    dev = torch.device(device)
-    torch.empty(1, device=dev)
-    if dev.type in FUSED_SEARCH_ON:
-        search_extension(dev.type)
-
-
-def _search_extension(device_type: str):
     if device_type not in _EXTENSIONS:
         from torch.utils.cpp_extension import load_inline
 
