@@ -30,6 +30,7 @@ import multiprocessing
 import os
 import pickle
 import signal
+import threading
 import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -139,13 +140,6 @@ def produce_tensor(context: SourceContext, job: TensorJob, put: Callable[["np.nd
     return TensorDone(job.name, digest.hexdigest(), written, time.perf_counter() - start, sources)
 
 
-def _digests_apart(source_path: str, job: TensorJob) -> dict[str, str]:
-    """:func:`source_digests` through a checkpoint of its own (the producing thread unmaps its own after each
-    tensor)."""
-    with open_checkpoint(source_path) as checkpoint:
-        return source_digests(checkpoint, job)
-
-
 class TensorWriter:
     """Produces tensors by name and writes them into the partial file (one per process).
 
@@ -159,6 +153,7 @@ class TensorWriter:
         self._digests: dict[str, Future] = {}
         self._digester = (ThreadPoolExecutor(DIGEST_THREADS, thread_name_prefix="quantkit-digest")
                           if setup.device != "cpu" else None)
+        self._local = threading.local()
         self.context = SourceContext(setup.source_path, setup.model_type, setup.imatrix_path,
                                      setup.imatrix_shapes, setup.allow_synthetic_imatrix, setup.device)
         try:
@@ -175,8 +170,19 @@ class TensorWriter:
         if self._digester is not None:
             for name in names:
                 if name not in self._digests:
-                    self._digests[name] = self._digester.submit(_digests_apart, self.setup.source_path,
-                                                                self.setup.jobs[name])
+                    self._digests[name] = self._digester.submit(self._source_digests, self.setup.jobs[name])
+
+    def _source_digests(self, job: TensorJob) -> dict[str, str]:
+        """:func:`source_digests` in a digest thread, through that thread's own checkpoint (opened once: a
+        checkpoint parses every shard's header; one shared between threads could lose its map to another's
+        ``close``), unmapped after each tensor like the producing thread's."""
+        checkpoint = getattr(self._local, "checkpoint", None)
+        if checkpoint is None:
+            checkpoint = self._local.checkpoint = open_checkpoint(self.setup.source_path)
+        try:
+            return source_digests(checkpoint, job)
+        finally:
+            checkpoint.close()
 
     def run(self, name: str) -> TensorDone:
         offset = self.setup.offsets[name]
