@@ -66,8 +66,9 @@ def _prepared(ckpt: Path, tmp: Path, imatrix: bool):
         im_path = tmp / "im.gguf"
         save_imatrix(make_imatrix(entries, datasets=["synthetic:test"], chunk_count=3, chunk_size=8,
                                   synthetic=True), im_path)
-    request = ConvertRequest(str(ckpt), tmp / "out.gguf", str(recipe), imatrix=None if im_path is None else str(im_path),
-                             allow_synthetic_imatrix=True, pre_tokenizer=PRE)
+    request = ConvertRequest(str(ckpt), tmp / "out.gguf", str(recipe),
+                             imatrix=None if im_path is None else str(im_path), allow_synthetic_imatrix=True,
+                             pre_tokenizer=PRE)
     prepared = prepare(request)
     return prepared, str(im_path) if im_path else None
 

@@ -25,9 +25,10 @@ Steps (:func:`convert`):
    most one per CPU and what the memory holds), each written at its planned offset and journaled with its
    SHA-256 and its source bytes' SHA-256 as it completes; a progress bar shows tensors, bytes and the ETA.
    Meanwhile background threads hash the source files (:class:`~quantkit.convert.source.Hashing`), so reading
-   the source twice overlaps the encoding instead of preceding it.  With ``executor="ray"`` the tensors are Ray
-   tasks on a cluster instead (:mod:`quantkit.convert.raypool`: same interface, so journal and resume are the
-   same).
+   the source twice overlaps the encoding instead of preceding it.  With ``device`` cuda the tensors stream
+   through the GPU (:mod:`quantkit.convert.gpu_stream`) and those threads number half the CPUs.  With
+   ``executor="ray"`` the tensors are Ray tasks on a cluster instead (:mod:`quantkit.convert.raypool`: same
+   interface, so journal and resume are the same).
 8. **Finish**: every tensor accounted for, the header with the real hashes replaces the pending one, the header
    and every payload are verified against the layout and the journal, the journal notes the rename, the
    partial is fsynced and renamed to ``out``; the journal is removed.

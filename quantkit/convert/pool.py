@@ -5,8 +5,11 @@ small :class:`TensorDone` travels back; every worker opens the checkpoint (and t
 writes its payload with ``pwrite`` at the planned offset of the partial file, hashing the bytes as they go.
 Memory per worker is one tensor unit (one expert, one row chunk, or one small tensor; see
 :mod:`quantkit.convert.tensors`) plus the source pages read for the current tensor (unmapped after each
-tensor).  Numba runs one thread per worker (the workers are the parallelism).  Workers are spawned as soon as the
-:class:`WorkerPool` exists and receive the :class:`WorkerSetup` once the caller has planned the file.
+tensor).  Numba runs one thread per worker (the workers are the parallelism).  With ``--device cuda`` a worker
+streams its tensors through the GPU (:mod:`quantkit.convert.gpu_stream`) and hashes their source bytes in threads
+beside it (:class:`TensorWriter`); workers share the GPU, each with its own context and a few batches of device
+memory.  Workers are spawned as soon as the :class:`WorkerPool` exists and receive the :class:`WorkerSetup` once
+the caller has planned the file.
 
 Workers die with their parent (``PR_SET_PDEATHSIG``), so a killed conversion leaves no process writing behind.
 Each worker opens the partial by name and checks that it is the very file the caller created (device and inode):
