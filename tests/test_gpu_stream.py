@@ -178,3 +178,27 @@ def test_convert_through_the_stream_writes_the_cpu_file(tiny, tmp_path, monkeypa
         execute.convert(request)
         files[device] = request.out.read_bytes()
     assert files["cuda"] == files["cpu"]
+
+
+def test_write_behind_keeps_the_order_and_raises_the_first_write_failure(monkeypatch):
+    """On a GPU, pieces are written and hashed in a thread: in order, and a failed write stops the tensor."""
+    import hashlib
+    from types import SimpleNamespace
+
+    from quantkit.convert import pool
+
+    pieces_out = [np.full(1000 + i, i, np.uint8) for i in range(6)]
+    monkeypatch.setattr(pool, "tensor_bytes", lambda ctx, job: (p for p in pieces_out))
+    ctx = SimpleNamespace(device="cuda", release=lambda: None)
+    job = SimpleNamespace(name="t", nbytes=sum(p.nbytes for p in pieces_out))
+    written = []
+    done = pool.produce_tensor(ctx, job, lambda piece, at: written.append((at, piece.tobytes())), {})
+    assert b"".join(w for _, w in written) == b"".join(p.tobytes() for p in pieces_out)
+    assert [at for at, _ in written] == list(np.cumsum([0] + [p.nbytes for p in pieces_out[:-1]]))
+    assert done.sha256 == hashlib.sha256(b"".join(p.tobytes() for p in pieces_out)).hexdigest()
+
+    def failing(piece, at):
+        if at:
+            raise OSError("disk gone")
+    with pytest.raises(OSError, match="disk gone"):
+        pool.produce_tensor(ctx, job, failing, {})

@@ -8,7 +8,8 @@ fast that the host work around it bounds the conversion, so here:
   copy releases the GIL);
 * the calling thread uploads a batch (consecutive pieces, at most :data:`BATCH_BYTES` of source and the
   encoder's pass size), widens it on the device (exact: F16 and BF16 are subsets of float32), checks it is finite
-  (one host sync per batch), encodes each piece with its own importance and downloads the bytes.
+  (one host sync per batch), encodes each piece with its own importance (the whole batch in one pass where no
+  piece has any: rows encode independently) and downloads the bytes.
 
 Pieces whose values need host work first (a transform, an FP8 source, importance computed from the values)
 have no ``stored`` rows and go through :meth:`Piece.produce` as on the CPU path, in their place in the file order.
@@ -181,16 +182,20 @@ def encode_stream(ctx, job, pieces, device: str, *, batch_bytes: int = BATCH_BYT
             finite = torch.isfinite(x).all(dim=1)
             bad = None if bool(finite.all()) else int((~finite).nonzero()[0, 0])   # a sync: the upload is done
             reader.free.put(host)
-            r0, encoded = 0, []
-            for span in batch.spans:
-                r1 = r0 + len(span.rows)
-                name = _unit_name(job, pieces[span.index].matrix)
-                if bad is not None and bad < r1:
-                    raise EncodeError(f"non-finite weight (NaN or Inf) in row {span.first_row + bad - r0}",
-                                      tensor=name)
-                encoded.append(gpu_encode.encode_tensor(x[r0:r1], fmt.qtype, importance(span.index),
-                                                        first_row=span.first_row, name=name))
-                r0 = r1
+            ims = None if bad is not None else [importance(span.index) for span in batch.spans]
+            if ims is not None and all(im is None for im in ims):   # rows encode alone: one pass for the batch
+                encoded = [gpu_encode.encode_tensor(x, fmt.qtype, None, name=job.name)]
+            else:
+                r0, encoded = 0, []
+                for span in batch.spans:
+                    r1 = r0 + len(span.rows)
+                    name = _unit_name(job, pieces[span.index].matrix)
+                    if bad is not None and bad < r1:
+                        raise EncodeError(f"non-finite weight (NaN or Inf) in row {span.first_row + bad - r0}",
+                                          tensor=name)
+                    encoded.append(gpu_encode.encode_tensor(x[r0:r1], fmt.qtype, importance(span.index),
+                                                            first_row=span.first_row, name=name))
+                    r0 = r1
             out = torch.cat(encoded)
             if cuda:
                 host_out = torch.empty(out.shape, dtype=torch.uint8, pin_memory=True)

@@ -32,6 +32,7 @@ import math
 import multiprocessing
 import os
 import pickle
+import queue
 import signal
 import threading
 import time
@@ -57,6 +58,8 @@ WORKER_EXIT_TIMEOUT = 10.0
 PR_SET_PDEATHSIG = 1
 #: Resident memory of a worker before its first tensor (Python, numpy, numba, quantkit): measured ~150 MB.
 WORKER_BASE_BYTES = 160 << 20
+#: Pieces of a GPU stream waiting to be written and hashed (see _WriteBehind).
+WRITE_BEHIND = 2
 #: Threads computing source digests beside a GPU conversion (SHA-256 runs at ~2 GB/s a thread; see TensorWriter).
 DIGEST_THREADS = 4
 #: A worker holds a unit as float32 plus its importance, encoder scratch and encoded bytes: about 3x the unit.
@@ -124,6 +127,7 @@ def produce_tensor(context: SourceContext, job: TensorJob, put: Callable[["np.nd
     start = time.perf_counter()
     digest = hashlib.sha256()
     written = 0
+    behind = _WriteBehind(put, digest) if context.device != "cpu" else None
     try:
         if sources is None:
             sources = source_digests(context.checkpoint, job)
@@ -131,16 +135,57 @@ def produce_tensor(context: SourceContext, job: TensorJob, put: Callable[["np.nd
             for piece in produced:
                 if written + piece.nbytes > job.nbytes:
                     raise FormatError(f"produced more than the {job.nbytes} bytes planned", tensor=job.name)
-                put(piece, written)
-                digest.update(piece)
+                if behind is not None:
+                    behind.submit(piece, written)
+                else:
+                    put(piece, written)
+                    digest.update(piece)
                 written += piece.nbytes
+        if behind is not None:
+            behind, done = None, behind
+            done.close()
         if not isinstance(sources, dict):
             sources = sources.result()
     finally:
+        if behind is not None:
+            behind.close(quiet=True)
         context.release()
     if written != job.nbytes:
         raise FormatError(f"produced {written} bytes, the plan has {job.nbytes}", tensor=job.name)
     return TensorDone(job.name, digest.hexdigest(), written, time.perf_counter() - start, sources)
+
+
+class _WriteBehind:
+    """``put`` and hash a GPU stream's pieces in a thread, in order, while the next batch encodes (on the CPU the
+    encoders are the bound and the workers use every core).  At most :data:`WRITE_BEHIND` pieces wait; the first
+    failure is raised by the next :meth:`submit` or by :meth:`close`."""
+
+    def __init__(self, put: Callable[["np.ndarray", int], None], digest):
+        self._queue: queue.Queue = queue.Queue(maxsize=WRITE_BEHIND)
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, args=(put, digest), daemon=True, name="quantkit-write")
+        self._thread.start()
+
+    def _run(self, put, digest) -> None:
+        while (item := self._queue.get()) is not None:
+            if self._error is None:
+                try:
+                    put(*item)
+                    digest.update(item[0])
+                except BaseException as exc:  # noqa: BLE001 - raised in the producing thread
+                    self._error = exc
+
+    def submit(self, piece: "np.ndarray", at: int) -> None:
+        if self._error is not None:
+            raise self._error
+        self._queue.put((piece, at))
+
+    def close(self, *, quiet: bool = False) -> None:
+        """Wait for every piece to be written; raise the first failure unless ``quiet`` (already failing)."""
+        self._queue.put(None)
+        self._thread.join()
+        if self._error is not None and not quiet:
+            raise self._error
 
 
 class TensorWriter:
