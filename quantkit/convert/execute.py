@@ -25,9 +25,10 @@ Steps (:func:`convert`):
    most one per CPU and what the memory holds), each written at its planned offset and journaled with its
    SHA-256 and its source bytes' SHA-256 as it completes; a progress bar shows tensors, bytes and the ETA.
    Meanwhile background threads hash the source files (:class:`~quantkit.convert.source.Hashing`), so reading
-   the source twice overlaps the encoding instead of preceding it.  With ``executor="ray"`` the tensors are Ray
-   tasks on a cluster instead (:mod:`quantkit.convert.raypool`: same interface, so journal and resume are the
-   same).
+   the source twice overlaps the encoding instead of preceding it.  With ``device`` cuda the tensors stream
+   through the GPU (:mod:`quantkit.convert.gpu_stream`) and those threads number half the CPUs.  With
+   ``executor="ray"`` the tensors are Ray tasks on a cluster instead (:mod:`quantkit.convert.raypool`: same
+   interface, so journal and resume are the same).
 8. **Finish**: every tensor accounted for, the header with the real hashes replaces the pending one, the header
    and every payload are verified against the layout and the journal, the journal notes the rename, the
    partial is fsynced and renamed to ``out``; the journal is removed.
@@ -47,6 +48,7 @@ import contextlib
 import hashlib
 import os
 import shutil
+import threading
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -64,8 +66,8 @@ from ..recipes import Recipe, load_recipe
 from .consistency import check_config_against_tensors
 from .journal import Journal, JournalState, journal_path, read_journal
 from .plan import Plan, PlannedTensor, build_plan, inspect_sources
-from .pool import (TensorDone, WorkerPool, WorkerSetup, bound_jobs, out_of_space, partial_gone, partial_identity,
-                   worker_memory)
+from .pool import (TensorDone, WorkerPool, WorkerSetup, available_cpus, bound_jobs, out_of_space, partial_gone,
+                   partial_identity, worker_memory)
 from .provenance import merged_metadata, provenance_metadata
 from .source import FileHash, Hashing, ResolvedSource, file_stats, provenance_files, resolve_source
 from .tensors import TensorJob, imatrix_shapes, load_model_imatrix, source_digests
@@ -355,6 +357,10 @@ def execute(prepared: Prepared, request: ConvertRequest) -> ConvertResult:
             raise UnsupportedError(f"--device {request.device} needs torch (pip install 'quantkit[runtime]'): "
                                    f"{exc}") from None
         check_device(request.device)
+        if prepared.workers == 1:   # the context starts while the header is written
+            from ..kernels.gpu_encode import warm_device
+
+            threading.Thread(target=_quietly, args=(warm_device, request.device), daemon=True).start()
     with output_lock(out):
         try:
             return _execute(prepared, request, out)
@@ -364,8 +370,21 @@ def execute(prepared: Prepared, request: ConvertRequest) -> ConvertResult:
             raise
 
 
+def _quietly(fn, *args) -> None:
+    """``fn(*args)`` in a helper thread: a failure shows up again, with its tensor, where the work needs it."""
+    with contextlib.suppress(Exception):
+        fn(*args)
+
+
+def _helper_threads(prepared: Prepared, request: ConvertRequest) -> int:
+    """Threads hashing the source and verifying payloads: as many as workers on the CPU (which they keep busy);
+    half the CPUs beside a GPU conversion, whose workers leave them idle."""
+    return prepared.workers if request.device == "cpu" else max(prepared.workers, available_cpus() // 2)
+
+
 def _execute(prepared: Prepared, request: ConvertRequest, out: Path) -> ConvertResult:
     clock = _Clock()
+    helpers = _helper_threads(prepared, request)
     plan, source, jobs = prepared.plan, prepared.source, prepared.jobs
     partial = out.with_name(out.name + PARTIAL_SUFFIX)
     jpath = journal_path(out)
@@ -397,7 +416,7 @@ def _execute(prepared: Prepared, request: ConvertRequest, out: Path) -> ConvertR
         if resuming:
             _check_sources(source.path, jobs, journaled)
             _write_header(partial, layout.header)   # back to pending hashes, had a run died while finishing
-            writer.resume(journaled.done, verify=True, threads=prepared.workers)
+            writer.resume(journaled.done, verify=True, threads=helpers)
             journal = Journal.reopen(jpath)
         else:   # the journal first: a partial never exists without the journal that says what it holds
             journal = Journal.create(jpath, fingerprint, stats)
@@ -405,7 +424,7 @@ def _execute(prepared: Prepared, request: ConvertRequest, out: Path) -> ConvertR
         writer.close()
         done = dict(journaled.done)
         identity = partial_identity(partial)
-        hashing = Hashing(prepared.files, stats, jobs=prepared.workers)   # overlaps the encoding
+        hashing = Hashing(prepared.files, stats, jobs=helpers)   # overlaps the encoding
         clock.lap("header")
 
         setup = WorkerSetup(str(source.path), plan.model_type, request.imatrix, str(partial), jobs,
@@ -437,7 +456,7 @@ def _execute(prepared: Prepared, request: ConvertRequest, out: Path) -> ConvertR
         raise partial_gone(partial)
     _write_header(partial, final_layout.header)
     final = GGUFWriter(out, final_layout, overwrite=request.force)
-    final.resume(done, verify=True, threads=prepared.workers)   # never rename bytes nobody checked
+    final.resume(done, verify=True, threads=helpers)   # never rename bytes nobody checked
     journal = Journal.reopen(jpath)
     try:
         journal.record_renaming(hashlib.sha256(final_layout.header).hexdigest())

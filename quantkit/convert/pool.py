@@ -5,8 +5,11 @@ small :class:`TensorDone` travels back; every worker opens the checkpoint (and t
 writes its payload with ``pwrite`` at the planned offset of the partial file, hashing the bytes as they go.
 Memory per worker is one tensor unit (one expert, one row chunk, or one small tensor; see
 :mod:`quantkit.convert.tensors`) plus the source pages read for the current tensor (unmapped after each
-tensor).  Numba runs one thread per worker (the workers are the parallelism).  Workers are spawned as soon as the
-:class:`WorkerPool` exists and receive the :class:`WorkerSetup` once the caller has planned the file.
+tensor).  Numba runs one thread per worker (the workers are the parallelism).  With ``--device cuda`` a worker
+streams its tensors through the GPU (:mod:`quantkit.convert.gpu_stream`) and hashes their source bytes in threads
+beside it (:class:`TensorWriter`); workers share the GPU, each with its own context and a few batches of device
+memory.  Workers are spawned as soon as the :class:`WorkerPool` exists and receive the :class:`WorkerSetup` once
+the caller has planned the file.
 
 Workers die with their parent (``PR_SET_PDEATHSIG``), so a killed conversion leaves no process writing behind.
 Each worker opens the partial by name and checks that it is the very file the caller created (device and inode):
@@ -29,9 +32,12 @@ import math
 import multiprocessing
 import os
 import pickle
+import queue
 import signal
+import threading
 import time
 from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from multiprocessing.connection import wait
 from typing import TYPE_CHECKING, Callable, Iterable, Iterator
@@ -41,6 +47,7 @@ from ..io.atomic import is_out_of_space
 from ..io.gguf_writer import pwrite_all
 from ..resources import available_cpus, available_memory
 from ..formats.warm import encoder_kinds
+from ..io.checkpoint import open_checkpoint
 from .tensors import ROW_CHUNK_BYTES, SourceContext, TensorJob, source_digests, tensor_bytes
 
 if TYPE_CHECKING:
@@ -52,6 +59,10 @@ WORKER_EXIT_TIMEOUT = 10.0
 PR_SET_PDEATHSIG = 1
 #: Resident memory of a worker before its first tensor (Python, numpy, numba, quantkit): measured ~150 MB.
 WORKER_BASE_BYTES = 160 << 20
+#: Pieces of a GPU stream waiting to be written and hashed (see _WriteBehind).
+WRITE_BEHIND = 2
+#: Threads computing source digests beside a GPU conversion (SHA-256 runs at ~2 GB/s a thread; see TensorWriter).
+DIGEST_THREADS = 4
 #: A worker holds a unit as float32 plus its importance, encoder scratch and encoded bytes: about 3x the unit.
 UNIT_MEMORY_FACTOR = 3
 
@@ -109,32 +120,89 @@ class TensorDone:
     """Source file name → SHA-256 of the stored bytes the tensor was made from (journaled for resume)."""
 
 
-def produce_tensor(context: SourceContext, job: TensorJob, put: Callable[["np.ndarray", int], None]) -> TensorDone:
+def produce_tensor(context: SourceContext, job: TensorJob, put: Callable[["np.ndarray", int], None],
+                   sources: "Future | None" = None) -> TensorDone:
     """Produce ``job``'s payload, handing each piece to ``put(piece, offset within the payload)``, hashing it as it
-    goes; the source pages read are released afterwards."""
+    goes; the source pages read are released afterwards.  ``sources``: the job's :func:`source_digests` being
+    computed elsewhere (else they are computed here first)."""
     start = time.perf_counter()
     digest = hashlib.sha256()
     written = 0
+    behind = _WriteBehind(put, digest) if context.device != "cpu" else None
     try:
-        sources = source_digests(context.checkpoint, job)
-        for piece in tensor_bytes(context, job):
-            if written + piece.nbytes > job.nbytes:
-                raise FormatError(f"produced more than the {job.nbytes} bytes planned", tensor=job.name)
-            put(piece, written)
-            digest.update(piece)
-            written += piece.nbytes
+        if sources is None:
+            sources = source_digests(context.checkpoint, job)
+        with contextlib.closing(tensor_bytes(context, job)) as produced:
+            for piece in produced:
+                if written + piece.nbytes > job.nbytes:
+                    raise FormatError(f"produced more than the {job.nbytes} bytes planned", tensor=job.name)
+                if behind is not None:
+                    behind.submit(piece, written)
+                else:
+                    put(piece, written)
+                    digest.update(piece)
+                written += piece.nbytes
+        if behind is not None:
+            behind, done = None, behind
+            done.close()
+        if not isinstance(sources, dict):
+            sources = sources.result()
     finally:
+        if behind is not None:
+            behind.close(quiet=True)
         context.release()
     if written != job.nbytes:
         raise FormatError(f"produced {written} bytes, the plan has {job.nbytes}", tensor=job.name)
     return TensorDone(job.name, digest.hexdigest(), written, time.perf_counter() - start, sources)
 
 
+class _WriteBehind:
+    """``put`` and hash a GPU stream's pieces in a thread, in order, while the next batch encodes (on the CPU the
+    encoders are the bound and the workers use every core).  At most :data:`WRITE_BEHIND` pieces wait; the first
+    failure is raised by the next :meth:`submit` or by :meth:`close`."""
+
+    def __init__(self, put: Callable[["np.ndarray", int], None], digest):
+        self._queue: queue.Queue = queue.Queue(maxsize=WRITE_BEHIND)
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, args=(put, digest), daemon=True, name="quantkit-write")
+        self._thread.start()
+
+    def _run(self, put, digest) -> None:
+        while (item := self._queue.get()) is not None:
+            if self._error is None:
+                try:
+                    put(*item)
+                    digest.update(item[0])
+                except BaseException as exc:  # noqa: BLE001 - raised in the producing thread
+                    self._error = exc
+
+    def submit(self, piece: "np.ndarray", at: int) -> None:
+        if self._error is not None:
+            raise self._error
+        self._queue.put((piece, at))
+
+    def close(self, *, quiet: bool = False) -> None:
+        """Wait for every piece to be written; raise the first failure unless ``quiet`` (already failing)."""
+        self._queue.put(None)
+        self._thread.join()
+        if self._error is not None and not quiet:
+            raise self._error
+
+
 class TensorWriter:
-    """Produces tensors by name and writes them into the partial file (one per process)."""
+    """Produces tensors by name and writes them into the partial file (one per process).
+
+    On a GPU (``setup.device`` not "cpu") the encoding is no longer what bounds a tensor, so the SHA-256 of the
+    source bytes it reads (for resume) runs beside it in :data:`DIGEST_THREADS` threads, for the tensors named to
+    :meth:`prefetch` ahead of :meth:`run` too; on the CPU the workers already use every core.
+    """
 
     def __init__(self, setup: WorkerSetup):
         self.setup = setup
+        self._digests: dict[str, Future] = {}
+        self._digester = (ThreadPoolExecutor(DIGEST_THREADS, thread_name_prefix="quantkit-digest")
+                          if setup.device != "cpu" else None)
+        self._local = threading.local()
         self.context = SourceContext(setup.source_path, setup.model_type, setup.imatrix_path,
                                      setup.imatrix_shapes, setup.allow_synthetic_imatrix, setup.device)
         try:
@@ -146,11 +214,32 @@ class TensorWriter:
             self.close()
             raise partial_gone(setup.partial_path)
 
+    def prefetch(self, names: Iterable[str]) -> None:
+        """Start the source digests of tensors about to be run (on a GPU; nothing on the CPU)."""
+        if self._digester is not None:
+            for name in names:
+                if name not in self._digests:
+                    self._digests[name] = self._digester.submit(self._source_digests, self.setup.jobs[name])
+
+    def _source_digests(self, job: TensorJob) -> dict[str, str]:
+        """:func:`source_digests` in a digest thread, through that thread's own checkpoint (opened once: a
+        checkpoint parses every shard's header; one shared between threads could lose its map to another's
+        ``close``), unmapped after each tensor like the producing thread's."""
+        checkpoint = getattr(self._local, "checkpoint", None)
+        if checkpoint is None:
+            checkpoint = self._local.checkpoint = open_checkpoint(self.setup.source_path)
+        try:
+            return source_digests(checkpoint, job)
+        finally:
+            checkpoint.close()
+
     def run(self, name: str) -> TensorDone:
         offset = self.setup.offsets[name]
+        self.prefetch([name])
         try:
             return produce_tensor(self.context, self.setup.jobs[name],
-                                  lambda piece, at: pwrite_all(self._fd, piece, offset + at))
+                                  lambda piece, at: pwrite_all(self._fd, piece, offset + at),
+                                  self._digests.pop(name, None))
         except OSError as exc:
             if is_out_of_space(exc):
                 raise out_of_space(self.setup.partial_path, name) from None
@@ -161,6 +250,8 @@ class TensorWriter:
         return self._fd
 
     def close(self) -> None:
+        if self._digester is not None:
+            self._digester.shutdown(wait=True, cancel_futures=True)
         self.context.release()
         fd, self._fd = self._fd, None
         if fd is not None:
@@ -202,6 +293,11 @@ def _worker_main(conn) -> None:
     # a failure here comes back with its tensor's name when that tensor is encoded
     with contextlib.suppress(Exception):
         warm_encoders(share)
+    if setup.device != "cpu":
+        with contextlib.suppress(Exception):
+            from ..kernels.gpu_encode import warm_device
+
+            warm_device(setup.device)
     conn.send(("ready",))
     try:
         writer = TensorWriter(setup)
@@ -285,8 +381,10 @@ class WorkerPool:
         self._started = True
         if not self._workers:
             writer = TensorWriter(setup)
+            names = list(names)
             try:
-                for name in names:
+                for i, name in enumerate(names):
+                    writer.prefetch(names[i:i + DIGEST_THREADS])
                     yield writer.run(name)
             finally:
                 writer.close()
@@ -301,6 +399,10 @@ class WorkerPool:
         # Each worker first compiles (or loads from numba's disk cache) its own share of the encoders the
         # tensors need, all shares in parallel; then every worker finds every kernel in the cache.
         kinds = encoder_kinds(setup.jobs[name] for name in queue)
+        if setup.device != "cpu":   # the types the GPU encodes need no CPU kernel
+            from ..kernels.gpu_encode import supports
+
+            kinds = [k for k in kinds if not supports(k[0])]
         for i, worker in enumerate(self._workers):
             worker.send(setup, setup)
             worker.send(kinds[i::len(self._workers)], setup)

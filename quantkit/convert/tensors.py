@@ -181,6 +181,10 @@ class Piece:
     """First row in the tensor's ``[rows, n]`` view; None when only known after loading (a transformed shard)."""
     rows: int | None
     produce: Produce
+    stored: Callable[[], tuple[str, np.ndarray]] | None = None
+    """Where the piece is encoded from its source rows as they are: (stored dtype F32/F16/BF16, the memory-mapped
+    ``[rows, n]`` view), so that a GPU can widen them itself (:mod:`quantkit.convert.gpu_stream`); None where
+    values need host work first (a transform, a decode, importance computed from them, an integer table)."""
 
 
 def tensor_rows(shape: tuple[int, ...]) -> int:
@@ -271,6 +275,20 @@ def _encode_pieces(ctx: SourceContext, job: TensorJob) -> Iterator[Piece]:
     def chunk_rows(name: str, r0: int, selected: np.ndarray) -> np.ndarray:
         return np.asarray(ctx.checkpoint.raw(name)[r0 + selected], dtype=np.float32)
 
+    def stored(m, matrix: int | None, e: int | None = None, r0: int = 0, count: int | None = None):
+        """``Piece.stored`` of matrix ``matrix`` read from source ``m`` (expert ``e`` of a fused tensor, rows
+        ``r0 .. r0 + count``)."""
+        info = ctx.checkpoint.tensor_info(m.hf_name)
+        if (m.transform or info.dtype not in _PLAIN_DTYPES or len(info.shape) != (2 if e is None else 3)
+                or out.dtype == "int32" or _self_importance(job, matrix)):
+            return None
+
+        def rows() -> tuple[str, np.ndarray]:
+            raw = ctx.checkpoint.raw(m.hf_name)
+            raw = raw if e is None else raw[e]
+            return info.dtype, raw[r0:None if count is None else r0 + count]
+        return rows
+
     def expert_rows(m, e: int | None) -> Callable[[np.ndarray], np.ndarray] | None:
         """Reads some rows of one expert alone where its source is a plain float matrix (an audit's edge rows)."""
         info = ctx.checkpoint.tensor_info(m.hf_name)
@@ -291,7 +309,7 @@ def _encode_pieces(ctx: SourceContext, job: TensorJob) -> Iterator[Piece]:
     if out.assembly == "stack_experts":
         for e, m in enumerate(out.sources):
             yield Piece(e, e * per_matrix, per_matrix,
-                        _encoder(ctx, job, e, functools.partial(source, m), expert_rows(m, None)))
+                        _encoder(ctx, job, e, functools.partial(source, m), expert_rows(m, None)), stored(m, e))
         return
     if out.assembly == "concat_columns":   # every row needs every part
         yield from whole()
@@ -299,7 +317,8 @@ def _encode_pieces(ctx: SourceContext, job: TensorJob) -> Iterator[Piece]:
     if _expert_slices(out):
         for e in range(out.shape[0]):
             load = functools.partial(expert_slice, out.sources[0], e)
-            yield Piece(e, e * per_matrix, per_matrix, _encoder(ctx, job, e, load, expert_rows(out.sources[0], e)))
+            yield Piece(e, e * per_matrix, per_matrix, _encoder(ctx, job, e, load, expert_rows(out.sources[0], e)),
+                        stored(out.sources[0], e, e))
         return
     if len(out.sources) == 1 and not out.sources[0].transform and row_scaled_fp8(ctx.checkpoint,
                                                                                    out.sources[0].hf_name):
@@ -325,7 +344,7 @@ def _encode_pieces(ctx: SourceContext, job: TensorJob) -> Iterator[Piece]:
             count = min(step, rows - r0)
             yield Piece(None, None if row is None else row + r0, count,
                         _encoder(ctx, job, None, functools.partial(chunk, m.hf_name, r0, count),
-                                 functools.partial(chunk_rows, m.hf_name, r0)))
+                                 functools.partial(chunk_rows, m.hf_name, r0)), stored(m, None, r0=r0, count=count))
         row = None if row is None else row + rows
 
 
@@ -482,5 +501,14 @@ def source_digests(checkpoint, job: TensorJob) -> dict[str, str]:
 
 
 def tensor_bytes(ctx: SourceContext, job: TensorJob) -> Iterator[np.ndarray]:
-    """The job's payload as ``uint8`` pieces in file order (their concatenation is the whole payload)."""
-    return (piece.produce(None)[1].reshape(-1) for piece in pieces(ctx, job))
+    """The job's payload as ``uint8`` pieces in file order (their concatenation is the whole payload); on a GPU,
+    the types it encodes stream through :func:`quantkit.convert.gpu_stream.encode_stream`."""
+    units = pieces(ctx, job)
+    if ctx.device != "cpu" and job.kind in ("encode", "copy"):
+        from ..kernels import gpu_encode
+
+        if gpu_encode.supports(job.qtype):
+            from .gpu_stream import encode_stream
+
+            return encode_stream(ctx, job, units, ctx.device)
+    return (piece.produce(None)[1].reshape(-1) for piece in units)

@@ -312,6 +312,12 @@ _SEARCH_FUNCTIONS = ["qkx_search_lanes", "qp_quants_lanes", "iq2_xxs_encode", "k
 _EXTENSIONS: dict[str, object] = {}
 
 
+def warm_device(device: str) -> None:
+    """Start ``device``'s context (a conversion does it while it plans).  The fused kernels still load at first
+    use: a build interrupted by the process's exit would leave torch's extension lock behind."""
+    torch.empty(1, device=torch.device(device))
+
+
 def search_extension(device_type: str):
     """The compiled ``kq_search.cu`` for ``device_type`` ("cuda": nvcc; "cpu": the C++ compiler, for checks), or
     None when it cannot be built here (no CUDA toolkit or compiler): the eager search gives the same bytes."""

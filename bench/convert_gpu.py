@@ -1,0 +1,279 @@
+"""``quantkit convert --device cuda`` on a large synthetic MoE checkpoint: wall time against its two bounds, the
+reads and the GPU encode, measured in the same run (issue 17: wall <= 1.2 x max(read, encode)).
+
+    python bench/convert_gpu.py [--gib 8] [--jobs 1,2,4] [--recipe iq2] [--workdir /tmp] [--check-layers 1]
+
+Generates the seeded BF16 qwen3_moe checkpoint of bench/convert.py (at least ``--gib`` GiB, one shard per layer),
+a recipe whose every large tensor has a GPU encoder (``iq2``: routed gate/up IQ2_XXS, routed down Q2_K, the rest
+Q8_0; ``q4k``: routed experts Q4_K, the rest Q8_0; routers and norms stay F32 as always) and a synthetic imatrix
+for every weight of the blocks, then measures, for each process count N of ``--jobs``:
+
+(a) read: every source tensor the plan reads, to the float32 host arrays the CPU path's encoders take
+    (``SourceContext.array``: the BF16 bits widened by numpy), each tensor's maps released after it as convert
+    does; N processes started and warm beforehand take the tensors largest first, as convert's workers do; the
+    figure is the wall time from handing out the first tensor to the last one read (page cache warm: the
+    checkpoint was just written and synced).  ``raw read`` (first N only) is the same with the stored bits
+    copied, not widened.
+(b) encode: every tensor with a GPU type encoded on the GPU from float32 already resident there (each expert
+    with its imatrix slice, in the encoders' pass sizes), timed between two synchronizations, tensor by tensor,
+    summed; uploads excluded; after one warm-up encode of each type (its compile or load reported apart).
+(c) convert: the whole ``quantkit convert --device cuda -j N`` command, interpreter start to exit (planning,
+    hashing the source, workers, encoding, writing, verifying, renaming).
+
+The ratio is (c) / max(a, b) at the same N.  Every GPU output is compared with the others (same SHA-256), and a
+``--check-layers``-layer checkpoint of the same generator is converted on the CPU and on the GPU: the files must
+be equal byte for byte.  Prints one JSON object per measurement (``_common.emit``), then a short table.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import multiprocessing
+import os
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import emit, run_timed  # noqa: E402
+from convert import GIB, layers_for, synthetic_checkpoint  # noqa: E402
+
+TARGET = 1.2
+PRE_TOKENIZER = "qwen2"
+RECIPES = {
+    "iq2": """name = "bench-gpu-iq2"
+architectures = ["qwen3_moe"]
+[defaults]
+type = "Q8_0"
+[[rule]]
+class = "routed_experts"
+type = "IQ2_XXS"
+fallback = "IQ4_NL"
+[[rule]]
+class = "routed_down"
+type = "Q2_K"
+fallback = "Q4_0"
+""",
+    "q4k": """name = "bench-gpu-q4k"
+architectures = ["qwen3_moe"]
+[defaults]
+type = "Q8_0"
+[[rule]]
+class = "routed_experts"
+type = "Q4_K"
+fallback = "Q5_0"
+""",
+}
+
+
+def write_imatrix(ckpt: Path, path: Path) -> None:
+    """A seeded synthetic imatrix: every 2-D/3-D weight of the blocks but the routers, every expert observed."""
+    from quantkit.arch import get_arch
+    from quantkit.convert.plan import inspect_sources
+    from quantkit.convert.tensors import imatrix_shapes
+    from quantkit.imatrix import Entry, make_imatrix, save_imatrix
+    from quantkit.io.checkpoint import open_checkpoint
+
+    with open_checkpoint(ckpt) as c:
+        outputs = get_arch(c.config["model_type"]).bind(c.config).outputs(inspect_sources(c)[0])
+    rng = np.random.default_rng(1)
+    entries = {}
+    for name, (n, mats) in imatrix_shapes(outputs).items():
+        if name.startswith("blk.") and "ffn_gate_inp" not in name:
+            counts = rng.integers(5, 50, mats).astype(np.float32)
+            entries[name] = Entry((rng.random((mats, n)) * counts[:, None]).astype(np.float32), counts)
+    save_imatrix(make_imatrix(entries, datasets=["synthetic:bench"], chunk_count=8, chunk_size=512,
+                              synthetic=True), path)
+
+
+def prepared_jobs(ckpt: Path, recipe: Path, imatrix: Path):
+    from quantkit.convert.execute import ConvertRequest, prepare
+
+    return prepare(ConvertRequest(str(ckpt), ckpt.parent / "unused.gguf", str(recipe), imatrix=str(imatrix),
+                                  allow_synthetic_imatrix=True, pre_tokenizer=PRE_TOKENIZER))
+
+
+# -- (a) reads, in N processes ----------------------------------------------------------------------------------
+
+_WORKER = {}
+
+
+def _reader_init(args) -> None:
+    from quantkit.convert.tensors import SourceContext
+
+    source, model_type, imatrix, shapes, jobs = args
+    _WORKER["ctx"] = SourceContext(source, model_type, imatrix, shapes, True)
+    _WORKER["jobs"] = jobs
+
+
+def _started(_) -> None:
+    time.sleep(1.0)      # long enough for every process to take one
+
+
+def _read(args) -> int:
+    name, widen = args
+    ctx, job = _WORKER["ctx"], _WORKER["jobs"][name]
+    total = 0
+    try:
+        for m in job.output.sources:
+            x = ctx.array(m.hf_name) if widen else np.array(ctx.checkpoint.raw(m.hf_name))
+            total += x.nbytes
+    finally:
+        ctx.release()
+    return total
+
+
+def time_reads(prepared, imatrix: Path, processes: int, widen: bool) -> float:
+    from quantkit.convert.execute import _order
+
+    jobs = prepared.jobs
+    init = (str(prepared.source.path), prepared.plan.model_type, str(imatrix), prepared.imatrix_shapes, jobs)
+    names = _order(jobs, list(jobs))
+    with multiprocessing.get_context("spawn").Pool(processes, _reader_init, (init,)) as pool:
+        pool.map(_started, range(processes), chunksize=1)      # every process started and imported
+        start = time.perf_counter()
+        for _ in pool.imap_unordered(_read, [(n, widen) for n in names], chunksize=1):
+            pass
+        return time.perf_counter() - start
+
+
+# -- (b) encode on the GPU, from resident float32 ---------------------------------------------------------------
+
+def time_encode(prepared, imatrix: Path, device: str) -> dict:
+    import torch
+
+    from quantkit.convert.tensors import SourceContext, _importance, _unit_name, pieces
+    from quantkit.formats.api import _check_imatrix
+    from quantkit.formats.registry import get_format
+    from quantkit.kernels import gpu_encode
+
+    ctx = SourceContext(str(prepared.source.path), prepared.plan.model_type, str(imatrix), prepared.imatrix_shapes,
+                        True)
+    dev = torch.device(device)
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+    seconds, weights, skipped, warm, warmed = 0.0, 0, 0, 0.0, set()
+    for job in prepared.jobs.values():
+        if job.kind != "encode" or not gpu_encode.supports(job.qtype):
+            skipped += job.nbytes
+            continue
+        fmt = get_format(job.qtype)
+        units = []
+        for piece in pieces(ctx, job):
+            x = np.asarray(piece.stored()[1]).astype(np.float32) if piece.stored else piece.produce(None)[0]
+            name = _unit_name(job, piece.matrix)
+            im = _check_imatrix(_importance(ctx, job, piece.matrix, x), x.shape[1], fmt, name)
+            units.append((torch.from_numpy(x).to(dev), None if im is None else torch.from_numpy(im).to(dev), name))
+        ctx.release()
+        kind = (job.qtype, units[0][1] is not None)
+        if kind not in warmed:
+            sync()
+            t0 = time.perf_counter()
+            gpu_encode.encode_tensor(units[0][0], job.qtype, units[0][1])
+            sync()
+            warm += time.perf_counter() - t0
+            warmed.add(kind)
+        sync()
+        t0 = time.perf_counter()
+        for x, im, name in units:
+            step = max(1, gpu_encode.chunk_weights_for(job.qtype) // x.shape[1])
+            for r0 in range(0, x.shape[0], step):
+                gpu_encode.encode_tensor(x[r0:r0 + step], job.qtype, im, first_row=r0, name=name)
+            weights += x.numel()
+        sync()
+        seconds += time.perf_counter() - t0
+        del units
+    return {"seconds": seconds, "weights": weights, "warmup_seconds": warm, "cpu_type_bytes": skipped}
+
+
+# -- (c) convert --------------------------------------------------------------------------------------------------
+
+def run_convert(ckpt: Path, out: Path, recipe: Path, imatrix: Path, jobs: int, device: str) -> dict:
+    report = out.with_suffix(".json")
+    command = [sys.executable, "-c", "from quantkit.cli import main; main()", "convert", str(ckpt), "-o", str(out),
+               "--recipe", str(recipe), "--imatrix", str(imatrix), "--allow-synthetic-imatrix", "--pre-tokenizer",
+               PRE_TOKENIZER, "-j", str(jobs), "--device", device, "--no-progress", "--report", str(report),
+               "--force"]
+    proc, timing = run_timed(command)
+    if proc.returncode != 0:
+        raise SystemExit(f"convert failed ({proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
+    rep = json.loads(report.read_text())
+    digest = hashlib.sha256()
+    with open(out, "rb") as f:
+        while block := f.read(64 << 20):
+            digest.update(block)
+    out.unlink()
+    report.unlink()
+    return {**timing, "sha256": digest.hexdigest(), "executor_s": rep["wall_seconds"], "phases_s": rep["phases"],
+            "jobs_used": rep["jobs"],
+            "tensor_seconds": rep["tensor_seconds"], "file_size": rep["file_size"]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--gib", type=float, default=8.0, help="checkpoint size at least this many GiB")
+    parser.add_argument("--jobs", default="1,2,4", help="process counts, comma-separated")
+    parser.add_argument("--recipe", default="iq2", help=f"comma-separated, of {sorted(RECIPES)}")
+    parser.add_argument("--workdir", default="/tmp")
+    parser.add_argument("--device", default="cuda", help="the GPU (cpu runs torch's CPU encoders: a smoke test)")
+    parser.add_argument("--check-layers", type=int, default=1, help="layers of the CPU = GPU check (0: skip it)")
+    args = parser.parse_args()
+    counts = [int(j) for j in args.jobs.split(",")]
+    recipes = args.recipe.split(",")
+
+    layers = layers_for(args.gib, args.workdir, 1.5, 2 * GIB)
+    root = Path(tempfile.mkdtemp(prefix="quantkit-bench-convert-gpu-", dir=args.workdir))
+    records = []
+    try:
+        ckpt, source_bytes = synthetic_checkpoint(root, layers, "convert-gpu")
+        os.sync()
+        imatrix = root / "bench.imatrix.gguf"
+        write_imatrix(ckpt, imatrix)
+        for key in recipes:
+            recipe = root / f"{key}.toml"
+            recipe.write_text(RECIPES[key])
+            prepared = prepared_jobs(ckpt, recipe, imatrix)
+            encode = time_encode(prepared, imatrix, args.device)
+            emit({"name": f"encode on the GPU ({key})", **encode, "weights_per_s": encode["weights"] /
+                  encode["seconds"]})
+            outputs = set()
+            for n in counts:
+                read = time_reads(prepared, imatrix, n, widen=True)
+                raw = time_reads(prepared, imatrix, n, widen=False) if n == counts[0] else float("nan")
+                conv = run_convert(ckpt, root / f"{key}-j{n}.gguf", recipe, imatrix, n, args.device)
+                outputs.add(conv.pop("sha256"))
+                bound = max(read, encode["seconds"])
+                record = {"name": f"convert --device cuda ({key}) -j {n}", "recipe": key, "jobs": n,
+                          "read_s": read, "raw_read_s": raw, "encode_s": encode["seconds"], "convert_s":
+                          conv["wall_s"], "ratio": conv["wall_s"] / bound, "target": TARGET,
+                          "pass": conv["wall_s"] / bound <= TARGET, "source_bytes": source_bytes, **conv}
+                emit(record)
+                records.append(record)
+            emit({"name": f"GPU outputs equal across --jobs ({key})", "pass": len(outputs) == 1})
+            if args.check_layers:
+                small = root / "small"
+                small.mkdir()
+                ckpt_small, _ = synthetic_checkpoint(small, args.check_layers, "convert-gpu check")
+                imatrix_small = small / "im.gguf"
+                write_imatrix(ckpt_small, imatrix_small)
+                cpu = run_convert(ckpt_small, small / "cpu.gguf", recipe, imatrix_small, os.cpu_count(), "cpu")
+                gpu = run_convert(ckpt_small, small / "gpu.gguf", recipe, imatrix_small, 1, args.device)
+                emit({"name": f"convert --device cuda = CPU file ({key}, {args.check_layers} layer(s))",
+                      "pass": cpu["sha256"] == gpu["sha256"], "cpu_wall_s": cpu["wall_s"],
+                      "gpu_wall_s": gpu["wall_s"], "bytes": gpu["file_size"]})
+                shutil.rmtree(small)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+    print(f"\n{'recipe':<6}{'jobs':>5}{'read s':>9}{'raw s':>8}{'encode s':>10}{'convert s':>11}{'ratio':>8}  pass")
+    for r in records:
+        print(f"{r['recipe']:<6}{r['jobs']:>5}{r['read_s']:>9.2f}{r['raw_read_s']:>8.2f}{r['encode_s']:>10.2f}"
+              f"{r['convert_s']:>11.2f}{r['ratio']:>8.2f}  {r['pass']}")
+
+
+if __name__ == "__main__":
+    main()

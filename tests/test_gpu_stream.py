@@ -1,0 +1,204 @@
+"""``convert --device cuda``'s streaming (quantkit.convert.gpu_stream), run here with torch's CPU encoders: the
+payload of every tensor equals the CPU path's, split into batches or not, with the same errors."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from quantkit.convert import gpu_stream  # noqa: E402
+from quantkit.convert.execute import ConvertRequest, prepare  # noqa: E402
+from quantkit.convert.tensors import SourceContext, pieces, tensor_bytes  # noqa: E402
+from quantkit.errors import EncodeError  # noqa: E402
+from quantkit.imatrix import Entry, make_imatrix, save_imatrix  # noqa: E402
+from quantkit.io.safetensors import SafetensorsFile, write_safetensors  # noqa: E402
+from quantkit.kernels import gpu_encode  # noqa: E402
+from quantkit.testing.recipe_texts import PRE_TOKENIZER as PRE  # noqa: E402
+from quantkit.testing.tiny_models import TinyCheckpointCache  # noqa: E402
+
+#: Every GPU type on the tiny models' tensors (IQ2_XXS's eager CPU search is slow: it has the bundled model's test).
+RECIPE = """name = "gpu-stream-test"
+architectures = ["qwen3_moe"]
+[defaults]
+type = "Q8_0"
+[[rule]]
+class = "routed_experts"
+type = "Q4_K"
+fallback = "Q8_0"
+[[rule]]
+class = "routed_down"
+type = "Q2_K"
+fallback = "MXFP4"
+[[rule]]
+class = "attn_proj"
+type = "NVFP4"
+fallback = "Q8_0"
+"""
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> TinyCheckpointCache:
+    return TinyCheckpointCache(tmp_path_factory.mktemp("tiny-gpu-stream"))
+
+
+def _prepared(ckpt: Path, tmp: Path, imatrix: bool):
+    recipe = tmp / "recipe.toml"
+    recipe.write_text(RECIPE)
+    im_path = None
+    if imatrix:
+        from quantkit.convert.tensors import imatrix_shapes
+        from quantkit.arch import get_arch
+        from quantkit.convert.plan import inspect_sources
+        from quantkit.io.checkpoint import open_checkpoint
+
+        with open_checkpoint(ckpt) as c:
+            outputs = get_arch(c.config["model_type"]).bind(c.config).outputs(inspect_sources(c)[0])
+        rng = np.random.default_rng(0)
+        entries = {}
+        for name, (n, mats) in imatrix_shapes(outputs).items():
+            if name.startswith("blk.") and "ffn_gate_inp" not in name:
+                counts = rng.integers(5, 50, mats).astype(np.float32)
+                counts[0] = 0 if mats > 1 else counts[0]          # expert 0 unobserved: bootstrap importance
+                entries[name] = Entry((rng.random((mats, n)) * counts[:, None]).astype(np.float32), counts)
+        im_path = tmp / "im.gguf"
+        save_imatrix(make_imatrix(entries, datasets=["synthetic:test"], chunk_count=3, chunk_size=8,
+                                  synthetic=True), im_path)
+    request = ConvertRequest(str(ckpt), tmp / "out.gguf", str(recipe),
+                             imatrix=None if im_path is None else str(im_path), allow_synthetic_imatrix=True,
+                             pre_tokenizer=PRE)
+    prepared = prepare(request)
+    return prepared, str(im_path) if im_path else None
+
+
+def _contexts(prepared, im_path):
+    def ctx(device):
+        return SourceContext(str(prepared.source.path), prepared.plan.model_type, im_path, prepared.imatrix_shapes,
+                             True, device)
+    return ctx("cpu"), ctx("cpu")
+
+
+@pytest.mark.parametrize("layout,imatrix", [("per-expert", False), ("per-expert", True), ("fused", True)])
+@pytest.mark.parametrize("batch_bytes", [1 << 20, 4096])
+def test_stream_equals_cpu_payload(tiny, tmp_path, layout, imatrix, batch_bytes):
+    """Whole batches of pieces and pieces split over batches (4 KiB: a few rows each) give the CPU bytes."""
+    prepared, im_path = _prepared(tiny.get("qwen3_moe", layout, "bf16"), tmp_path, imatrix)
+    cpu, streamed = _contexts(prepared, im_path)
+    checked = 0
+    for job in prepared.jobs.values():
+        if job.kind != "encode" or not gpu_encode.supports(job.qtype):
+            continue
+        want = b"".join(a.tobytes() for a in tensor_bytes(cpu, job))
+        got = b"".join(a.tobytes() for a in gpu_stream.encode_stream(streamed, job, pieces(streamed, job), "cpu",
+                                                                      batch_bytes=batch_bytes))
+        assert got == want, job.name
+        checked += 1
+    assert checked > 5
+
+
+def test_batches_keep_the_piece_order_and_split_large_pieces():
+    rows = [np.zeros((r, 256), np.uint16) for r in (3, 5, 2)]
+    units = [("a", ("BF16", rows[0])), ("b", None), ("c", ("BF16", rows[1])), ("d", ("F32", rows[2]))]
+    items = list(gpu_stream._batches(units, 1 << 20, 4 * 512))      # 4 rows of BF16 per batch
+    shape = [it if isinstance(it, str) else [(s.index, s.first_row, len(s.rows)) for s in it.spans] for it in items]
+    assert shape == [[(0, 0, 3)], "b", [(2, 0, 4)], [(2, 4, 1)], [(3, 0, 2)]]
+
+
+def test_non_finite_row_and_read_errors_come_back_in_place(tiny, tmp_path):
+    """A NaN weight is reported as the CPU path reports it (the unit and its row); an error of the reader thread
+    is raised in the encoding thread, and the thread is joined."""
+    src = tiny.get("qwen3_moe", "per-expert", "bf16")
+    ckpt = tmp_path / "nan"
+    ckpt.mkdir()
+    for p in src.iterdir():
+        if p.suffix != ".safetensors":
+            (ckpt / p.name).write_bytes(p.read_bytes())
+    for p in src.glob("*.safetensors"):
+        f = SafetensorsFile(p)
+        tensors = {n: np.array(f.array(n)) for n in f.entries}
+        for name in tensors:
+            if name.endswith("experts.1.up_proj.weight"):
+                tensors[name][2, 5] = np.nan
+        write_safetensors(ckpt / p.name, tensors)
+        f.close()
+    prepared, _ = _prepared(ckpt, tmp_path, False)
+    cpu, streamed = _contexts(prepared, None)
+    job = next(j for j in prepared.jobs.values() if j.name.endswith("ffn_up_exps.weight"))
+    with pytest.raises(EncodeError) as on_cpu:
+        b"".join(tensor_bytes(cpu, job))
+    with pytest.raises(EncodeError) as streaming:
+        b"".join(gpu_stream.encode_stream(streamed, job, pieces(streamed, job), "cpu", batch_bytes=1 << 20))
+    assert str(streaming.value) == str(on_cpu.value) and "row 2" in str(on_cpu.value)
+
+
+
+def test_read_error_is_raised_in_place_and_the_reader_stops(tiny, tmp_path, monkeypatch):
+    prepared, _ = _prepared(tiny.get("qwen3_moe", "per-expert", "bf16"), tmp_path, False)
+    _, ctx = _contexts(prepared, None)
+    job = next(j for j in prepared.jobs.values() if j.name.endswith("ffn_up_exps.weight"))
+    calls = []
+    fill = gpu_stream._fill
+
+    def failing(dst, spans):
+        calls.append(len(spans))
+        if len(calls) == 2:
+            raise OSError("read failed")
+        fill(dst, spans)
+    monkeypatch.setattr(gpu_stream, "_fill", failing)
+    stream = gpu_stream.encode_stream(ctx, job, pieces(ctx, job), "cpu", batch_bytes=4096)
+    first = next(stream)
+    assert first.size > 0
+    with pytest.raises(OSError, match="read failed"):
+        next(stream)
+    assert len(calls) == 2
+    assert not any(t.name == "quantkit-gpu-reader" for t in __import__("threading").enumerate())
+
+
+def test_convert_through_the_stream_writes_the_cpu_file(tiny, tmp_path, monkeypatch):
+    """A whole ``convert --device cuda -j 1`` (source digests in their threads, the device warmed beside the
+    planning; expert 0 unobserved, so its bootstrap importance takes the piece path) with torch's CPU encoders
+    standing in for the GPU: the file of the CPU path, byte for byte."""
+    from quantkit.convert import execute
+
+    ckpt = tiny.get("qwen3_moe", "fused", "bf16")
+    prepared, im_path = _prepared(ckpt, tmp_path, True)
+    stream, encode = gpu_stream.encode_stream, gpu_encode.encode
+    monkeypatch.setattr(gpu_encode, "encode", lambda *a, device, **kw: encode(*a, device="cpu", **kw))
+    monkeypatch.setattr(gpu_encode, "check_device", lambda device: None)
+    monkeypatch.setattr(gpu_encode, "warm_device", lambda device: None)
+    monkeypatch.setattr(gpu_stream, "encode_stream", lambda ctx, job, units, device, **kw: stream(ctx, job, units,
+                                                                                                 "cpu", **kw))
+    files = {}
+    for device in ("cpu", "cuda"):
+        request = ConvertRequest(str(ckpt), tmp_path / f"{device}.gguf", str(tmp_path / "recipe.toml"),
+                                 imatrix=im_path, allow_synthetic_imatrix=True, pre_tokenizer=PRE, progress=False,
+                                 device=device)
+        execute.convert(request)
+        files[device] = request.out.read_bytes()
+    assert files["cuda"] == files["cpu"]
+
+
+def test_write_behind_keeps_the_order_and_raises_the_first_write_failure(monkeypatch):
+    """On a GPU, pieces are written and hashed in a thread: in order, and a failed write stops the tensor."""
+    import hashlib
+    from types import SimpleNamespace
+
+    from quantkit.convert import pool
+
+    pieces_out = [np.full(1000 + i, i, np.uint8) for i in range(6)]
+    monkeypatch.setattr(pool, "tensor_bytes", lambda ctx, job: (p for p in pieces_out))
+    ctx = SimpleNamespace(device="cuda", release=lambda: None)
+    job = SimpleNamespace(name="t", nbytes=sum(p.nbytes for p in pieces_out))
+    written = []
+    done = pool.produce_tensor(ctx, job, lambda piece, at: written.append((at, piece.tobytes())), {})
+    assert b"".join(w for _, w in written) == b"".join(p.tobytes() for p in pieces_out)
+    assert [at for at, _ in written] == list(np.cumsum([0] + [p.nbytes for p in pieces_out[:-1]]))
+    assert done.sha256 == hashlib.sha256(b"".join(p.tobytes() for p in pieces_out)).hexdigest()
+
+    def failing(piece, at):
+        if at:
+            raise OSError("disk gone")
+    with pytest.raises(OSError, match="disk gone"):
+        pool.produce_tensor(ctx, job, failing, {})
