@@ -3,7 +3,7 @@ speed side by side with ``llama-imatrix``.
 
     python bench/imatrix_collect.py [--gib 6] [--budget 1G] [--ctx 128] [--batch 2048] [--chunks 4] [--workdir /tmp]
     python bench/imatrix_collect.py --vs-llama LLAMA_IMATRIX_BINARY [--ctx 128] [--batch 2048] [--chunks 4] [--threads 2]
-        [--repeats 3] [--synthetic-layers N] [--baseline CHECKOUT] [--no-cold]
+        [--repeats 3] [--synthetic-layers N] [--baseline CHECKOUT] [--no-cold] [--text-repeat N]
 
 ``--vs-llama``: the bundled example model and its calibration text, converted to an F32 GGUF for llama-imatrix
 (``quantkit convert`` with the F32 interop recipe), both tools with the same chunk size and count, the same
@@ -206,22 +206,23 @@ def f32_gguf(root: Path, model: Path, pre_tokenizer: str) -> Path:
     return out
 
 
-def run_quantkit(model: Path, out: Path, ctx: int, batch: int, chunks: int, threads: int, numba_cache: Path,
-                 checkout: str | None = None) -> dict:
+def run_quantkit(model: Path, text: Path, out: Path, ctx: int, batch: int, chunks: int, threads: int,
+                 numba_cache: Path, checkout: str | None = None) -> dict:
     env = {**os.environ, "NUMBA_CACHE_DIR": str(numba_cache)}
     if checkout is not None:
         env["PYTHONPATH"] = checkout
-    proc, measured = run_timed([sys.executable, "-c", SPEED_DRIVER, str(model), str(TEXT), str(out), str(ctx),
+    proc, measured = run_timed([sys.executable, "-c", SPEED_DRIVER, str(model), str(text), str(out), str(ctx),
                                 str(batch), str(chunks), str(threads)], env)
     if proc.returncode != 0:
         raise SystemExit(f"quantkit failed:\n{proc.stderr[-3000:]}")
     return {**measured, **json.loads(proc.stdout.strip().splitlines()[-1])}
 
 
-def run_llama(binary: str, gguf: Path, out: Path, ctx: int, batch: int, chunks: int, threads: int) -> dict:
+def run_llama(binary: str, gguf: Path, text: Path, out: Path, ctx: int, batch: int, chunks: int,
+              threads: int) -> dict:
     import re
 
-    command = [binary, "-m", str(gguf), "-f", str(TEXT), "--chunks", str(chunks), "-c", str(ctx), "-b", str(batch),
+    command = [binary, "-m", str(gguf), "-f", str(text), "--chunks", str(chunks), "-c", str(ctx), "-b", str(batch),
                "-ub", str(batch), "-ctk", "f32", "-ctv", "f32", "-fa", "off", "-t", str(threads), "--no-ppl",
                "--seed", "0", "-o", str(out)]
     proc, measured = run_timed(command)
@@ -247,10 +248,14 @@ def versus_llama(args) -> None:
 
             model = example_model_dir()
             gguf = f32_gguf(root, model, PRE_TOKENIZER)
+        text = TEXT
+        if args.text_repeat > 1:     # a calibration set of a real one's size: the same text several times over
+            text = root / "calibration.txt"
+            text.write_text(TEXT.read_text(encoding="utf-8") * args.text_repeat, encoding="utf-8")
         warm_cache = root / "numba-warm"
         checkouts = [None] + ([str(Path(args.baseline).resolve())] if args.baseline else [])
         for checkout in checkouts:      # fills the cache (each checkout's kernels)
-            run_quantkit(model, root / "warmup.gguf", args.ctx, args.batch, args.chunks, args.threads, warm_cache,
+            run_quantkit(model, text, root / "warmup.gguf", args.ctx, args.batch, args.chunks, args.threads, warm_cache,
                          checkout)
         runs: dict[str, list[dict]] = {}
         configs = [("llama-imatrix", None, None), (f"quantkit -t {args.threads}", args.threads, None)]
@@ -265,11 +270,11 @@ def versus_llama(args) -> None:
                     if threads is None:
                         if state == "cold" and repeat > 0:
                             continue        # only its first run is cold
-                        measured = run_llama(args.vs_llama, gguf, root / "llama.gguf", args.ctx, args.batch,
+                        measured = run_llama(args.vs_llama, gguf, text, root / "llama.gguf", args.ctx, args.batch,
                                              args.chunks, args.threads)
                     else:
                         cache = warm_cache if state == "warm" else root / f"numba-cold-{repeat}-{label}"
-                        measured = run_quantkit(model, root / "quantkit.gguf", args.ctx, args.batch, args.chunks,
+                        measured = run_quantkit(model, text, root / "quantkit.gguf", args.ctx, args.batch, args.chunks,
                                                 threads, cache, checkout)
                     runs.setdefault(key, []).append(measured)
         records = []
@@ -318,6 +323,8 @@ def main() -> None:
     parser.add_argument("--vs-llama", metavar="LLAMA_IMATRIX", help="compare speed with this llama-imatrix binary")
     parser.add_argument("--threads", type=int, default=2, help="threads of both tools (--vs-llama)")
     parser.add_argument("--repeats", type=int, default=3, help="interleaved runs of each (--vs-llama)")
+    parser.add_argument("--text-repeat", type=int, default=1,
+                        help="--vs-llama: the bundled calibration text this many times over (92,160 tokens each)")
     parser.add_argument("--gib", type=float, default=6.0, help="checkpoint size at least this many GiB")
     parser.add_argument("--budget", default="1G", help="--max-memory of the streaming run (e.g. 1G)")
     parser.add_argument("--synthetic-layers", type=int, default=0,
