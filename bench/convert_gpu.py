@@ -43,22 +43,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import emit, run_timed  # noqa: E402
 from convert import GIB, layers_for, synthetic_checkpoint  # noqa: E402
 
+from quantkit.testing.recipe_texts import Q2_FALLBACK_RECIPE  # noqa: E402
+from quantkit.testing.synthetic_imatrix import write_synthetic_imatrix  # noqa: E402
+
 TARGET = 1.2
 PRE_TOKENIZER = "qwen2"
 RECIPES = {
-    "iq2": """name = "bench-gpu-iq2"
-architectures = ["qwen3_moe"]
-[defaults]
-type = "Q8_0"
-[[rule]]
-class = "routed_experts"
-type = "IQ2_XXS"
-fallback = "IQ4_NL"
-[[rule]]
-class = "routed_down"
-type = "Q2_K"
-fallback = "Q4_0"
-""",
+    "iq2": Q2_FALLBACK_RECIPE,
     "q4k": """name = "bench-gpu-q4k"
 architectures = ["qwen3_moe"]
 [defaults]
@@ -69,26 +60,6 @@ type = "Q4_K"
 fallback = "Q5_0"
 """,
 }
-
-
-def write_imatrix(ckpt: Path, path: Path) -> None:
-    """A seeded synthetic imatrix: every 2-D/3-D weight of the blocks but the routers, every expert observed."""
-    from quantkit.arch import get_arch
-    from quantkit.convert.plan import inspect_sources
-    from quantkit.convert.tensors import imatrix_shapes
-    from quantkit.imatrix import Entry, make_imatrix, save_imatrix
-    from quantkit.io.checkpoint import open_checkpoint
-
-    with open_checkpoint(ckpt) as c:
-        outputs = get_arch(c.config["model_type"]).bind(c.config).outputs(inspect_sources(c)[0])
-    rng = np.random.default_rng(1)
-    entries = {}
-    for name, (n, mats) in imatrix_shapes(outputs).items():
-        if name.startswith("blk.") and "ffn_gate_inp" not in name:
-            counts = rng.integers(5, 50, mats).astype(np.float32)
-            entries[name] = Entry((rng.random((mats, n)) * counts[:, None]).astype(np.float32), counts)
-    save_imatrix(make_imatrix(entries, datasets=["synthetic:bench"], chunk_count=8, chunk_size=512,
-                              synthetic=True), path)
 
 
 def prepared_jobs(ckpt: Path, recipe: Path, imatrix: Path):
@@ -232,7 +203,7 @@ def main() -> None:
         ckpt, source_bytes = synthetic_checkpoint(root, layers, "convert-gpu")
         os.sync()
         imatrix = root / "bench.imatrix.gguf"
-        write_imatrix(ckpt, imatrix)
+        write_synthetic_imatrix(ckpt, imatrix, seed=1, dataset="synthetic:bench")
         for key in recipes:
             recipe = root / f"{key}.toml"
             recipe.write_text(RECIPES[key])
@@ -259,7 +230,7 @@ def main() -> None:
                 small.mkdir()
                 ckpt_small, _ = synthetic_checkpoint(small, args.check_layers, "convert-gpu check")
                 imatrix_small = small / "im.gguf"
-                write_imatrix(ckpt_small, imatrix_small)
+                write_synthetic_imatrix(ckpt_small, imatrix_small, seed=1, dataset="synthetic:bench")
                 cpu = run_convert(ckpt_small, small / "cpu.gguf", recipe, imatrix_small, os.cpu_count(), "cpu")
                 gpu = run_convert(ckpt_small, small / "gpu.gguf", recipe, imatrix_small, 1, args.device)
                 emit({"name": f"convert --device cuda = CPU file ({key}, {args.check_layers} layer(s))",

@@ -29,7 +29,7 @@ from quantkit.cli import main
 from quantkit.imatrix import Entry, make_imatrix, save_imatrix
 from quantkit.testing.tiny_models import ARCHS as TINY_ARCHS
 from quantkit.testing.tiny_models import TinyCheckpointCache, build_tiny_model
-from quantkit.testing.recipe_texts import F32_RECIPE
+from quantkit.testing.recipe_texts import F32_RECIPE, Q2_FALLBACK_RECIPE as Q2_RECIPE
 from test_arch import EXPECTED_DIFFERENCES, PRE_TOKENIZER, reference_value, run_converter, same_value
 
 pytestmark = [pytest.mark.interop, pytest.mark.slow]
@@ -79,21 +79,6 @@ type = "source"
 class = "attn_proj"
 type = "source"
 """
-#: A Q2 release layout for the architectures without a shipped one.
-Q2_RECIPE = """name = "q2-interop"
-architectures = ["qwen3_moe", "deepseek_v3"]
-[defaults]
-type = "Q8_0"
-[[rule]]
-class = "routed_experts"
-type = "IQ2_XXS"
-fallback = "IQ4_NL"
-[[rule]]
-class = "routed_down"
-type = "Q2_K"
-fallback = "Q4_0"
-"""
-
 #: (source layout, encoding, recipe or recipe text) compared with llama.cpp's converter on the same source.
 CONVERTER_CASES = {
     "qwen3_moe": ("per-expert", "f32", F32_RECIPE), "deepseek_v3": ("per-expert", "f32", F32_RECIPE),

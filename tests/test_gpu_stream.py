@@ -13,10 +13,10 @@ from quantkit.convert import gpu_stream  # noqa: E402
 from quantkit.convert.execute import ConvertRequest, prepare  # noqa: E402
 from quantkit.convert.tensors import SourceContext, pieces, tensor_bytes  # noqa: E402
 from quantkit.errors import EncodeError  # noqa: E402
-from quantkit.imatrix import Entry, make_imatrix, save_imatrix  # noqa: E402
 from quantkit.io.safetensors import SafetensorsFile, write_safetensors  # noqa: E402
 from quantkit.kernels import gpu_encode  # noqa: E402
 from quantkit.testing.recipe_texts import PRE_TOKENIZER as PRE  # noqa: E402
+from quantkit.testing.synthetic_imatrix import write_synthetic_imatrix  # noqa: E402
 from quantkit.testing.tiny_models import TinyCheckpointCache  # noqa: E402
 
 #: Every GPU type on the tiny models' tensors (IQ2_XXS's eager CPU search is slow: it has the bundled model's test).
@@ -49,23 +49,8 @@ def _prepared(ckpt: Path, tmp: Path, imatrix: bool):
     recipe.write_text(RECIPE)
     im_path = None
     if imatrix:
-        from quantkit.convert.tensors import imatrix_shapes
-        from quantkit.arch import get_arch
-        from quantkit.convert.plan import inspect_sources
-        from quantkit.io.checkpoint import open_checkpoint
-
-        with open_checkpoint(ckpt) as c:
-            outputs = get_arch(c.config["model_type"]).bind(c.config).outputs(inspect_sources(c)[0])
-        rng = np.random.default_rng(0)
-        entries = {}
-        for name, (n, mats) in imatrix_shapes(outputs).items():
-            if name.startswith("blk.") and "ffn_gate_inp" not in name:
-                counts = rng.integers(5, 50, mats).astype(np.float32)
-                counts[0] = 0 if mats > 1 else counts[0]          # expert 0 unobserved: bootstrap importance
-                entries[name] = Entry((rng.random((mats, n)) * counts[:, None]).astype(np.float32), counts)
         im_path = tmp / "im.gguf"
-        save_imatrix(make_imatrix(entries, datasets=["synthetic:test"], chunk_count=3, chunk_size=8,
-                                  synthetic=True), im_path)
+        write_synthetic_imatrix(ckpt, im_path, seed=0, unobserved_first_expert=True)
     request = ConvertRequest(str(ckpt), tmp / "out.gguf", str(recipe),
                              imatrix=None if im_path is None else str(im_path), allow_synthetic_imatrix=True,
                              pre_tokenizer=PRE)

@@ -63,11 +63,12 @@ from ..io.checkpoint import open_checkpoint
 from ..io.gguf import KV
 from ..io.gguf_writer import PARTIAL_SUFFIX, GGUFWriter, Layout, pwrite_all, plan_layout
 from ..recipes import Recipe, load_recipe
+from ..resources import available_cpus
 from .consistency import check_config_against_tensors
 from .journal import Journal, JournalState, journal_path, read_journal
 from .plan import Plan, PlannedTensor, build_plan, inspect_sources
-from .pool import (TensorDone, WorkerPool, WorkerSetup, available_cpus, bound_jobs, out_of_space, partial_gone,
-                   partial_identity, worker_memory)
+from .pool import (TensorDone, WorkerPool, WorkerSetup, bound_jobs, out_of_space, partial_gone, partial_identity,
+                   worker_memory)
 from .provenance import merged_metadata, provenance_metadata
 from .source import FileHash, Hashing, ResolvedSource, file_stats, provenance_files, resolve_source
 from .tensors import TensorJob, imatrix_shapes, load_model_imatrix, source_digests

@@ -39,3 +39,18 @@ type = "F32"
 class = "indexer"
 type = "F32"
 """
+#: A Q2 release layout (IQ2_XXS / Q2_K routed experts, Q8_0 elsewhere) with fallbacks for rows these types cannot
+#: hold, for the architectures without a shipped one.
+Q2_FALLBACK_RECIPE = """name = "q2-interop"
+architectures = ["qwen3_moe", "deepseek_v3"]
+[defaults]
+type = "Q8_0"
+[[rule]]
+class = "routed_experts"
+type = "IQ2_XXS"
+fallback = "IQ4_NL"
+[[rule]]
+class = "routed_down"
+type = "Q2_K"
+fallback = "Q4_0"
+"""
