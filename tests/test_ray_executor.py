@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -47,9 +48,11 @@ def _free_port() -> int:
 @pytest.fixture(scope="session")
 def ray_cluster():
     """(address, kill-once directory) of a 2-CPU Ray head on 127.0.0.1, stopped at the end of the session."""
-    # Ray's token authentication (its default): the head writes ~/.ray/auth_token; a driver presents it when
-    # RAY_AUTH_MODE=token is set before ray is imported (this process, and the CLI subprocesses inherit it)
+    # Ray's token authentication (its default): `ray start --head` refuses to start without a token, and a driver
+    # presents it when RAY_AUTH_MODE=token is set before ray is imported.  The test cluster gets a token of its
+    # own in the environment (this process, the head and the CLI subprocesses inherit it; ~/.ray is not touched)
     os.environ["RAY_AUTH_MODE"] = "token"
+    os.environ.setdefault("RAY_AUTH_TOKEN", secrets.token_hex(32))
     pytest.importorskip("ray", reason="the ray extra is not installed (pip install 'quantkit[ray]')")
     temp = Path(tempfile.mkdtemp(prefix="qk-ray-"))   # short: Ray's socket paths must fit in 107 bytes
     kill_dir = temp / "kill"
