@@ -275,24 +275,26 @@ def _encode_pieces(ctx: SourceContext, job: TensorJob) -> Iterator[Piece]:
     def chunk_rows(name: str, r0: int, selected: np.ndarray) -> np.ndarray:
         return np.asarray(ctx.checkpoint.raw(name)[r0 + selected], dtype=np.float32)
 
+    def plain(m, e: int | None) -> bool:
+        """Whether source ``m`` (expert ``e`` of a fused tensor) is a float matrix used as stored (no transform)."""
+        info = ctx.checkpoint.tensor_info(m.hf_name)
+        return not m.transform and info.dtype in _PLAIN_DTYPES and len(info.shape) == (2 if e is None else 3)
+
     def stored(m, matrix: int | None, e: int | None = None, r0: int = 0, count: int | None = None):
         """``Piece.stored`` of matrix ``matrix`` read from source ``m`` (expert ``e`` of a fused tensor, rows
         ``r0 .. r0 + count``)."""
-        info = ctx.checkpoint.tensor_info(m.hf_name)
-        if (m.transform or info.dtype not in _PLAIN_DTYPES or len(info.shape) != (2 if e is None else 3)
-                or out.dtype == "int32" or _self_importance(job, matrix)):
+        if not plain(m, e) or out.dtype == "int32" or _self_importance(job, matrix):
             return None
 
         def rows() -> tuple[str, np.ndarray]:
             raw = ctx.checkpoint.raw(m.hf_name)
             raw = raw if e is None else raw[e]
-            return info.dtype, raw[r0:None if count is None else r0 + count]
+            return ctx.checkpoint.tensor_info(m.hf_name).dtype, raw[r0:None if count is None else r0 + count]
         return rows
 
     def expert_rows(m, e: int | None) -> Callable[[np.ndarray], np.ndarray] | None:
         """Reads some rows of one expert alone where its source is a plain float matrix (an audit's edge rows)."""
-        info = ctx.checkpoint.tensor_info(m.hf_name)
-        if m.transform or info.dtype not in _PLAIN_DTYPES or len(info.shape) != (2 if e is None else 3):
+        if not plain(m, e):
             return None
         if e is None:
             return functools.partial(chunk_rows, m.hf_name, 0)

@@ -11,6 +11,7 @@ import math
 import numpy as np
 
 from ..errors import EncodeError, FormatError, UnsupportedError
+from . import floats
 from .registry import GGMLType, ImatrixUse, QuantFormat, get_format, layout
 
 
@@ -114,8 +115,6 @@ NUMPY_DECODE_VALUES = 1 << 21
 
 def decode(data, qtype: "GGMLType | int | str", shape: tuple[int, ...], *, reference: bool = False) -> np.ndarray:
     """Decode raw bytes of a tensor of numpy ``shape`` stored as ``qtype`` into float32 of that shape."""
-    from . import floats
-
     small = floats.FORMATS_BY_TYPE.get(layout(qtype).qtype)
     fmt = small if small is not None and math.prod(shape) < NUMPY_DECODE_VALUES else get_format(qtype)
     shape = tuple(int(s) for s in shape)
