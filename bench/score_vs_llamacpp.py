@@ -12,7 +12,10 @@
    random words (one token each).
 3. quantkit: :func:`quantkit.runtime.logits` (every position's logits, copied to the host) on random tokens of
    each ``--tokens`` length (and ``--long`` for the first model), per compute dtype; tokens/s from the median of ``--repeats`` calls after a warm-up;
-   peak device memory is torch's allocator peak for that load and length.
+   peak device memory is torch's allocator peak for that load and length.  A length that repeats is captured as a
+   CUDA graph by the runtime and replayed (:func:`quantkit.runtime.loader._forward`; up to 4096 tokens, float32):
+   the first timed call or two run eagerly (one captures), so give ``--repeats`` 5 for a median of replays, the
+   steady state of chunked scoring that llama-perplexity's steady figure also measures.
    Normally after the build has finished (a quiet machine); ``--overlap-build`` times them while it runs
    (to fit a short device lease: give the build fewer ``--jobs`` than the host has cores).
 4. llama.cpp (after the build): ``llama-perplexity -c N`` (every position's logits; flash attention on, all layers

@@ -21,7 +21,9 @@
 
 :func:`logits` runs one sequence and returns float32 logits, raising on token ids outside the vocabulary, on
 weights that decode to NaN/inf (naming the GGUF tensor) and on non-finite logits (naming the first module whose
-output was not finite).  The compute dtype is float32 unless ``dtype=`` says otherwise.  ``arithmetic="ggml-cpu"``
+output was not finite).  On CUDA in float32 (payloads resident), a shape of at most :data:`GRAPH_MAX_TOKENS` that
+repeats is captured as a CUDA graph and replayed (:func:`_forward`: the pass's launches without Python; the same
+kernels, so the same logits).  The compute dtype is float32 unless ``dtype=`` says otherwise.  ``arithmetic="ggml-cpu"``
 computes as llama.cpp's CPU backend does (:mod:`.ggml_arithmetic`: products, SiLU and sigmoid in libggml-cpu
 itself when llama-cpp-python is installed, else activations rounded as ggml rounds them), to score a GGUF with the
 engine's own figures; the default, ``"float32"``, multiplies the decoded weights in float32.
@@ -41,7 +43,7 @@ from ..arch import ArchMap, get_arch
 from ..arch.dialects import relaid_mappings
 from ..errors import FixtureError, FormatError, UnsupportedError, ValidationError
 from ..io.gguf import KV
-from .attention import install as install_sdpa
+from .attention import install as install_sdpa, one_sequence_per_row
 from .experts import EXPERTS_MODES, GROUPED, register as register_grouped
 from .inverse import TensorPlan, plan_tensor
 from .packed import FUSED_DTYPES, Assembler, PackedTensor, WeightStore, finite_flag, scale_companion
@@ -73,6 +75,7 @@ class RuntimeModel:
     """Whether :func:`logits_batch` replays repeated input shapes as CUDA graphs (:class:`_Graph`)."""
     _graph: "_Graph | None" = None
     _plain_shapes: set = field(default_factory=set)
+    """Input shapes whose eager pass decoded nothing for the first time (captured when they come again)."""
 
     def forward_mode(self):
         """The context every forward pass of this model runs in (its :attr:`arithmetic`)."""
@@ -401,7 +404,7 @@ class _Graph:
 def _eager(model: RuntimeModel, input_ids: torch.Tensor) -> torch.Tensor:
     # no_grad, not inference_mode: packed weights answer view operations (weight[expert]) with fresh tensors,
     # which inference mode refuses to register as views
-    with torch.no_grad(), model.forward_mode():
+    with torch.no_grad(), model.forward_mode(), one_sequence_per_row():
         return model.module(input_ids=input_ids, use_cache=False).logits
 
 
@@ -412,11 +415,13 @@ def _forward(model: RuntimeModel, input_ids: torch.Tensor) -> torch.Tensor:
     (chunked scoring: the 512-token 7.6B MoE pass is ~2,250 launches, host-bound when each goes through Python).
     The checks a pass queues each time (the embedding rows it decodes) are queued again after every replay.  One
     graph is kept per model."""
+    if not model.graphs or input_ids.numel() > GRAPH_MAX_TOKENS:
+        return _eager(model, input_ids)
     shape = tuple(input_ids.shape)
     store = model.store
     graph = model._graph
     if graph is None or graph.shape != shape:
-        if not model.graphs or input_ids.numel() > GRAPH_MAX_TOKENS or shape not in model._plain_shapes:
+        if shape not in model._plain_shapes:
             before = store.first_checks
             out = _eager(model, input_ids)
             if store.first_checks == before:
