@@ -10,7 +10,8 @@ tokens/s from the median; peak device memory from torch's allocator), then one c
 fused product (dense or grouped, by type and width), each attention call and each routed-experts module
 (routing, gathers and products), and one call under :mod:`torch.profiler` (tables by device time and by host
 time, one file per run in ``--out``).  The timed calls replay a CUDA graph once the shape repeats (as the runtime
-does; ``--no-graphs``: eager passes); the instrumented and profiled calls run eagerly (a replay runs no Python).  Works with the code before and after a kernel change (it only wraps
+does; ``--no-graphs``: eager passes); the instrumented and profiled calls run eagerly (a replay runs no Python).
+Works with the code before and after a kernel change (it only wraps
 ``triton_matmul._launch`` by position), so two trees can be compared by running it with each on ``PYTHONPATH``.
 Prints one JSON object per run.
 """
