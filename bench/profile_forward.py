@@ -110,7 +110,7 @@ def main() -> None:
         if not path.is_file():
             write_synthetic(path, MODELS[name])
         model = load_model(path, device="cuda", dtype=getattr(torch, args.dtype))
-        graphs = model.graphs and not args.no_graphs
+        graphs = getattr(model, "graphs", False) and not args.no_graphs     # False in trees before graphs
         vocab = MODELS[name]["vocab_size"]
         for n in lengths:
             ids = np.random.default_rng(n).integers(3, vocab, size=n).tolist()
