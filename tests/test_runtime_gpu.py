@@ -191,10 +191,10 @@ def test_cuda_16k_token_nll_equals_the_chunked_reference(ggufs, monkeypatch):
 
 
 def test_cuda_graph_replays_equal_eager_passes(ggufs, tmp_path):
-    """A repeated shape is captured as a CUDA graph and replayed (load_model on CUDA in float32): each replay gives
-    the logits of the eager pass of the same ids bit for bit (same kernels, same order; the ids are copied in), and
-    the token embedding rows a replay decodes are still checked: a NaN row first looked up in a replay raises,
-    naming the tensor."""
+    """A shape repeated back to back is captured as a CUDA graph and replayed (load_model on CUDA in float32); shapes
+    that alternate stay eager.  Each replay gives the logits of the eager pass of the same ids bit for bit (same
+    kernels, same order; the ids are copied in), and the token embedding rows a replay decodes are still checked: a
+    NaN row first looked up in a replay raises, naming the tensor."""
     import shutil
 
     from quantkit.errors import FormatError
@@ -221,6 +221,10 @@ def test_cuda_graph_replays_equal_eager_passes(ggufs, tmp_path):
     assert np.array_equal(logits(model, ids), first)
     assert model._graph is not None and model._graph.checks
     assert np.array_equal(logits(model, other), second)
+    captured = model._graph
+    shorter = logits(model, ids[:-2])   # shapes that alternate run eager: the graph of the repeated one stays
+    assert np.array_equal(logits(model, ids), first) and model._graph is captured
+    assert np.array_equal(logits(model, ids[:-2]), shorter) and model._graph is captured
     with pytest.raises(FormatError, match="token_embd.weight"):
         logits(model, ids[:-1] + [row])
     model.close()

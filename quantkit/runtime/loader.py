@@ -74,8 +74,9 @@ class RuntimeModel:
     graphs: bool = False
     """Whether :func:`logits_batch` replays repeated input shapes as CUDA graphs (:class:`_Graph`)."""
     _graph: "_Graph | None" = None
-    _plain_shapes: set = field(default_factory=set)
-    """Input shapes whose eager pass decoded nothing for the first time (captured when they come again)."""
+    _repeat_candidate: tuple | None = None
+    """The last pass's input shape, if that pass decoded nothing for the first time (captured if it comes again
+    next)."""
 
     def forward_mode(self):
         """The context every forward pass of this model runs in (its :attr:`arithmetic`)."""
@@ -411,8 +412,9 @@ def _eager(model: RuntimeModel, input_ids: torch.Tensor) -> torch.Tensor:
 def _forward(model: RuntimeModel, input_ids: torch.Tensor) -> torch.Tensor:
     """The logits of one forward pass.  With :attr:`RuntimeModel.graphs`, a shape of at most
     :data:`GRAPH_MAX_TOKENS` whose eager pass decoded nothing for the first time (every payload's finiteness is
-    then proven; the pass has no host wait) is captured the next time it comes, then replayed while it repeats
-    (chunked scoring: the 512-token 7.6B MoE pass is ~2,250 launches, host-bound when each goes through Python).
+    then proven; the pass has no host wait) is captured if the next pass has the same shape, then replayed while
+    it repeats (chunked scoring, cases sorted by length: the 512-token 7.6B MoE pass is ~2,250 launches,
+    host-bound when each goes through Python).  Shapes that alternate stay eager: a capture costs about a pass.
     The checks a pass queues each time (the embedding rows it decodes) are queued again after every replay.  One
     graph is kept per model."""
     if not model.graphs or input_ids.numel() > GRAPH_MAX_TOKENS:
@@ -421,11 +423,10 @@ def _forward(model: RuntimeModel, input_ids: torch.Tensor) -> torch.Tensor:
     store = model.store
     graph = model._graph
     if graph is None or graph.shape != shape:
-        if shape not in model._plain_shapes:
+        if shape != model._repeat_candidate:
             before = store.first_checks
             out = _eager(model, input_ids)
-            if store.first_checks == before:
-                model._plain_shapes.add(shape)
+            model._repeat_candidate = shape if store.first_checks == before else None
             return out
         model._graph = None         # the previous graph's memory returns to the allocator first
         static_ids = input_ids.clone()
@@ -440,6 +441,7 @@ def _forward(model: RuntimeModel, input_ids: torch.Tensor) -> torch.Tensor:
             model.graphs = False
             return _eager(model, input_ids)
         graph = model._graph = _Graph(shape, captured, static_ids, logits, store.take_checks(start))
+    model._repeat_candidate = shape
     graph.input_ids.copy_(input_ids)
     graph.graph.replay()
     store.requeue(graph.checks)
