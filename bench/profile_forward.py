@@ -1,7 +1,7 @@
 """Where a float32 all-position forward pass goes on CUDA: wall time per call, device time per part, profiler tables.
 
     python bench/profile_forward.py [--runs 7b:2048,1b:512] [--repeats 3] [--workdir /tmp/score-vs-llamacpp]
-        [--dtype float32] [--out DIR] [--label NAME] [--no-profile]
+        [--dtype float32] [--out DIR] [--label NAME] [--no-profile] [--no-graphs]
 
 For each ``model:tokens`` of ``--runs`` (the synthetic Qwen3-MoE GGUFs of bench/score_vs_llamacpp.py, written into
 ``--workdir`` unless already there): loads the model on CUDA, scores one warm-up call of
@@ -9,7 +9,9 @@ For each ``model:tokens`` of ``--runs`` (the synthetic Qwen3-MoE GGUFs of bench/
 tokens/s from the median; peak device memory from torch's allocator), then one call where CUDA events bracket each
 fused product (dense or grouped, by type and width), each attention call and each routed-experts module
 (routing, gathers and products), and one call under :mod:`torch.profiler` (tables by device time and by host
-time, one file per run in ``--out``).  Works with the code before and after a kernel change (it only wraps
+time, one file per run in ``--out``).  The timed calls replay a CUDA graph once the shape repeats (as the runtime
+does; ``--no-graphs``: eager passes); the instrumented and profiled calls run eagerly (a replay runs no Python).
+Works with the code before and after a kernel change (it only wraps
 ``triton_matmul._launch`` by position), so two trees can be compared by running it with each on ``PYTHONPATH``.
 Prints one JSON object per run.
 """
@@ -94,6 +96,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path)
     parser.add_argument("--label", default="run")
     parser.add_argument("--no-profile", action="store_true")
+    parser.add_argument("--no-graphs", action="store_true")
     args = parser.parse_args()
     args.workdir.mkdir(parents=True, exist_ok=True)
     if args.out:
@@ -107,9 +110,11 @@ def main() -> None:
         if not path.is_file():
             write_synthetic(path, MODELS[name])
         model = load_model(path, device="cuda", dtype=getattr(torch, args.dtype))
+        graphs = getattr(model, "graphs", False) and not args.no_graphs     # False in trees before graphs
         vocab = MODELS[name]["vocab_size"]
         for n in lengths:
             ids = np.random.default_rng(n).integers(3, vocab, size=n).tolist()
+            model.graphs = graphs
             logits(model, ids)                       # warm-up: Triton compiles
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
@@ -121,6 +126,7 @@ def main() -> None:
             rec = {"name": f"{args.label} {name} {n} {args.dtype}", "tokens": n,
                    "tokens_per_s": n / statistics.median(times), "seconds": times,
                    "peak_device_bytes": torch.cuda.max_memory_allocated()}
+            model.graphs = False
             parts.on = True
             t0 = time.perf_counter()
             logits(model, ids)

@@ -2,7 +2,7 @@
 
     python bench/score_vs_llamacpp.py --llama-src .devkit/llama-src.tar.gz [--build /tmp/llama-build] [--jobs 14]
         [--models 1b,7b] [--tokens 512,2048] [--long 16384] [--dtypes float32,bfloat16] [--repeats 3] [--skip-llama]
-        [--overlap-build] [--markdown FILE] [--logs DIR]
+        [--overlap-build] [--skip-llama-bench] [--markdown FILE] [--logs DIR]
 
 1. Starts building llama.cpp's ``llama-perplexity`` and ``llama-bench`` with CUDA for sm_90 from the vendored
    source (a tarball or a directory) in the background (about 5 minutes on 16 cores).
@@ -12,14 +12,18 @@
    random words (one token each).
 3. quantkit: :func:`quantkit.runtime.logits` (every position's logits, copied to the host) on random tokens of
    each ``--tokens`` length (and ``--long`` for the first model), per compute dtype; tokens/s from the median of ``--repeats`` calls after a warm-up;
-   peak device memory is torch's allocator peak for that load and length.
+   peak device memory is torch's allocator peak for that load and length.  A length that repeats is captured as a
+   CUDA graph by the runtime and replayed (:func:`quantkit.runtime.loader._forward`; up to 4096 tokens, float32):
+   the first timed call or two run eagerly (one captures), so give ``--repeats`` 5 for a median of replays, the
+   steady state of chunked scoring that llama-perplexity's steady figure also measures.
    Normally after the build has finished (a quiet machine); ``--overlap-build`` times them while it runs
    (to fit a short device lease: give the build fewer ``--jobs`` than the host has cores).
 4. llama.cpp (after the build): ``llama-perplexity -c N`` (every position's logits; flash attention on, all layers
    on the GPU) over enough chunks of the text; tokens/s from its log's timestamps (:func:`perplexity_speed`:
    its own ``--log-file``, else its output; the arrival times of its output lines if both lost the last lines);
    peak memory is the most ``nvidia-smi`` saw in use during
-   the run less the idle figure.  ``llama-bench -p N -n 0 -fa 0,1`` (last position only) is shown as context.
+   the run less the idle figure.  ``llama-bench -p N -n 0 -fa 0,1`` (last position only) is shown as context
+   (``--skip-llama-bench``: not run, for a short device lease).
 
 Prints one JSON object per measurement, then a markdown table (also written to ``--markdown``).
 """
@@ -315,6 +319,7 @@ def main() -> None:
     parser.add_argument("--dtypes", default="float32,bfloat16")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--skip-llama", action="store_true")
+    parser.add_argument("--skip-llama-bench", action="store_true")
     parser.add_argument("--overlap-build", action="store_true",
                         help="time quantkit while llama.cpp builds (give the build fewer --jobs than cores)")
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/score-vs-llamacpp"))
@@ -358,8 +363,9 @@ def main() -> None:
             tools = args.build / "out" / "bin"
             r["perplexity"] = [run_perplexity(tools / "llama-perplexity", r["path"], text, n,
                                               args.logs / "llama.log") for n in r["lengths"]]
-            r["llama_bench"] = run_llama_bench(tools / "llama-bench", r["path"], lengths,
-                                               args.logs / "llama.log")
+            if not args.skip_llama_bench:
+                r["llama_bench"] = run_llama_bench(tools / "llama-bench", r["path"], lengths,
+                                                   args.logs / "llama.log")
         if args.markdown:       # after each model: a run cut short keeps what it measured
             args.markdown.write_text(markdown(results, dtypes))
     print(markdown(results, dtypes))

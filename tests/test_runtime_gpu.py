@@ -190,6 +190,46 @@ def test_cuda_16k_token_nll_equals_the_chunked_reference(ggufs, monkeypatch):
     assert added < heads * n * n * 4 / 4
 
 
+def test_cuda_graph_replays_equal_eager_passes(ggufs, tmp_path):
+    """A shape repeated back to back is captured as a CUDA graph and replayed (load_model on CUDA in float32); shapes
+    that alternate stay eager.  Each replay gives the logits of the eager pass of the same ids bit for bit (same
+    kernels, same order; the ids are copied in), and the token embedding rows a replay decodes are still checked: a
+    NaN row first looked up in a replay raises, naming the tensor."""
+    import shutil
+
+    from quantkit.errors import FormatError
+    from quantkit.io.gguf_reader import GGUFFile
+    from quantkit.runtime import load_model, logits
+    from test_runtime import token_ids
+
+    src = ggufs("qwen3_moe", "mixed")
+    bad = tmp_path / "nan-row.gguf"
+    shutil.copy(src, bad)
+    ids = token_ids("qwen3_moe", 64)
+    with GGUFFile(src) as f:
+        embd = f.tensor("token_embd.weight")
+        row = next(r for r in range(embd.shape[0]) if r not in ids)
+        offset = f.data_offset + embd.offset + row * embd.row_bytes
+    with open(bad, "r+b") as fh:        # the first Q8_0 block of the row: d = NaN
+        fh.seek(offset)
+        fh.write(np.array([0x7E00], np.uint16).tobytes())
+    model = load_model(bad, device="cuda")
+    other = ids[1:] + ids[:1]
+    first = logits(model, ids)          # decodes every payload once (finiteness)
+    second = logits(model, other)       # eager, nothing decoded for the first time: the shape may be captured
+    assert model._graph is None
+    assert np.array_equal(logits(model, ids), first)
+    assert model._graph is not None and model._graph.checks
+    assert np.array_equal(logits(model, other), second)
+    captured = model._graph
+    shorter = logits(model, ids[:-2])   # shapes that alternate run eager: the graph of the repeated one stays
+    assert np.array_equal(logits(model, ids), first) and model._graph is captured
+    assert np.array_equal(logits(model, ids[:-2]), shorter) and model._graph is captured
+    with pytest.raises(FormatError, match="token_embd.weight"):
+        logits(model, ids[:-1] + [row])
+    model.close()
+
+
 @pytest.mark.parametrize("transposed", [False, True])
 def test_grouped_mm_bf16_equals_per_expert_products(transposed):
     """The bfloat16 grouped product (torch's grouped_mm) against float32 per-expert products of the same bfloat16

@@ -12,6 +12,9 @@ per tile: the operands split into a high and a low TF32 part, about float32's ac
 float32 has no tensor-core path), bfloat16 activations with the decoded weight rounded to bfloat16 (what
 decoding, then converting the weight to bfloat16, then multiplying gives).  Results therefore equal
 dequantize-then-matmul up to summation order (and TF32 splitting): tests/test_runtime_gpu.py states the bounds.
+(Multiplying K-quant / Q8_0 integer codes exactly, two TF32 or three bfloat16 products, and scaling per 32-value
+sub-block was measured 1.06-1.5x slower on the H200, across runs: a product per sub-block breaks the accumulator
+chain; bench/results/score-vs-llamacpp-2026-12-02c.md.)
 An NVFP4 tensor's global scale (one per tensor or per expert) multiplies the product instead of the weight.
 """
 from __future__ import annotations

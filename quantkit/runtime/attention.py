@@ -8,12 +8,31 @@ the key/value heads instead (what transformers does with a mask; ``heads x n x h
 n), so torch's memory-efficient kernel runs: attention memory is then O(n), no score matrix.  The product is
 the same attention: the wrapper is installed as transformers' ``sdpa`` function for the process (it changes
 nothing but the kernel choice, and only for float32 CUDA tensors).
+
+Inside :func:`one_sequence_per_row` transformers' search of the position ids for several sequences packed in one
+row is skipped (the runtime's rows are one sequence each, positions ``0..n-1``): it reads a flag back from the
+device (a host wait per pass) and, while a CUDA graph is being captured, skips that read and builds an explicit
+``[n, n]`` mask instead of SDPA's causal kernel, so a captured pass would compute otherwise than the eager one.
 """
 from __future__ import annotations
+
+import contextlib
+import contextvars
 
 import torch
 
 _WRAPPED = "_quantkit_sdpa"
+_ONE_SEQUENCE = contextvars.ContextVar("quantkit_one_sequence_per_row", default=False)
+
+
+@contextlib.contextmanager
+def one_sequence_per_row():
+    """Forward passes inside have one sequence per row, positions from 0 (see the module doc)."""
+    token = _ONE_SEQUENCE.set(True)
+    try:
+        yield
+    finally:
+        _ONE_SEQUENCE.reset(token)
 
 
 class _OneGroup:
@@ -29,9 +48,19 @@ class _OneGroup:
 
 
 def install() -> None:
-    """Make transformers' ``sdpa`` attention repeat key/value heads for float32 CUDA tensors (idempotent)."""
+    """Make transformers' ``sdpa`` attention repeat key/value heads for float32 CUDA tensors, and its packed-sequence
+    search answer "none" inside :func:`one_sequence_per_row` (idempotent)."""
+    from transformers import masking_utils
     from transformers.integrations.sdpa_attention import repeat_kv
     from transformers.modeling_utils import AttentionInterface
+
+    search = masking_utils.find_packed_sequence_indices
+    if not getattr(search, _WRAPPED, False):
+        def find_packed_sequence_indices(position_ids):
+            return None if _ONE_SEQUENCE.get() else search(position_ids)
+
+        setattr(find_packed_sequence_indices, _WRAPPED, True)
+        masking_utils.find_packed_sequence_indices = find_packed_sequence_indices
 
     original = AttentionInterface._global_mapping["sdpa"]
     if getattr(original, _WRAPPED, False):

@@ -21,7 +21,9 @@
 
 :func:`logits` runs one sequence and returns float32 logits, raising on token ids outside the vocabulary, on
 weights that decode to NaN/inf (naming the GGUF tensor) and on non-finite logits (naming the first module whose
-output was not finite).  The compute dtype is float32 unless ``dtype=`` says otherwise.  ``arithmetic="ggml-cpu"``
+output was not finite).  On CUDA in float32 (payloads resident), a shape of at most :data:`GRAPH_MAX_TOKENS` that
+repeats is captured as a CUDA graph and replayed (:func:`_forward`: the pass's launches without Python; the same
+kernels, so the same logits).  The compute dtype is float32 unless ``dtype=`` says otherwise.  ``arithmetic="ggml-cpu"``
 computes as llama.cpp's CPU backend does (:mod:`.ggml_arithmetic`: products, SiLU and sigmoid in libggml-cpu
 itself when llama-cpp-python is installed, else activations rounded as ggml rounds them), to score a GGUF with the
 engine's own figures; the default, ``"float32"``, multiplies the decoded weights in float32.
@@ -30,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
@@ -40,10 +43,10 @@ from ..arch import ArchMap, get_arch
 from ..arch.dialects import relaid_mappings
 from ..errors import FixtureError, FormatError, UnsupportedError, ValidationError
 from ..io.gguf import KV
-from .attention import install as install_sdpa
+from .attention import install as install_sdpa, one_sequence_per_row
 from .experts import EXPERTS_MODES, GROUPED, register as register_grouped
 from .inverse import TensorPlan, plan_tensor
-from .packed import Assembler, PackedTensor, WeightStore, finite_flag, scale_companion
+from .packed import FUSED_DTYPES, Assembler, PackedTensor, WeightStore, finite_flag, scale_companion
 from .weights import SOURCE_CONFIG_KEY, open_weights
 
 #: Metadata prefixes the consistency check skips: the writer's own keys and the tokenizer (not the forward pass).
@@ -68,6 +71,12 @@ class RuntimeModel:
     """Model tensor name -> plan, for every weight kept packed."""
     arithmetic: str = "float32"
     """How products are computed: ``float32`` or ``ggml-cpu`` (see the module doc)."""
+    graphs: bool = False
+    """Whether :func:`logits_batch` replays repeated input shapes as CUDA graphs (:class:`_Graph`)."""
+    _graph: "_Graph | None" = None
+    _repeat_candidate: tuple | None = None
+    """The last pass's input shape, if that pass decoded nothing for the first time (captured if it comes again
+    next)."""
 
     def forward_mode(self):
         """The context every forward pass of this model runs in (its :attr:`arithmetic`)."""
@@ -284,7 +293,8 @@ def _load(weights, device: torch.device, dtype: torch.dtype, stream: bool, keep_
             if buffer is not None and not isinstance(buffer, PackedTensor) and buffer.device != device:
                 module._buffers[attr] = buffer.to(device)
     store.check()
-    return RuntimeModel(model, store, weights.config, device, dtype, _vocab_size(model), packed)
+    return RuntimeModel(model, store, weights.config, device, dtype, _vocab_size(model), packed,
+                        graphs=device.type == "cuda" and not stream and dtype in FUSED_DTYPES)
 
 
 def _mtp_tensors(weights, amap: ArchMap) -> set[str]:
@@ -358,10 +368,7 @@ def logits_batch(model: RuntimeModel, sequences: Sequence[Sequence[int]]) -> lis
     for row, (values, n) in enumerate(zip(ids, lengths)):
         padded[row, :n] = values
     input_ids = torch.as_tensor(padded, device=model.device)
-    # no_grad, not inference_mode: packed weights answer view operations (weight[expert]) with fresh tensors,
-    # which inference mode refuses to register as views
-    with torch.no_grad(), model.forward_mode():
-        out = model.module(input_ids=input_ids, use_cache=False).logits
+    out = _forward(model, input_ids)
     model.store.check()
     # one reduction per sequence where the logits are, and one wait for all of them (not a host pass over them)
     finite = torch.stack([finite_flag(out[row, :n]) for row, n in enumerate(lengths)]).tolist()
@@ -375,6 +382,70 @@ def logits_batch(model: RuntimeModel, sequences: Sequence[Sequence[int]]) -> lis
                                   path=model.path)
         results.append(result)
     return results
+
+
+#: The most tokens (sequences x padded length) of a forward pass replayed as a CUDA graph: the graph keeps its
+#: activations allocated between calls, and past a few thousand tokens the device, not the launches, bounds a pass.
+GRAPH_MAX_TOKENS = 4096
+
+
+@dataclass
+class _Graph:
+    """A forward pass captured as a CUDA graph: its input ids and logits stay allocated; a replay reruns every
+    kernel launch of the pass with no Python in between."""
+
+    shape: tuple[int, ...]
+    graph: Any
+    input_ids: torch.Tensor
+    logits: torch.Tensor
+    checks: list
+    """The finiteness checks the pass queues (rows decoded per pass: the token embedding's), flags in place."""
+
+
+def _eager(model: RuntimeModel, input_ids: torch.Tensor) -> torch.Tensor:
+    # no_grad, not inference_mode: packed weights answer view operations (weight[expert]) with fresh tensors,
+    # which inference mode refuses to register as views
+    with torch.no_grad(), model.forward_mode(), one_sequence_per_row():
+        return model.module(input_ids=input_ids, use_cache=False).logits
+
+
+def _forward(model: RuntimeModel, input_ids: torch.Tensor) -> torch.Tensor:
+    """The logits of one forward pass.  With :attr:`RuntimeModel.graphs`, a shape of at most
+    :data:`GRAPH_MAX_TOKENS` whose eager pass decoded nothing for the first time (every payload's finiteness is
+    then proven; the pass has no host wait) is captured if the next pass has the same shape, then replayed while
+    it repeats (chunked scoring, cases sorted by length: the 512-token 7.6B MoE pass is ~2,250 launches,
+    host-bound when each goes through Python).  Shapes that alternate stay eager: a capture costs about a pass.
+    The checks a pass queues each time (the embedding rows it decodes) are queued again after every replay.  One
+    graph is kept per model."""
+    if not model.graphs or input_ids.numel() > GRAPH_MAX_TOKENS:
+        return _eager(model, input_ids)
+    shape = tuple(input_ids.shape)
+    store = model.store
+    graph = model._graph
+    if graph is None or graph.shape != shape:
+        if shape != model._repeat_candidate:
+            before = store.first_checks
+            out = _eager(model, input_ids)
+            model._repeat_candidate = shape if store.first_checks == before else None
+            return out
+        model._graph = None         # the previous graph's memory returns to the allocator first
+        static_ids = input_ids.clone()
+        captured = torch.cuda.CUDAGraph()
+        start = store.queued()
+        try:
+            with torch.cuda.graph(captured):
+                logits = _eager(model, static_ids)
+        except RuntimeError as exc:     # a model whose pass waits for the device (or copies from the host)
+            store.take_checks(start)
+            warnings.warn(f"CUDA graph capture failed, forward passes stay eager: {exc}", stacklevel=3)
+            model.graphs = False
+            return _eager(model, input_ids)
+        graph = model._graph = _Graph(shape, captured, static_ids, logits, store.take_checks(start))
+    model._repeat_candidate = shape
+    graph.input_ids.copy_(input_ids)
+    graph.graph.replay()
+    store.requeue(graph.checks)
+    return graph.logits
 
 
 def _host_float32(values: torch.Tensor) -> np.ndarray:

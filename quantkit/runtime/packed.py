@@ -51,8 +51,9 @@ from .weights import PayloadCache
 #: 2048 x 2048 weight 0.16-0.19 ms vs 0.12 ms; the 32000-row head 1.4-2.0 ms vs 0.64 ms), and the 1B MoE scored
 #: 25,553 tok/s fused against 58,588 decoded (bench/results/score-vs-llamacpp-2026-12-02b.md).  float32 runs
 #: fused: tf32x3 against cuBLAS's float32 products (Q8_0 2048 x 2048: 0.50 vs 0.74 ms at 2048 rows), the 7.6B
-#: MoE 5,121 tok/s against 2,873 decoded (12,908 with the tuned launches of
-#: bench/results/score-gpu-2026-12-02c.md), and no transient decoded weights (peak 4.92 vs 7.01 GiB).
+#: MoE 5,121 tok/s against 2,873 decoded (15,796 at 2048 tokens with the tuned launches and CUDA graph replays,
+#: 0.88x llama-perplexity in the same run: bench/results/score-vs-llamacpp-2026-12-02c.md), and no transient
+#: decoded weights (peak 4.92 vs 7.01 GiB).
 FUSED_DTYPES = (torch.float32,)
 #: Decoded tensors whose finiteness is awaited before the store synchronizes and checks them.
 MAX_PENDING_CHECKS = 4096
@@ -72,6 +73,9 @@ class WeightStore:
         self._pending: list[tuple[str, tuple[str, int | None] | None, torch.Tensor]] = []
         self._pending_keys: set[tuple[str, int | None]] = set()
         self._finite: set[tuple[str, int | None]] = set()
+        self.first_checks = 0
+        """Checks queued so far that prove a tensor (or slice) finite for its later uses: a forward pass that
+        queues none decodes nothing for the first time, and may be captured as a CUDA graph."""
         self._triton = None
         self._matmul = None
         if device.type == "cuda":
@@ -139,6 +143,10 @@ class WeightStore:
             self._expect_finite(name, values, (name, index) if rows is None else None)
         return values
 
+    def resident(self, name: str) -> bool:
+        """Whether the payload of ``name`` is on the device (CUDA without streaming, a type Triton decodes)."""
+        return name in self._on_device
+
     def fusable(self, name: str):
         """The device payload of ``name`` when the fused products (:mod:`quantkit.kernels.triton_matmul`) can
         multiply by it packed; None otherwise (CPU, streamed, a type without a fused kernel)."""
@@ -165,8 +173,21 @@ class WeightStore:
         self._pending.append((name, key, finite_flag(values)))
         if key is not None:
             self._pending_keys.add(key)
+            self.first_checks += 1
         if len(self._pending) >= MAX_PENDING_CHECKS:
             self.check()
+
+    def take_checks(self, start: int) -> list:
+        """Remove and return the checks queued after the first ``start`` (:meth:`queued`): a CUDA graph's, whose
+        flags each replay recomputes in place; :meth:`requeue` puts them back after a replay."""
+        taken, self._pending = self._pending[start:], self._pending[:start]
+        return taken
+
+    def queued(self) -> int:
+        return len(self._pending)
+
+    def requeue(self, checks: list) -> None:
+        self._pending.extend(checks)
 
     def check(self) -> None:
         """Raise FormatError naming the first decoded tensor that held NaN or infinity since the last check."""
@@ -275,8 +296,13 @@ class Assembler:
         if plan.sliced or len(plan.shape) != 2 or len(plan.parts) != 1 or plan.parts[0].rows is not None \
                 or plan.parts[0].values:
             return None
+        name = plan.parts[0].gguf_name
+        if ids.is_cuda and self.store.resident(name):
+            # every id's row, repeats decoded again: torch.unique would wait for the device (no CUDA graph)
+            table = self.store.decode(name, rows=ids.reshape(-1))
+            return table.to(dtype).reshape(*ids.shape, plan.shape[1])
         unique, inverse = torch.unique(ids.reshape(-1), return_inverse=True)
-        table = self.store.decode(plan.parts[0].gguf_name, rows=unique).reshape(len(unique), plan.shape[1])
+        table = self.store.decode(name, rows=unique).reshape(len(unique), plan.shape[1])
         return table.to(dtype)[inverse.to(table.device)].reshape(*ids.shape, plan.shape[1])
 
 
