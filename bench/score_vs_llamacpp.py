@@ -1,20 +1,23 @@
 """All-position scoring on one GPU: quantkit's CUDA runtime vs llama.cpp's CUDA build, same synthetic GGUFs, one run.
 
-    python bench/score_vs_llamacpp.py --llama-src .devkit/llama-src.tar.gz [--build /tmp/llama-build] [--jobs 14]
-        [--models 1b,7b] [--tokens 512,2048] [--long 16384] [--dtypes float32,bfloat16] [--repeats 3] [--skip-llama]
-        [--overlap-build] [--skip-llama-bench] [--markdown FILE] [--logs DIR]
+    python bench/score_vs_llamacpp.py --llama-src LLAMA_CPP_TREE [--build /tmp/llama-build] [--jobs 14]
+        [--models 1b,7b] [--tokens 512,2048] [--batch 2048] [--long 16384] [--dtypes float32,bfloat16]
+        [--repeats 3] [--skip-llama] [--overlap-build] [--skip-llama-bench] [--markdown FILE] [--logs DIR]
 
 1. Starts building llama.cpp's ``llama-perplexity`` and ``llama-bench`` with CUDA for sm_90 from the vendored
-   source (a tarball or a directory) in the background (about 5 minutes on 16 cores).
+   source tree (``python -m quantkit.testing.llama_src`` prints where it is) in the background (about 5 minutes
+   on 16 cores).
 2. Writes synthetic Qwen3-MoE GGUFs (random Q4_K routed experts, Q8_0 other matrices, F32 vectors: the builder
    of bench/runtime_gpu.py) with a small SentencePiece vocabulary so llama-perplexity can tokenize a text:
    ``1b`` (1.02B, 16 experts top-4, 8 layers) and ``7b`` (7.6B, 64 experts top-8, 24 layers), and a text of
    random words (one token each).
-3. quantkit: :func:`quantkit.runtime.logits` (every position's logits, copied to the host) on random tokens of
-   each ``--tokens`` length (and ``--long`` for the first model), per compute dtype; tokens/s from the median of ``--repeats`` calls after a warm-up;
-   peak device memory is torch's allocator peak for that load and length.  A length that repeats is captured as a
-   CUDA graph by the runtime and replayed (:func:`quantkit.runtime.loader._forward`; up to 4096 tokens, float32):
-   the first timed call or two run eagerly (one captures), so give ``--repeats`` 5 for a median of replays, the
+3. quantkit: :func:`quantkit.runtime.logits_batch` (every position's logits, copied to the host) on random
+   tokens of each ``--tokens`` length N (and ``--long`` for the first model), ``max(1, --batch // N)`` sequences
+   per forward pass as llama-perplexity packs ``--batch // N`` chunks per pass (its ``n_seq``), per compute
+   dtype; tokens/s from the median of ``--repeats`` calls after a warm-up; peak device memory is torch's
+   allocator peak for that load and length.  A pass shape that repeats is captured as a CUDA graph by the runtime
+   and replayed (:func:`quantkit.runtime.loader._forward`; up to 4096 tokens, float32): the first timed call or
+   two run eagerly (one captures), so give ``--repeats`` 5 for a median of replays, the
    steady state of chunked scoring that llama-perplexity's steady figure also measures.
    Normally after the build has finished (a quiet machine); ``--overlap-build`` times them while it runs
    (to fit a short device lease: give the build fewer ``--jobs`` than the host has cores).
@@ -37,7 +40,6 @@ import shutil
 import statistics
 import subprocess
 import sys
-import tarfile
 import threading
 import time
 from pathlib import Path
@@ -50,7 +52,7 @@ from _common import commit, emit
 from runtime_gpu import SYNTHETIC, write_synthetic
 
 from quantkit.io.gguf import KV, ArrayOf
-from quantkit.runtime import load_model, logits
+from quantkit.runtime import load_model, logits_batch
 
 MODELS = {
     "1b": SYNTHETIC,
@@ -69,16 +71,10 @@ NORMAL, UNKNOWN, CONTROL, BYTE = 1, 2, 3, 6
 # -- llama.cpp build --------------------------------------------------------------------------------------------
 
 def start_build(source: Path, build: Path, jobs: int, log: Path) -> subprocess.Popen:
-    """Configure and build llama-perplexity and llama-bench in the background; the process writes ``log``."""
+    """Configure and build llama-perplexity and llama-bench from the llama.cpp tree ``source`` in the background;
+    the process writes ``log``."""
     build.mkdir(parents=True, exist_ok=True)
-    if source.is_file():
-        tree = build / "src"
-        if not (tree / "CMakeLists.txt").is_file():
-            with tarfile.open(source) as tar:
-                tar.extractall(tree, filter="data")
-    else:
-        tree = source
-    script = (f"cmake -S {tree} -B {build / 'out'} {' '.join(CMAKE_FLAGS)} && "
+    script = (f"cmake -S {source} -B {build / 'out'} {' '.join(CMAKE_FLAGS)} && "
               f"cmake --build {build / 'out'} --target llama-perplexity llama-bench -j {jobs}")
     return subprocess.Popen(["bash", "-c", script], stdout=log.open("w"), stderr=subprocess.STDOUT)
 
@@ -150,22 +146,27 @@ def idle_mib() -> int:
     return int(out.split()[0])
 
 
-def score_quantkit(path: Path, lengths: list[int], repeats: int, dtype: torch.dtype, vocab: int) -> list[dict]:
+def score_quantkit(path: Path, lengths: list[int], repeats: int, dtype: torch.dtype, vocab: int,
+                   batch: int) -> list[dict]:
+    """Sequences of n tokens, ``max(1, batch // n)`` per forward pass (as llama-perplexity's ``-b`` packs chunks
+    and ``quantkit score`` packs cases): tokens/s over the median call."""
     records = []
     model = load_model(path, device="cuda", dtype=dtype)
     try:
         for n in lengths:
-            ids = np.random.default_rng(n).integers(3, vocab, size=n).tolist()
-            logits(model, ids)           # warm-up: Triton compiles, cuBLAS picks kernels
+            rng = np.random.default_rng(n)
+            per_pass = max(1, batch // n)
+            seqs = [rng.integers(3, vocab, size=n).tolist() for _ in range(per_pass)]
+            logits_batch(model, seqs)    # warm-up: Triton compiles, cuBLAS picks kernels
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
             times = []
             for _ in range(repeats):
                 t0 = time.perf_counter()
-                logits(model, ids)
+                logits_batch(model, seqs)
                 times.append(time.perf_counter() - t0)
-            records.append({"tokens": n, "dtype": str(dtype).removeprefix("torch."),
-                            "tokens_per_s": n / statistics.median(times), "seconds": times,
+            records.append({"tokens": n, "sequences_per_pass": per_pass, "dtype": str(dtype).removeprefix("torch."),
+                            "tokens_per_s": n * per_pass / statistics.median(times), "seconds": times,
                             "peak_device_bytes": torch.cuda.max_memory_allocated(),
                             "payload_device_bytes": model.store.device_bytes})
             emit({"name": f"quantkit {path.stem} {n} {dtype}", **records[-1]})
@@ -279,7 +280,7 @@ def markdown(results: dict, dtypes: list[str]) -> str:
     lines = [f"Device: {torch.cuda.get_device_name()}, torch {torch.__version__}, commit {commit()}", ""]
     for name, r in results.items():
         lines += [f"### {name}: {r['parameters'] / 1e9:.2f}B parameters, file {r['file_bytes'] / 2**30:.2f} GiB", "",
-                  "| tokens | " + " | ".join(f"quantkit {d} tok/s" for d in dtypes) +
+                  "| tokens x sequences per pass | " + " | ".join(f"quantkit {d} tok/s" for d in dtypes) +
                   " | llama-perplexity tok/s (steady; all passes) | " + " | ".join(f"ratio {d}" for d in dtypes) +
                   " | quantkit peak GiB (" + ", ".join(dtypes) + ") | llama.cpp peak GiB |",
                   "|---" * (3 + 2 * len(dtypes)) + "|---|"]
@@ -293,7 +294,8 @@ def markdown(results: dict, dtypes: list[str]) -> str:
             peaks = ", ".join(f"{q['peak_device_bytes'] / 2**30:.2f}" if q else "-" for q in ours)
             ref_peak = f"{ref['peak_device_mib'] / 1024:.2f}" if "peak_device_mib" in ref else ref.get("error", "-")
             ref_cell = f"{ref_tps:,.0f}; {ref['tokens_per_s']:,.0f}" if ref_tps else "-"
-            lines.append(f"| {n} | {' | '.join(cells)} | {ref_cell} | "
+            per_pass = next((q["sequences_per_pass"] for q in ours if q), 1)
+            lines.append(f"| {n} x {per_pass} | {' | '.join(cells)} | {ref_cell} | "
                          f"{' | '.join(ratios)} | {peaks} | {ref_peak} |")
         if r.get("llama_bench"):
             lines += ["", "llama-bench (last-position logits only): " + ", ".join(
@@ -318,6 +320,8 @@ def main() -> None:
     parser.add_argument("--long", default="", help="extra lengths scored on the first model only")
     parser.add_argument("--dtypes", default="float32,bfloat16")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--batch", type=int, default=2048,
+                        help="tokens per forward pass for quantkit (llama-perplexity's -b default, which it uses)")
     parser.add_argument("--skip-llama", action="store_true")
     parser.add_argument("--skip-llama-bench", action="store_true")
     parser.add_argument("--overlap-build", action="store_true",
@@ -353,7 +357,7 @@ def main() -> None:
     for name, r in results.items():
         for d in dtypes:
             r["quantkit"] += score_quantkit(r["path"], r["lengths"], args.repeats, getattr(torch, d),
-                                            MODELS[name]["vocab_size"])
+                                            MODELS[name]["vocab_size"], args.batch)
         if args.markdown:
             args.markdown.write_text(markdown(results, dtypes))
     if build is not None and args.overlap_build:
