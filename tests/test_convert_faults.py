@@ -380,22 +380,22 @@ def test_writer_never_truncates_a_partial_in_use(tmp_path):
         second.close()
 
 
-def test_final_step_verifies_what_it_renames(qwen, recipe, tmp_path, monkeypatch):
-    """Bytes changed behind the journal's back (as another writer would) are caught at the last step: no file
-    under the final name, the partial kept."""
+def test_payloads_are_read_back_before_the_rename(qwen, recipe, tmp_path, monkeypatch):
+    """Bytes in the partial that differ from those hashed as they were written (as another writer would leave
+    them) are caught by the read-back: no file under the final name, the partial kept."""
     out = tmp_path / "q.gguf"
-    real = execute_module.Hashing.result
+    real = execute_module.ReadBack.written
 
-    def corrupt_then_hash(self):
-        partial = out.with_name("q.gguf.partial")
-        middle = partial.stat().st_size // 2   # inside a payload (padding runs are shorter than 32 bytes)
-        with open(partial, "r+b") as f:
-            f.seek(middle)
-            flipped = bytes(b ^ 0xFF for b in f.read(64))
-            f.seek(middle)
-            f.write(flipped)
-        return real(self)
-    monkeypatch.setattr(execute_module.Hashing, "result", corrupt_then_hash)
+    def corrupt_then_check(self, name, sha256):
+        if name not in self._done:   # a payload just written (not one of a journal)
+            t = self._layout.tensor(name)
+            with open(out.with_name("q.gguf.partial"), "r+b") as f:
+                f.seek(self._layout.data_offset + t.offset)
+                flipped = bytes(b ^ 0xFF for b in f.read(min(64, t.nbytes)))
+                f.seek(self._layout.data_offset + t.offset)
+                f.write(flipped)
+        return real(self, name, sha256)
+    monkeypatch.setattr(execute_module.ReadBack, "written", corrupt_then_check)
     line = one_line_error(run(*args_for(qwen, out, recipe)))
     assert "does not match its journal hash" in line
     assert not out.exists() and "q.gguf.partial" in leftovers(out)

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import click
 
-from ..evidence import artifact_sha256
+from ..evidence import artifact_sha256, remember_artifact_sha256
 
 from . import EXIT_INTERRUPTED
 from .executors import check_executor, default_jobs
@@ -95,8 +95,11 @@ def convert(source, out, recipe, imatrix, bootstrap, allow_synthetic_imatrix, jo
         click.echo("interrupted: the partial output and its journal are kept; run again with --resume to continue",
                    err=True)
         sys.exit(EXIT_INTERRUPTED)
-    # a pass after writing (tensors are written in parallel, the header last); kept for evidence records
-    sha256, _ = artifact_sha256(result.path, progress=progress, reuse=False)
+    if result.sha256 is not None:   # read back while it was written (quantkit.convert.readback)
+        sha256 = result.sha256
+        remember_artifact_sha256(result.path, sha256)
+    else:   # an earlier run finished it: read it
+        sha256, _ = artifact_sha256(result.path, progress=progress, reuse=False)
     record = names.release_manifest(result.path, sha256, suggested)
     with atomic_output(manifest, overwrite=True) as tmp:   # checked above, before the work
         tmp.write_text(json.dumps(record, indent=1) + "\n")
