@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from pathlib import Path
 
 import click
@@ -76,7 +77,9 @@ def convert(source, out, recipe, imatrix, bootstrap, allow_synthetic_imatrix, jo
                              label=label, pre_tokenizer=pre_tokenizer, reserve_bytes=reserve, dialect=dialect,
                              progress=progress, support=support, device=device, executor=executor,
                              address=address, transfer=transfer)
+    started = time.perf_counter()
     prepared = prepare(request)
+    planned = time.perf_counter() - started
     click.echo(prepared.plan.summary())
     suggested = _suggested_name(prepared, label)
     if suggested is not None:
@@ -106,7 +109,8 @@ def convert(source, out, recipe, imatrix, bootstrap, allow_synthetic_imatrix, jo
     if report is not None:
         with atomic_output(report, overwrite=force) as tmp:
             tmp.write_text(json.dumps({"name_tag": prepared.plan.name_tag, "suggested_name": suggested,
-                                       "sha256": sha256, "release_manifest": str(manifest), **result.report()},
+                                       "sha256": sha256, "release_manifest": str(manifest), "prepare_seconds": planned,
+                                       **result.report()},
                                       indent=1) + "\n")
     if result.finished_earlier:
         click.echo(f"{result.path} was already complete (an earlier run finished it)")

@@ -154,7 +154,8 @@ class ConvertResult:
     wall_seconds: float
     jobs: int
     phases: dict[str, float]
-    """Seconds spent hashing the source, writing (or checking) the header, producing tensors, finishing."""
+    """Seconds spent checking the device (``--device cuda``: torch's import), writing (or checking) the header,
+    producing tensors, waiting for the source hashes and the read-back, finishing."""
     finished_earlier: bool = False
     """An earlier run had renamed the verified file into place when it was killed: nothing left to do."""
     sha256: str | None = None
@@ -361,6 +362,7 @@ def execute(prepared: Prepared, request: ConvertRequest) -> ConvertResult:
     """Steps 3-8 (see the module docstring), holding the output's lock throughout."""
     out = Path(request.out)
     check_outputs(prepared, request)
+    clock = _Clock()
     if request.device != "cpu":
         try:
             from ..kernels.gpu_encode import check_device
@@ -372,9 +374,10 @@ def execute(prepared: Prepared, request: ConvertRequest) -> ConvertResult:
             from ..kernels.gpu_encode import warm_device
 
             threading.Thread(target=_quietly, args=(warm_device, request.device), daemon=True).start()
+        clock.lap("device")   # torch's import and the device check
     with output_lock(out):
         try:
-            return _execute(prepared, request, out)
+            return _execute(prepared, request, out, clock)
         except OSError as exc:
             if is_out_of_space(exc):
                 raise out_of_space(exc.filename or out.with_name(out.name + PARTIAL_SUFFIX)) from None
@@ -393,8 +396,7 @@ def _helper_threads(prepared: Prepared, request: ConvertRequest) -> int:
     return prepared.workers if request.device == "cpu" else max(prepared.workers, available_cpus() // 2)
 
 
-def _execute(prepared: Prepared, request: ConvertRequest, out: Path) -> ConvertResult:
-    clock = _Clock()
+def _execute(prepared: Prepared, request: ConvertRequest, out: Path, clock: _Clock) -> ConvertResult:
     helpers = _helper_threads(prepared, request)
     plan, source, jobs = prepared.plan, prepared.source, prepared.jobs
     partial = out.with_name(out.name + PARTIAL_SUFFIX)
