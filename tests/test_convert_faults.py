@@ -404,12 +404,13 @@ def test_payloads_are_read_back_before_the_rename(qwen, recipe, tmp_path, monkey
 def test_partial_renamed_away_under_the_workers(qwen, recipe, tmp_path, monkeypatch):
     """Not 'died … out of memory?': the workers find the partial gone and say so; nothing is renamed into place."""
     out = tmp_path / "q.gguf"
-    real = execute_module.Hashing
+    real = execute_module.ReadBack
 
-    def rename_then_hash(*a, **k):
+    def read_back_then_rename(*a, **k):   # after the header, before any tensor
+        readback = real(*a, **k)
         out.with_name("q.gguf.partial").rename(tmp_path / "elsewhere")
-        return real(*a, **k)
-    monkeypatch.setattr(execute_module, "Hashing", rename_then_hash)
+        return readback
+    monkeypatch.setattr(execute_module, "ReadBack", read_back_then_rename)
     line = one_line_error(run(*args_for(qwen, out, recipe), jobs=2))
     assert "renamed, replaced or removed by another process" in line and "memory" not in line, line
     assert not out.exists()

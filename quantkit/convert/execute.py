@@ -363,25 +363,38 @@ def execute(prepared: Prepared, request: ConvertRequest) -> ConvertResult:
     out = Path(request.out)
     check_outputs(prepared, request)
     clock = _Clock()
-    if request.device != "cpu":
-        try:
-            from ..kernels.gpu_encode import check_device
-        except ImportError as exc:
-            raise UnsupportedError(f"--device {request.device} needs torch (pip install 'quantkit[runtime]'): "
-                                   f"{exc}") from None
-        check_device(request.device)
-        if prepared.workers == 1:   # the context starts while the header is written
-            from ..kernels.gpu_encode import warm_device
-
-            threading.Thread(target=_quietly, args=(warm_device, request.device), daemon=True).start()
-        clock.lap("device")   # torch's import and the device check
     with output_lock(out):
+        stats = file_stats(prepared.files)
+        # the source hashes and the workers' start overlap torch's import here, the header and the tensors
+        hashing = Hashing(prepared.files, stats, jobs=_helper_threads(prepared, request))
         try:
-            return _execute(prepared, request, out, clock)
+            with _pool(prepared, request) as pool:
+                _check_device(prepared, request)
+                clock.lap("device")
+                return _execute(prepared, request, out, clock, pool, stats, hashing)
         except OSError as exc:
             if is_out_of_space(exc):
                 raise out_of_space(exc.filename or out.with_name(out.name + PARTIAL_SUFFIX)) from None
             raise
+        finally:
+            hashing.cancel()
+
+
+def _check_device(prepared: Prepared, request: ConvertRequest) -> None:
+    """``--device`` other than cpu: torch imports and sees that device (else a one-line error); with one job the
+    context starts in a thread while the header is written."""
+    if request.device == "cpu":
+        return
+    try:
+        from ..kernels.gpu_encode import check_device
+    except ImportError as exc:
+        raise UnsupportedError(f"--device {request.device} needs torch (pip install 'quantkit[runtime]'): "
+                               f"{exc}") from None
+    check_device(request.device)
+    if prepared.workers == 1:
+        from ..kernels.gpu_encode import warm_device
+
+        threading.Thread(target=_quietly, args=(warm_device, request.device), daemon=True).start()
 
 
 def _quietly(fn, *args) -> None:
@@ -396,12 +409,12 @@ def _helper_threads(prepared: Prepared, request: ConvertRequest) -> int:
     return prepared.workers if request.device == "cpu" else max(prepared.workers, available_cpus() // 2)
 
 
-def _execute(prepared: Prepared, request: ConvertRequest, out: Path, clock: _Clock) -> ConvertResult:
+def _execute(prepared: Prepared, request: ConvertRequest, out: Path, clock: _Clock, pool, stats: list[FileHash],
+             hashing: Hashing) -> ConvertResult:
     helpers = _helper_threads(prepared, request)
     plan, source, jobs = prepared.plan, prepared.source, prepared.jobs
     partial = out.with_name(out.name + PARTIAL_SUFFIX)
     jpath = journal_path(out)
-    stats = file_stats(prepared.files)
 
     def layout_with(hashes: list[FileHash]) -> Layout:
         provenance = provenance_metadata(jobs=list(jobs.values()), recipe=plan.recipe, recipe_tag=plan.name_tag,
@@ -424,58 +437,55 @@ def _execute(prepared: Prepared, request: ConvertRequest, out: Path, clock: _Clo
     resuming = bool(journaled.done)   # a partial with no tensor journaled yet holds nothing worth keeping
     _check_space(out, layout, partial, resuming, request.reserve_bytes)
 
-    with _pool(prepared, request) as pool:   # the workers start up while the header is written
-        writer = GGUFWriter(out, layout, overwrite=True)   # output and partial: checked by _check_output
-        if resuming:
-            _check_sources(source.path, jobs, journaled)
-            _write_header(partial, layout.header)   # back to pending hashes, had a run died while finishing
-            writer.resume(journaled.done, verify=True, threads=helpers)
-            journal = Journal.reopen(jpath)
-        else:   # the journal first: a partial never exists without the journal that says what it holds
-            journal = Journal.create(jpath, fingerprint, stats)
-            writer.write_header()
-        writer.close()
-        done = dict(journaled.done)
-        identity = partial_identity(partial)
-        setup = WorkerSetup(str(source.path), plan.model_type, request.imatrix, str(partial), jobs,
-                            {n: layout.data_offset + t.offset for n, t in layout.tensors.items()},
-                            prepared.imatrix_shapes, request.allow_synthetic_imatrix, identity, request.device)
-        todo = [n for n in jobs if n not in done]
-        todo = _order(jobs, todo) if request.device == "cpu" else _file_order(layout, todo)
-        produced: list[TensorDone] = []
-        final: dict[str, Layout] = {}
+    writer = GGUFWriter(out, layout, overwrite=True)   # output and partial: checked by _check_output
+    if resuming:
+        _check_sources(source.path, jobs, journaled)
+        _write_header(partial, layout.header)   # back to pending hashes, had a run died while finishing
+        writer.resume(journaled.done, verify=True, threads=helpers)
+        journal = Journal.reopen(jpath)
+    else:   # the journal first: a partial never exists without the journal that says what it holds
+        journal = Journal.create(jpath, fingerprint, stats)
+        writer.write_header()
+    writer.close()
+    done = dict(journaled.done)
+    identity = partial_identity(partial)
+    setup = WorkerSetup(str(source.path), plan.model_type, request.imatrix, str(partial), jobs,
+                        {n: layout.data_offset + t.offset for n, t in layout.tensors.items()},
+                        prepared.imatrix_shapes, request.allow_synthetic_imatrix, identity, request.device)
+    todo = [n for n in jobs if n not in done]
+    todo = _order(jobs, todo) if request.device == "cpu" else _file_order(layout, todo)
+    produced: list[TensorDone] = []
+    final: dict[str, Layout] = {}
 
-        def final_header() -> bytes:
-            """The header with the source hashes (called by the read-back thread: waits for them)."""
-            final["layout"] = found = layout_with(hashing.result())
-            if len(found.header) != len(layout.header) or found.file_size != layout.file_size:
-                raise QuantkitError(f"the header with the source hashes is {len(found.header)} bytes, with them "
-                                    f"pending {len(layout.header)}: the hashes must not change the layout",
-                                    path=partial)
-            return found.header
+    def final_header() -> bytes:
+        """The header with the source hashes (called by the read-back thread: waits for them)."""
+        final["layout"] = found = layout_with(hashing.result())
+        if len(found.header) != len(layout.header) or found.file_size != layout.file_size:
+            raise QuantkitError(f"the header with the source hashes is {len(found.header)} bytes, with them "
+                                f"pending {len(layout.header)}: the hashes must not change the layout",
+                                path=partial)
+        return found.header
 
-        hashing = Hashing(prepared.files, stats, jobs=helpers)   # overlaps the encoding
-        readback = None
-        try:
-            readback = ReadBack(partial, identity, layout, journaled.done, final_header, threads=helpers)
-            clock.lap("header")
-            with _progress(sum(j.nbytes for j in jobs.values()), sum(jobs[n].nbytes for n in done), len(jobs),
-                           len(done), request.progress, out.name) as advance, \
-                    contextlib.closing(pool.run(setup, todo)) as results:
-                for result in results:
-                    journal.record(result.name, result.sha256, result.sources)
-                    done[result.name] = result.sha256
-                    readback.written(result.name, result.sha256)
-                    produced.append(result)
-                    advance(result.nbytes)
-            clock.lap("tensors")
-            sha256 = readback.result()   # never rename bytes nobody checked
-            clock.lap("hash")
-        finally:
-            hashing.cancel()
-            if readback is not None:
-                readback.cancel()
-            journal.close()
+    readback = None
+    try:
+        readback = ReadBack(partial, identity, layout, journaled.done, final_header, threads=helpers)
+        clock.lap("header")
+        with _progress(sum(j.nbytes for j in jobs.values()), sum(jobs[n].nbytes for n in done), len(jobs),
+                       len(done), request.progress, out.name) as advance, \
+                contextlib.closing(pool.run(setup, todo)) as results:
+            for result in results:
+                journal.record(result.name, result.sha256, result.sources)
+                done[result.name] = result.sha256
+                readback.written(result.name, result.sha256)
+                produced.append(result)
+                advance(result.nbytes)
+        clock.lap("tensors")
+        sha256 = readback.result()   # never rename bytes nobody checked
+        clock.lap("hash")
+    finally:
+        if readback is not None:
+            readback.cancel()
+        journal.close()
 
     final_layout = final["layout"]
     if partial_identity(partial) != identity:
