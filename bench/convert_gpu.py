@@ -129,7 +129,8 @@ def time_reads(prepared, imatrix: Path, processes: int, widen: bool) -> float:
 def time_encode(prepared, imatrix: Path, device: str) -> dict:
     import torch
 
-    from quantkit.convert.tensors import SourceContext, _importance, _unit_name, pieces
+    from quantkit.convert.gpu_stream import _TORCH_DTYPES
+    from quantkit.convert.tensors import SourceContext, _importance, _self_importance, _unit_name, pieces
     from quantkit.formats.api import _check_imatrix
     from quantkit.formats.registry import get_format
     from quantkit.kernels import gpu_encode
@@ -146,10 +147,18 @@ def time_encode(prepared, imatrix: Path, device: str) -> dict:
         fmt = get_format(job.qtype)
         units = []
         for piece in pieces(ctx, job):
-            x = np.asarray(piece.stored()[1]).astype(np.float32) if piece.stored else piece.produce(None)[0]
             name = _unit_name(job, piece.matrix)
-            im = _check_imatrix(_importance(ctx, job, piece.matrix, x), x.shape[1], fmt, name)
-            units.append((torch.from_numpy(x).to(dev), None if im is None else torch.from_numpy(im).to(dev), name))
+            if piece.stored and not _self_importance(job, piece.matrix):   # widened on the device (exact)
+                dtype, rows = piece.stored()
+                bits = torch.from_numpy(np.ascontiguousarray(rows).view(np.uint8)).to(dev)
+                x = bits.view(getattr(torch, _TORCH_DTYPES[dtype])).to(torch.float32).reshape(rows.shape)
+                im = _importance(ctx, job, piece.matrix, None)
+            else:
+                host = np.asarray(piece.stored()[1]).astype(np.float32) if piece.stored else \
+                    piece.produce(None)[0]
+                x, im = torch.from_numpy(host).to(dev), _importance(ctx, job, piece.matrix, host)
+            im = _check_imatrix(im, x.shape[1], fmt, name)
+            units.append((x, None if im is None else torch.from_numpy(im).to(dev), name))
         ctx.release()
         kind = (job.qtype, units[0][1] is not None)
         if kind not in warmed:
