@@ -69,8 +69,8 @@ from ..resources import available_cpus
 from .consistency import check_config_against_tensors
 from .journal import Journal, JournalState, journal_path, read_journal
 from .plan import Plan, PlannedTensor, build_plan, inspect_sources
-from .pool import (TensorDone, WorkerPool, WorkerSetup, bound_jobs, out_of_space, partial_gone, partial_identity,
-                   worker_memory)
+from .pool import (TensorDone, WorkerPool, WorkerSetup, bound_jobs, digest_threads, out_of_space, partial_gone,
+                   partial_identity, worker_memory)
 from .provenance import merged_metadata, provenance_metadata
 from .readback import ReadBack
 from .source import FileHash, Hashing, ResolvedSource, file_stats, provenance_files, resolve_source
@@ -451,7 +451,8 @@ def _execute(prepared: Prepared, request: ConvertRequest, out: Path, clock: _Clo
     identity = partial_identity(partial)
     setup = WorkerSetup(str(source.path), plan.model_type, request.imatrix, str(partial), jobs,
                         {n: layout.data_offset + t.offset for n, t in layout.tensors.items()},
-                        prepared.imatrix_shapes, request.allow_synthetic_imatrix, identity, request.device)
+                        prepared.imatrix_shapes, request.allow_synthetic_imatrix, identity, request.device,
+                        digest_threads(prepared.workers))
     todo = [n for n in jobs if n not in done]
     todo = _order(jobs, todo) if request.device == "cpu" else _file_order(layout, todo)
     produced: list[TensorDone] = []
