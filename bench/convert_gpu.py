@@ -11,9 +11,9 @@ for every weight of the blocks, then measures, for each process count N of ``--j
 
 (a) read: every source tensor the plan reads, to the float32 host arrays the CPU path's encoders take
     (``SourceContext.array``: the BF16 bits widened by numpy), each tensor's maps released after it as convert
-    does; N processes started and warm beforehand take the tensors largest first, as convert's workers do; the
-    figure is the wall time from handing out the first tensor to the last one read (page cache warm: the
-    checkpoint was just written and synced).  ``raw read`` (first N only) is the same with the stored bits
+    does; N processes started and warm beforehand take the tensors largest first (the best balance; convert's
+    GPU workers take them in file order); the figure is the wall time from handing out the first tensor to the
+    last one read (page cache warm: the checkpoint was just written and synced).  ``raw read`` (first N only) is the same with the stored bits
     copied, not widened.
 (b) encode: every tensor with a GPU type encoded on the GPU from float32 already resident there (each expert
     with its imatrix slice, in the encoders' pass sizes), timed between two synchronizations, tensor by tensor,
@@ -46,6 +46,7 @@ import shutil
 import sys
 import tempfile
 import time
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -150,7 +151,9 @@ def time_encode(prepared, imatrix: Path, device: str) -> dict:
             name = _unit_name(job, piece.matrix)
             if piece.stored and not _self_importance(job, piece.matrix):   # widened on the device (exact)
                 dtype, rows = piece.stored()
-                bits = torch.from_numpy(np.ascontiguousarray(rows).view(np.uint8)).to(dev)
+                with warnings.catch_warnings():   # read-only map: copied to the device at once
+                    warnings.simplefilter("ignore", UserWarning)
+                    bits = torch.from_numpy(np.ascontiguousarray(rows).view(np.uint8)).to(dev)
                 x = bits.view(getattr(torch, _TORCH_DTYPES[dtype])).to(torch.float32).reshape(rows.shape)
                 im = _importance(ctx, job, piece.matrix, None)
             else:
