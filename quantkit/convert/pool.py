@@ -67,12 +67,11 @@ DIGEST_THREADS = 4
 UNIT_MEMORY_FACTOR = 3
 
 
-def digest_threads(workers: int, cpus: int | None = None) -> int:
+def digest_threads(workers: int) -> int:
     """Digest threads per worker of a GPU conversion: half the CPUs shared among the workers, at least
     :data:`DIGEST_THREADS`.  SHA-256 ran at 0.96 GB/s a thread on the H200 host measured, so 4 threads digest
     3.8 GB/s of source, less than one GPU encodes a BF16 checkpoint with imatrix (8.76 GB in 1.72 s)."""
-    cpus = available_cpus() if cpus is None else cpus
-    return max(DIGEST_THREADS, cpus // (2 * max(1, workers)))
+    return max(DIGEST_THREADS, available_cpus() // (2 * max(1, workers)))
 
 
 def out_of_space(path, tensor: str | None = None) -> OutOfSpaceError:
