@@ -104,9 +104,10 @@ def test_kill_9_at_random_points_then_resume(qwen, recipe, reference, tmp_path):
         if process.poll() is None:
             os.killpg(process.pid, signal.SIGKILL)
             killed += 1
-        _, stderr = process.communicate(timeout=60)
+        stdout, stderr = process.communicate(timeout=60)
         if process.returncode == 0:   # finished before the kill point: complete and identical
             assert sha256_file(out) == sha256_file(reference), f"point {point}"
+            assert f"sha256 {sha256_file(reference)};" in stdout   # the file's hash read back while written
             out.unlink()
             resumed_to_end += 1
             continue
@@ -126,6 +127,7 @@ def test_kill_9_at_random_points_then_resume(qwen, recipe, reference, tmp_path):
                                       capture_output=True, text=True, timeout=300)
             assert finished.returncode == 0, finished.stderr
             assert sha256_file(out) == sha256_file(reference), f"point {point}"
+            assert f"sha256 {sha256_file(reference)};" in finished.stdout   # journaled payloads hashed in order too
             assert leftovers(out) == {"q.gguf"}
             out.unlink()
             resumed_to_end += 1

@@ -31,6 +31,7 @@ from .pool import partial_gone
 
 #: Bytes read behind the tensors between two ``fdatasync`` calls of the whole-file thread.
 SYNC_BYTES = 256 << 20
+_datasync = getattr(os, "fdatasync", os.fsync)   # macOS has no fdatasync
 
 
 class ReadBack:
@@ -93,7 +94,7 @@ class ReadBack:
                         return
                 at = self._hash(digest, at, self._layout.data_offset + t.offset + t.nbytes)
                 if at - synced >= SYNC_BYTES:
-                    os.fdatasync(self._fd)
+                    _datasync(self._fd)
                     synced = at
             self._hash(digest, at, self._layout.file_size)
             self._sha256 = digest.hexdigest()
