@@ -2,6 +2,7 @@
 reads and the GPU encode, measured in the same run (issue 17: wall <= 1.2 x max(read, encode)).
 
     python bench/convert_gpu.py [--gib 8] [--jobs 1,2,4] [--recipe iq2] [--workdir /tmp] [--check-layers 1]
+                                [--source DIR | --make-source DIR] [--profile PATH]
 
 Generates the seeded BF16 qwen3_moe checkpoint of bench/convert.py (at least ``--gib`` GiB, one shard per layer),
 a recipe whose every large tensor has a GPU encoder (``iq2``: routed gate/up IQ2_XXS, routed down Q2_K, the rest
@@ -10,15 +11,25 @@ for every weight of the blocks, then measures, for each process count N of ``--j
 
 (a) read: every source tensor the plan reads, to the float32 host arrays the CPU path's encoders take
     (``SourceContext.array``: the BF16 bits widened by numpy), each tensor's maps released after it as convert
-    does; N processes started and warm beforehand take the tensors largest first, as convert's workers do; the
-    figure is the wall time from handing out the first tensor to the last one read (page cache warm: the
-    checkpoint was just written and synced).  ``raw read`` (first N only) is the same with the stored bits
+    does; N processes started and warm beforehand take the tensors largest first (the best balance; convert's
+    GPU workers take them in file order); the figure is the wall time from handing out the first tensor to the
+    last one read (page cache warm: the checkpoint was just written and synced).  ``raw read`` (first N only) is the same with the stored bits
     copied, not widened.
 (b) encode: every tensor with a GPU type encoded on the GPU from float32 already resident there (each expert
     with its imatrix slice, in the encoders' pass sizes), timed between two synchronizations, tensor by tensor,
     summed; uploads excluded; after one warm-up encode of each type (its compile or load reported apart).
+    ``batched``: the same with a tensor's experts in one pass (a row of importance per row), as the stream
+    encodes them; the bound is the faster of the two.
 (c) convert: the whole ``quantkit convert --device cuda -j N`` command, interpreter start to exit (planning,
-    hashing the source, workers, encoding, writing, verifying, renaming).
+    hashing the source, workers, encoding, writing, verifying, renaming).  Its parts: ``prepare_s`` (planning,
+    the CLI's figure), ``executor_s`` (the report's ``wall_seconds``: the device check with torch's import, the
+    header, the tensors, the rest of the source hashes and of the read-back, the rename) and what is left:
+    the interpreter, imports, printing and exit.
+
+Fixed costs measured apart, once: ``python -c "import torch"`` plus the first CUDA allocation, and ``quantkit
+convert --dry-run`` (interpreter, imports, planning).  ``--profile PATH``: one more ``-j 1`` convert under
+cProfile (the converting thread), its top functions written to PATH.  ``--make-source DIR`` writes the checkpoint
+and imatrix into DIR and exits; ``--source DIR`` measures one written so (generation can overlap other work).
 
 The ratio is (c) / max(a, b) at the same N.  Every GPU output is compared with the others (same SHA-256), and a
 ``--check-layers``-layer checkpoint of the same generator is converted on the CPU and on the GPU: the files must
@@ -35,6 +46,7 @@ import shutil
 import sys
 import tempfile
 import time
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -118,7 +130,8 @@ def time_reads(prepared, imatrix: Path, processes: int, widen: bool) -> float:
 def time_encode(prepared, imatrix: Path, device: str) -> dict:
     import torch
 
-    from quantkit.convert.tensors import SourceContext, _importance, _unit_name, pieces
+    from quantkit.convert.gpu_stream import _TORCH_DTYPES
+    from quantkit.convert.tensors import SourceContext, _importance, _self_importance, _unit_name, pieces
     from quantkit.formats.api import _check_imatrix
     from quantkit.formats.registry import get_format
     from quantkit.kernels import gpu_encode
@@ -127,7 +140,7 @@ def time_encode(prepared, imatrix: Path, device: str) -> dict:
                         True)
     dev = torch.device(device)
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
-    seconds, weights, skipped, warm, warmed = 0.0, 0, 0, 0.0, set()
+    seconds, batched, weights, skipped, warm, warmed = 0.0, 0.0, 0, 0, 0.0, set()
     for job in prepared.jobs.values():
         if job.kind != "encode" or not gpu_encode.supports(job.qtype):
             skipped += job.nbytes
@@ -135,10 +148,20 @@ def time_encode(prepared, imatrix: Path, device: str) -> dict:
         fmt = get_format(job.qtype)
         units = []
         for piece in pieces(ctx, job):
-            x = np.asarray(piece.stored()[1]).astype(np.float32) if piece.stored else piece.produce(None)[0]
             name = _unit_name(job, piece.matrix)
-            im = _check_imatrix(_importance(ctx, job, piece.matrix, x), x.shape[1], fmt, name)
-            units.append((torch.from_numpy(x).to(dev), None if im is None else torch.from_numpy(im).to(dev), name))
+            if piece.stored and not _self_importance(job, piece.matrix):   # widened on the device (exact)
+                dtype, rows = piece.stored()
+                with warnings.catch_warnings():   # read-only map: copied to the device at once
+                    warnings.simplefilter("ignore", UserWarning)
+                    bits = torch.from_numpy(np.ascontiguousarray(rows).view(np.uint8)).to(dev)
+                x = bits.view(getattr(torch, _TORCH_DTYPES[dtype])).to(torch.float32).reshape(rows.shape)
+                im = _importance(ctx, job, piece.matrix, None)
+            else:
+                host = np.asarray(piece.stored()[1]).astype(np.float32) if piece.stored else \
+                    piece.produce(None)[0]
+                x, im = torch.from_numpy(host).to(dev), _importance(ctx, job, piece.matrix, host)
+            im = _check_imatrix(im, x.shape[1], fmt, name)
+            units.append((x, None if im is None else torch.from_numpy(im).to(dev), name))
         ctx.release()
         kind = (job.qtype, units[0][1] is not None)
         if kind not in warmed:
@@ -156,9 +179,28 @@ def time_encode(prepared, imatrix: Path, device: str) -> dict:
                 gpu_encode.encode_tensor(x[r0:r0 + step], job.qtype, im, first_row=r0, name=name)
             weights += x.numel()
         sync()
-        seconds += time.perf_counter() - t0
+        one_by_one = time.perf_counter() - t0
+        seconds += one_by_one
+        # the same tensor in passes of many experts, each row with its expert's importance (as the stream does)
+        ims = [im for _, im, _ in units]
+        if len({x.shape[1] for x, _, _ in units}) == 1 and (all(i is None for i in ims) or
+                                                             all(i is not None for i in ims)):
+            x = torch.cat([u[0] for u in units])
+            im = None if ims[0] is None else torch.cat([i.expand(len(u[0]), -1) for i, u in zip(ims, units)])
+            step = max(1, gpu_encode.chunk_weights_for(job.qtype) // x.shape[1])
+            sync()
+            t0 = time.perf_counter()
+            for r0 in range(0, x.shape[0], step):
+                gpu_encode.encode_tensor(x[r0:r0 + step], job.qtype, None if im is None else im[r0:r0 + step],
+                                         first_row=r0, name=job.name)
+            sync()
+            batched += time.perf_counter() - t0
+            del x, im
+        else:
+            batched += one_by_one
         del units
-    return {"seconds": seconds, "weights": weights, "warmup_seconds": warm, "cpu_type_bytes": skipped}
+    return {"seconds": seconds, "batched_seconds": batched, "weights": weights, "warmup_seconds": warm,
+            "cpu_type_bytes": skipped}
 
 
 # -- (c) convert --------------------------------------------------------------------------------------------------
@@ -179,9 +221,58 @@ def run_convert(ckpt: Path, out: Path, recipe: Path, imatrix: Path, jobs: int, d
             digest.update(block)
     out.unlink()
     report.unlink()
-    return {**timing, "sha256": digest.hexdigest(), "executor_s": rep["wall_seconds"], "phases_s": rep["phases"],
-            "jobs_used": rep["jobs"],
+    return {**timing, "sha256": digest.hexdigest(), "prepare_s": rep["prepare_seconds"],
+            "executor_s": rep["wall_seconds"], "phases_s": rep["phases"],
+            "jobs_used": rep["jobs"], "slowest_tensors": sorted(((d["seconds"], d["name"]) for d in rep["produced"]),
+                                                                reverse=True)[:6],
             "tensor_seconds": rep["tensor_seconds"], "file_size": rep["file_size"]}
+
+
+def fixed_costs(ckpt: Path, recipe: Path, imatrix: Path, device: str) -> dict:
+    """Wall of the parts every convert pays whatever its size: torch with a CUDA context, and the dry run."""
+    torch_proc, torch_t = run_timed([sys.executable, "-c", f"import torch; torch.zeros(1, device={device!r})"])
+    block = bytes(256 << 20)
+    t0 = time.perf_counter()
+    hashlib.sha256(block).hexdigest()
+    sha_rate = len(block) / (time.perf_counter() - t0)
+    dry, dry_t = run_timed([sys.executable, "-c", "from quantkit.cli import main; main()", "convert", str(ckpt), "-o",
+                            str(ckpt.parent / "dry.gguf"), "--recipe", str(recipe), "--imatrix", str(imatrix),
+                            "--allow-synthetic-imatrix", "--pre-tokenizer", PRE_TOKENIZER, "--dry-run"])
+    if torch_proc.returncode or dry.returncode:
+        raise SystemExit(f"fixed-cost runs failed:\n{torch_proc.stderr[-2000:]}\n{dry.stderr[-2000:]}")
+    return {"torch_with_context_s": torch_t["wall_s"], "dry_run_s": dry_t["wall_s"],
+            "sha256_bytes_per_s_one_thread": sha_rate}
+
+
+def profile_convert(ckpt: Path, out: Path, recipe: Path, imatrix: Path, device: str, path: Path) -> None:
+    """A ``-j 1`` convert under cProfile: the converting thread's top functions (cumulative, then own time)."""
+    import pstats
+
+    stats = path.with_suffix(".prof")
+    args = ["convert", str(ckpt), "-o", str(out), "--recipe", str(recipe), "--imatrix", str(imatrix),
+            "--allow-synthetic-imatrix", "--pre-tokenizer", PRE_TOKENIZER, "-j", "1", "--device", device,
+            "--no-progress", "--force"]
+    # main(), not run(): run() leaves by os._exit once torch is loaded, before cProfile writes its file
+    command = [sys.executable, "-c", f"import cProfile, sys; sys.argv = ['quantkit', *{args!r}]; "
+               f"cProfile.run('from quantkit.cli import main; main()', {str(stats)!r})"]
+    proc, timing = run_timed(command)
+    if proc.returncode != 0:
+        raise SystemExit(f"profiled convert failed:\n{proc.stderr[-4000:]}")
+    with open(path, "w") as f:
+        f.write(f"wall {timing['wall_s']:.2f} s (profiled)\n")
+        for key in ("cumulative", "tottime"):
+            pstats.Stats(str(stats), stream=f).sort_stats(key).print_stats(45)
+    stats.unlink()
+    out.unlink()
+
+
+def make_source(root: Path, gib: float, workdir: str) -> tuple[Path, Path, int]:
+    """The seeded checkpoint of at least ``gib`` GiB in ``root/ckpt`` and its synthetic imatrix."""
+    ckpt, source_bytes = synthetic_checkpoint(root, layers_for(gib, workdir, 1.5, 2 * GIB), "convert-gpu")
+    os.sync()
+    imatrix = root / "bench.imatrix.gguf"
+    write_synthetic_imatrix(ckpt, imatrix, seed=1, dataset="synthetic:bench")
+    return ckpt, imatrix, source_bytes
 
 
 def main() -> None:
@@ -192,23 +283,32 @@ def main() -> None:
     parser.add_argument("--workdir", default="/tmp")
     parser.add_argument("--device", default="cuda", help="the GPU (cpu runs torch's CPU encoders: a smoke test)")
     parser.add_argument("--check-layers", type=int, default=1, help="layers of the CPU = GPU check (0: skip it)")
+    parser.add_argument("--make-source", type=Path, help="write the checkpoint and imatrix here, then exit")
+    parser.add_argument("--source", type=Path, help="a directory --make-source wrote (kept)")
+    parser.add_argument("--profile", type=Path, help="write a cProfile summary of one -j 1 convert here")
     args = parser.parse_args()
+    if args.make_source:
+        args.make_source.mkdir(parents=True)
+        make_source(args.make_source, args.gib, str(args.make_source))
+        return
     counts = [int(j) for j in args.jobs.split(",")]
     recipes = args.recipe.split(",")
 
-    layers = layers_for(args.gib, args.workdir, 1.5, 2 * GIB)
     root = Path(tempfile.mkdtemp(prefix="quantkit-bench-convert-gpu-", dir=args.workdir))
     records = []
     try:
-        ckpt, source_bytes = synthetic_checkpoint(root, layers, "convert-gpu")
-        os.sync()
-        imatrix = root / "bench.imatrix.gguf"
-        write_synthetic_imatrix(ckpt, imatrix, seed=1, dataset="synthetic:bench")
+        if args.source:
+            ckpt, imatrix = args.source / "ckpt", args.source / "bench.imatrix.gguf"
+            source_bytes = sum(p.stat().st_size for p in ckpt.glob("*.safetensors"))
+        else:
+            ckpt, imatrix, source_bytes = make_source(root, args.gib, args.workdir)
         for key in recipes:
             recipe = root / f"{key}.toml"
             recipe.write_text(RECIPES[key])
             prepared = prepared_jobs(ckpt, recipe, imatrix)
             encode = time_encode(prepared, imatrix, args.device)
+            fixed = fixed_costs(ckpt, recipe, imatrix, args.device)
+            emit({"name": "fixed costs", **fixed})
             emit({"name": f"encode on the GPU ({key})", **encode, "weights_per_s": encode["weights"] /
                   encode["seconds"]})
             outputs = set()
@@ -217,13 +317,17 @@ def main() -> None:
                 raw = time_reads(prepared, imatrix, n, widen=False) if n == counts[0] else float("nan")
                 conv = run_convert(ckpt, root / f"{key}-j{n}.gguf", recipe, imatrix, n, args.device)
                 outputs.add(conv.pop("sha256"))
-                bound = max(read, encode["seconds"])
+                encode_s = min(encode["seconds"], encode["batched_seconds"])
+                bound = max(read, encode_s)
                 record = {"name": f"convert --device cuda ({key}) -j {n}", "recipe": key, "jobs": n,
-                          "read_s": read, "raw_read_s": raw, "encode_s": encode["seconds"], "convert_s":
+                          "read_s": read, "raw_read_s": raw, "encode_s": encode_s, "convert_s":
                           conv["wall_s"], "ratio": conv["wall_s"] / bound, "target": TARGET,
-                          "pass": conv["wall_s"] / bound <= TARGET, "source_bytes": source_bytes, **conv}
+                          "pass": conv["wall_s"] / bound <= TARGET, "source_bytes": source_bytes,
+                          "rest_s": conv["wall_s"] - conv["prepare_s"] - conv["executor_s"], **conv}
                 emit(record)
                 records.append(record)
+            if args.profile:
+                profile_convert(ckpt, root / f"{key}-profile.gguf", recipe, imatrix, args.device, args.profile)
             emit({"name": f"GPU outputs equal across --jobs ({key})", "pass": len(outputs) == 1})
             if args.check_layers:
                 small = root / "small"
@@ -240,10 +344,12 @@ def main() -> None:
     finally:
         shutil.rmtree(root, ignore_errors=True)
 
-    print(f"\n{'recipe':<6}{'jobs':>5}{'read s':>9}{'raw s':>8}{'encode s':>10}{'convert s':>11}{'ratio':>8}  pass")
+    print(f"\n{'recipe':<6}{'jobs':>5}{'read s':>9}{'raw s':>8}{'encode s':>10}{'convert s':>11}{'prepare':>9}"
+          f"{'executor':>10}{'tensors':>9}{'rest':>7}{'ratio':>8}  pass")
     for r in records:
         print(f"{r['recipe']:<6}{r['jobs']:>5}{r['read_s']:>9.2f}{r['raw_read_s']:>8.2f}{r['encode_s']:>10.2f}"
-              f"{r['convert_s']:>11.2f}{r['ratio']:>8.2f}  {r['pass']}")
+              f"{r['convert_s']:>11.2f}{r['prepare_s']:>9.2f}{r['executor_s']:>10.2f}"
+              f"{r['phases_s']['tensors']:>9.2f}{r['rest_s']:>7.2f}{r['ratio']:>8.2f}  {r['pass']}")
 
 
 if __name__ == "__main__":

@@ -138,6 +138,12 @@ def _store_cached_hash(real: Path, st: os.stat_result, sha256: str) -> None:
         pass
 
 
+def remember_artifact_sha256(path: str | os.PathLike, sha256: str) -> None:
+    """Put the SHA-256 a writer computed of the file it just wrote into the cache (what ``computed`` stores)."""
+    path = Path(path)
+    _store_cached_hash(path.resolve(), path.stat(), sha256)
+
+
 def artifact_sha256(path: str | os.PathLike, *, progress: bool = True, reuse: bool = True) -> tuple[str, str]:
     """``(hex SHA-256, where it came from)`` of a file (module doc: a ``.sha256`` sidecar, the cache, or read)."""
     from .io.atomic import sha256_file

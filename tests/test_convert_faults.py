@@ -104,9 +104,10 @@ def test_kill_9_at_random_points_then_resume(qwen, recipe, reference, tmp_path):
         if process.poll() is None:
             os.killpg(process.pid, signal.SIGKILL)
             killed += 1
-        _, stderr = process.communicate(timeout=60)
+        stdout, stderr = process.communicate(timeout=60)
         if process.returncode == 0:   # finished before the kill point: complete and identical
             assert sha256_file(out) == sha256_file(reference), f"point {point}"
+            assert f"sha256 {sha256_file(reference)};" in stdout   # the file's hash read back while written
             out.unlink()
             resumed_to_end += 1
             continue
@@ -126,6 +127,7 @@ def test_kill_9_at_random_points_then_resume(qwen, recipe, reference, tmp_path):
                                       capture_output=True, text=True, timeout=300)
             assert finished.returncode == 0, finished.stderr
             assert sha256_file(out) == sha256_file(reference), f"point {point}"
+            assert f"sha256 {sha256_file(reference)};" in finished.stdout   # journaled payloads hashed in order too
             assert leftovers(out) == {"q.gguf"}
             out.unlink()
             resumed_to_end += 1
@@ -380,22 +382,22 @@ def test_writer_never_truncates_a_partial_in_use(tmp_path):
         second.close()
 
 
-def test_final_step_verifies_what_it_renames(qwen, recipe, tmp_path, monkeypatch):
-    """Bytes changed behind the journal's back (as another writer would) are caught at the last step: no file
-    under the final name, the partial kept."""
+def test_payloads_are_read_back_before_the_rename(qwen, recipe, tmp_path, monkeypatch):
+    """Bytes in the partial that differ from those hashed as they were written (as another writer would leave
+    them) are caught by the read-back: no file under the final name, the partial kept."""
     out = tmp_path / "q.gguf"
-    real = execute_module.Hashing.result
+    real = execute_module.ReadBack.written
 
-    def corrupt_then_hash(self):
-        partial = out.with_name("q.gguf.partial")
-        middle = partial.stat().st_size // 2   # inside a payload (padding runs are shorter than 32 bytes)
-        with open(partial, "r+b") as f:
-            f.seek(middle)
-            flipped = bytes(b ^ 0xFF for b in f.read(64))
-            f.seek(middle)
-            f.write(flipped)
-        return real(self)
-    monkeypatch.setattr(execute_module.Hashing, "result", corrupt_then_hash)
+    def corrupt_then_check(self, name, sha256):
+        if name not in self._done:   # a payload just written (not one of a journal)
+            t = self._layout.tensor(name)
+            with open(out.with_name("q.gguf.partial"), "r+b") as f:
+                f.seek(self._layout.data_offset + t.offset)
+                flipped = bytes(b ^ 0xFF for b in f.read(min(64, t.nbytes)))
+                f.seek(self._layout.data_offset + t.offset)
+                f.write(flipped)
+        return real(self, name, sha256)
+    monkeypatch.setattr(execute_module.ReadBack, "written", corrupt_then_check)
     line = one_line_error(run(*args_for(qwen, out, recipe)))
     assert "does not match its journal hash" in line
     assert not out.exists() and "q.gguf.partial" in leftovers(out)
@@ -404,12 +406,13 @@ def test_final_step_verifies_what_it_renames(qwen, recipe, tmp_path, monkeypatch
 def test_partial_renamed_away_under_the_workers(qwen, recipe, tmp_path, monkeypatch):
     """Not 'died … out of memory?': the workers find the partial gone and say so; nothing is renamed into place."""
     out = tmp_path / "q.gguf"
-    real = execute_module.Hashing
+    real = execute_module.ReadBack
 
-    def rename_then_hash(*a, **k):
+    def read_back_then_rename(*a, **k):   # after the header, before any tensor
+        readback = real(*a, **k)
         out.with_name("q.gguf.partial").rename(tmp_path / "elsewhere")
-        return real(*a, **k)
-    monkeypatch.setattr(execute_module, "Hashing", rename_then_hash)
+        return readback
+    monkeypatch.setattr(execute_module, "ReadBack", read_back_then_rename)
     line = one_line_error(run(*args_for(qwen, out, recipe), jobs=2))
     assert "renamed, replaced or removed by another process" in line and "memory" not in line, line
     assert not out.exists()

@@ -3,11 +3,12 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from pathlib import Path
 
 import click
 
-from ..evidence import artifact_sha256
+from ..evidence import artifact_sha256, remember_artifact_sha256
 
 from . import EXIT_INTERRUPTED
 from .executors import check_executor, default_jobs
@@ -76,7 +77,9 @@ def convert(source, out, recipe, imatrix, bootstrap, allow_synthetic_imatrix, jo
                              label=label, pre_tokenizer=pre_tokenizer, reserve_bytes=reserve, dialect=dialect,
                              progress=progress, support=support, device=device, executor=executor,
                              address=address, transfer=transfer)
+    started = time.perf_counter()
     prepared = prepare(request)
+    planned = time.perf_counter() - started
     click.echo(prepared.plan.summary())
     suggested = _suggested_name(prepared, label)
     if suggested is not None:
@@ -95,15 +98,19 @@ def convert(source, out, recipe, imatrix, bootstrap, allow_synthetic_imatrix, jo
         click.echo("interrupted: the partial output and its journal are kept; run again with --resume to continue",
                    err=True)
         sys.exit(EXIT_INTERRUPTED)
-    # a pass after writing (tensors are written in parallel, the header last); kept for evidence records
-    sha256, _ = artifact_sha256(result.path, progress=progress, reuse=False)
+    if result.sha256 is not None:   # read back while it was written (quantkit.convert.readback)
+        sha256 = result.sha256
+        remember_artifact_sha256(result.path, sha256)
+    else:   # an earlier run finished it: read it
+        sha256, _ = artifact_sha256(result.path, progress=progress, reuse=False)
     record = names.release_manifest(result.path, sha256, suggested)
     with atomic_output(manifest, overwrite=True) as tmp:   # checked above, before the work
         tmp.write_text(json.dumps(record, indent=1) + "\n")
     if report is not None:
         with atomic_output(report, overwrite=force) as tmp:
             tmp.write_text(json.dumps({"name_tag": prepared.plan.name_tag, "suggested_name": suggested,
-                                       "sha256": sha256, "release_manifest": str(manifest), **result.report()},
+                                       "sha256": sha256, "release_manifest": str(manifest), "prepare_seconds": planned,
+                                       **result.report()},
                                       indent=1) + "\n")
     if result.finished_earlier:
         click.echo(f"{result.path} was already complete (an earlier run finished it)")

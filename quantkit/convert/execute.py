@@ -25,13 +25,15 @@ Steps (:func:`convert`):
    most one per CPU and what the memory holds), each written at its planned offset and journaled with its
    SHA-256 and its source bytes' SHA-256 as it completes; a progress bar shows tensors, bytes and the ETA.
    Meanwhile background threads hash the source files (:class:`~quantkit.convert.source.Hashing`), so reading
-   the source twice overlaps the encoding instead of preceding it.  With ``device`` cuda the tensors stream
+   the source twice overlaps the encoding instead of preceding it, and read the partial back behind the tensors
+   (:class:`~quantkit.convert.readback.ReadBack`): each payload against its journal hash, and the whole file's
+   SHA-256 with the final header, in file order.  With ``device`` cuda the tensors stream
    through the GPU (:mod:`quantkit.convert.gpu_stream`) and those threads number half the CPUs.  With
    ``executor="ray"`` the tensors are Ray tasks on a cluster instead (:mod:`quantkit.convert.raypool`: same
    interface, so journal and resume are the same).
-8. **Finish**: every tensor accounted for, the header with the real hashes replaces the pending one, the header
-   and every payload are verified against the layout and the journal, the journal notes the rename, the
-   partial is fsynced and renamed to ``out``; the journal is removed.
+8. **Finish**: every tensor accounted for and read back, the header with the real hashes replaces the pending
+   one and is checked against the layout, the journal notes the rename, the partial is fsynced and renamed to
+   ``out``; the journal is removed.
 
 The whole run holds an exclusive lock on ``<out>.lock`` (:func:`quantkit.io.atomic.output_lock`): a second
 conversion to the same output is refused, whatever its options.  No output path may be an input (a source file,
@@ -67,9 +69,10 @@ from ..resources import available_cpus
 from .consistency import check_config_against_tensors
 from .journal import Journal, JournalState, journal_path, read_journal
 from .plan import Plan, PlannedTensor, build_plan, inspect_sources
-from .pool import (TensorDone, WorkerPool, WorkerSetup, bound_jobs, out_of_space, partial_gone, partial_identity,
-                   worker_memory)
+from .pool import (TensorDone, WorkerPool, WorkerSetup, bound_jobs, digest_threads, out_of_space, partial_gone,
+                   partial_identity, worker_memory)
 from .provenance import merged_metadata, provenance_metadata
+from .readback import ReadBack
 from .source import FileHash, Hashing, ResolvedSource, file_stats, provenance_files, resolve_source
 from .tensors import TensorJob, imatrix_shapes, load_model_imatrix, source_digests
 
@@ -151,9 +154,12 @@ class ConvertResult:
     wall_seconds: float
     jobs: int
     phases: dict[str, float]
-    """Seconds spent hashing the source, writing (or checking) the header, producing tensors, finishing."""
+    """Seconds spent checking the device (``--device cuda``: torch's import), writing (or checking) the header,
+    producing tensors, waiting for the source hashes and the read-back, finishing."""
     finished_earlier: bool = False
     """An earlier run had renamed the verified file into place when it was killed: nothing left to do."""
+    sha256: str | None = None
+    """The whole file's SHA-256, read back while it was written (None when ``finished_earlier``)."""
 
     def report(self) -> dict:
         busy = sum(d.seconds for d in self.produced)
@@ -171,21 +177,20 @@ def prepare(request: ConvertRequest) -> Prepared:
     source = resolve_source(request.source)
     recipe = request.recipe if isinstance(request.recipe, Recipe) else load_recipe(request.recipe)
     imatrix, shapes = None, {}
-    if request.imatrix is not None:
-        with open_checkpoint(source.path) as ckpt:
+    with open_checkpoint(source.path) as ckpt:   # headers parsed once for the imatrix, the plan and the shards
+        if request.imatrix is not None:
             amap = get_arch(str(ckpt.config.get("model_type"))).bind(ckpt.config)
-            outputs = amap.outputs(inspect_sources(ckpt)[0])
-        shapes = imatrix_shapes(outputs)
-        imatrix = load_model_imatrix(request.imatrix, amap, shapes, allow_synthetic=request.allow_synthetic_imatrix)
-    plan = build_plan(source.path, recipe,
-                      imatrix=None if imatrix is None else {n: e.in_sum2 for n, e in imatrix.entries.items()},
-                      bootstrap=request.bootstrap, label=request.label, pre_tokenizer=request.pre_tokenizer,
-                      dialect=request.dialect, support=request.support)
+            shapes = imatrix_shapes(amap.outputs(inspect_sources(ckpt)[0]))
+            imatrix = load_model_imatrix(request.imatrix, amap, shapes,
+                                         allow_synthetic=request.allow_synthetic_imatrix)
+        plan = build_plan(ckpt, recipe,
+                          imatrix=None if imatrix is None else {n: e.in_sum2 for n, e in imatrix.entries.items()},
+                          bootstrap=request.bootstrap, label=request.label, pre_tokenizer=request.pre_tokenizer,
+                          dialect=request.dialect, support=request.support)
+        shards = {ckpt.tensor_info(n).file for n in ckpt.tensor_names()}
     check_config_against_tensors(plan.metadata, {o.gguf_name: o.shape
                                                  for o in [t.output for t in plan.tensors] + list(plan.skipped)})
     jobs = {t.name: make_job(t, imatrix) for t in plan.tensors}
-    with open_checkpoint(source.path) as ckpt:
-        shards = {ckpt.tensor_info(n).file for n in ckpt.tensor_names()}
     files = provenance_files(source, shards)
     recipe_file = request.recipe if isinstance(request.recipe, str) and Path(request.recipe).is_file() else None
     inputs = [*files, *input_files([request.imatrix, recipe_file])]
@@ -317,6 +322,12 @@ def _order(jobs: dict[str, TensorJob], names) -> list[str]:
     return sorted(names, key=lambda n: (-int(jobs[n].nbytes), n))
 
 
+def _file_order(layout: Layout, names) -> list[str]:
+    """In the file's order: the whole-file hash (:class:`~.readback.ReadBack`) follows right behind.  On a GPU,
+    where no tensor takes long, this costs no balance between workers."""
+    return sorted(names, key=lambda n: layout.tensor(n).offset)
+
+
 def _pool(prepared: Prepared, request: ConvertRequest):
     """The executor's pool (same interface): worker processes here, or Ray tasks on a cluster."""
     if request.executor == "ray":
@@ -351,24 +362,39 @@ def execute(prepared: Prepared, request: ConvertRequest) -> ConvertResult:
     """Steps 3-8 (see the module docstring), holding the output's lock throughout."""
     out = Path(request.out)
     check_outputs(prepared, request)
-    if request.device != "cpu":
-        try:
-            from ..kernels.gpu_encode import check_device
-        except ImportError as exc:
-            raise UnsupportedError(f"--device {request.device} needs torch (pip install 'quantkit[runtime]'): "
-                                   f"{exc}") from None
-        check_device(request.device)
-        if prepared.workers == 1:   # the context starts while the header is written
-            from ..kernels.gpu_encode import warm_device
-
-            threading.Thread(target=_quietly, args=(warm_device, request.device), daemon=True).start()
+    clock = _Clock()
     with output_lock(out):
+        stats = file_stats(prepared.files)
+        # the source hashes and the workers' start overlap torch's import here, the header and the tensors
+        hashing = Hashing(prepared.files, stats, jobs=_helper_threads(prepared, request))
         try:
-            return _execute(prepared, request, out)
+            with _pool(prepared, request) as pool:
+                _check_device(prepared, request)
+                clock.lap("device")
+                return _execute(prepared, request, out, clock, pool, stats, hashing)
         except OSError as exc:
             if is_out_of_space(exc):
                 raise out_of_space(exc.filename or out.with_name(out.name + PARTIAL_SUFFIX)) from None
             raise
+        finally:
+            hashing.cancel()
+
+
+def _check_device(prepared: Prepared, request: ConvertRequest) -> None:
+    """``--device`` other than cpu: torch imports and sees that device (else a one-line error); with one job the
+    context starts in a thread while the header is written."""
+    if request.device == "cpu":
+        return
+    try:
+        from ..kernels.gpu_encode import check_device
+    except ImportError as exc:
+        raise UnsupportedError(f"--device {request.device} needs torch (pip install 'quantkit[runtime]'): "
+                               f"{exc}") from None
+    check_device(request.device)
+    if prepared.workers == 1:
+        from ..kernels.gpu_encode import warm_device
+
+        threading.Thread(target=_quietly, args=(warm_device, request.device), daemon=True).start()
 
 
 def _quietly(fn, *args) -> None:
@@ -383,13 +409,12 @@ def _helper_threads(prepared: Prepared, request: ConvertRequest) -> int:
     return prepared.workers if request.device == "cpu" else max(prepared.workers, available_cpus() // 2)
 
 
-def _execute(prepared: Prepared, request: ConvertRequest, out: Path) -> ConvertResult:
-    clock = _Clock()
+def _execute(prepared: Prepared, request: ConvertRequest, out: Path, clock: _Clock, pool, stats: list[FileHash],
+             hashing: Hashing) -> ConvertResult:
     helpers = _helper_threads(prepared, request)
     plan, source, jobs = prepared.plan, prepared.source, prepared.jobs
     partial = out.with_name(out.name + PARTIAL_SUFFIX)
     jpath = journal_path(out)
-    stats = file_stats(prepared.files)
 
     def layout_with(hashes: list[FileHash]) -> Layout:
         provenance = provenance_metadata(jobs=list(jobs.values()), recipe=plan.recipe, recipe_tag=plan.name_tag,
@@ -412,62 +437,73 @@ def _execute(prepared: Prepared, request: ConvertRequest, out: Path) -> ConvertR
     resuming = bool(journaled.done)   # a partial with no tensor journaled yet holds nothing worth keeping
     _check_space(out, layout, partial, resuming, request.reserve_bytes)
 
-    with _pool(prepared, request) as pool:   # the workers start up while the header is written
-        writer = GGUFWriter(out, layout, overwrite=True)   # output and partial: checked by _check_output
-        if resuming:
-            _check_sources(source.path, jobs, journaled)
-            _write_header(partial, layout.header)   # back to pending hashes, had a run died while finishing
-            writer.resume(journaled.done, verify=True, threads=helpers)
-            journal = Journal.reopen(jpath)
-        else:   # the journal first: a partial never exists without the journal that says what it holds
-            journal = Journal.create(jpath, fingerprint, stats)
-            writer.write_header()
-        writer.close()
-        done = dict(journaled.done)
-        identity = partial_identity(partial)
-        hashing = Hashing(prepared.files, stats, jobs=helpers)   # overlaps the encoding
+    writer = GGUFWriter(out, layout, overwrite=True)   # output and partial: checked by _check_output
+    if resuming:
+        _check_sources(source.path, jobs, journaled)
+        _write_header(partial, layout.header)   # back to pending hashes, had a run died while finishing
+        writer.resume(journaled.done, verify=True, threads=helpers)
+        journal = Journal.reopen(jpath)
+    else:   # the journal first: a partial never exists without the journal that says what it holds
+        journal = Journal.create(jpath, fingerprint, stats)
+        writer.write_header()
+    writer.close()
+    done = dict(journaled.done)
+    identity = partial_identity(partial)
+    setup = WorkerSetup(str(source.path), plan.model_type, request.imatrix, str(partial), jobs,
+                        {n: layout.data_offset + t.offset for n, t in layout.tensors.items()},
+                        prepared.imatrix_shapes, request.allow_synthetic_imatrix, identity, request.device,
+                        digest_threads(prepared.workers))
+    todo = [n for n in jobs if n not in done]
+    todo = _order(jobs, todo) if request.device == "cpu" else _file_order(layout, todo)
+    produced: list[TensorDone] = []
+    final: dict[str, Layout] = {}
+
+    def final_header() -> bytes:
+        """The header with the source hashes (called by the read-back thread: waits for them)."""
+        final["layout"] = found = layout_with(hashing.result())
+        if len(found.header) != len(layout.header) or found.file_size != layout.file_size:
+            raise QuantkitError(f"the header with the source hashes is {len(found.header)} bytes, with them "
+                                f"pending {len(layout.header)}: the hashes must not change the layout",
+                                path=partial)
+        return found.header
+
+    readback = None
+    try:
+        readback = ReadBack(partial, identity, layout, journaled.done, final_header, threads=helpers)
         clock.lap("header")
+        with _progress(sum(j.nbytes for j in jobs.values()), sum(jobs[n].nbytes for n in done), len(jobs),
+                       len(done), request.progress, out.name) as advance, \
+                contextlib.closing(pool.run(setup, todo)) as results:
+            for result in results:
+                journal.record(result.name, result.sha256, result.sources)
+                done[result.name] = result.sha256
+                readback.written(result.name, result.sha256)
+                produced.append(result)
+                advance(result.nbytes)
+        clock.lap("tensors")
+        sha256 = readback.result()   # never rename bytes nobody checked
+        clock.lap("hash")
+    finally:
+        if readback is not None:
+            readback.cancel()
+        journal.close()
 
-        setup = WorkerSetup(str(source.path), plan.model_type, request.imatrix, str(partial), jobs,
-                            {n: layout.data_offset + t.offset for n, t in layout.tensors.items()},
-                            prepared.imatrix_shapes, request.allow_synthetic_imatrix, identity, request.device)
-        todo = _order(jobs, [n for n in jobs if n not in done])
-        produced: list[TensorDone] = []
-        try:
-            with _progress(sum(j.nbytes for j in jobs.values()), sum(jobs[n].nbytes for n in done), len(jobs),
-                           len(done), request.progress, out.name) as advance, \
-                    contextlib.closing(pool.run(setup, todo)) as results:
-                for result in results:
-                    journal.record(result.name, result.sha256, result.sources)
-                    done[result.name] = result.sha256
-                    produced.append(result)
-                    advance(result.nbytes)
-            clock.lap("tensors")
-            hashes = hashing.result()
-            clock.lap("hash")
-        finally:
-            hashing.cancel()
-            journal.close()
-
-    final_layout = layout_with(hashes)
-    if len(final_layout.header) != len(layout.header) or final_layout.file_size != layout.file_size:
-        raise QuantkitError(f"the header with the source hashes is {len(final_layout.header)} bytes, with them "
-                            f"pending {len(layout.header)}: the hashes must not change the layout", path=partial)
+    final_layout = final["layout"]
     if partial_identity(partial) != identity:
         raise partial_gone(partial)
     _write_header(partial, final_layout.header)
-    final = GGUFWriter(out, final_layout, overwrite=request.force)
-    final.resume(done, verify=True, threads=helpers)   # never rename bytes nobody checked
+    writer = GGUFWriter(out, final_layout, overwrite=request.force)
+    writer.resume(done, verify=False)   # the header just written is checked; the payloads were read back
     journal = Journal.reopen(jpath)
     try:
         journal.record_renaming(hashlib.sha256(final_layout.header).hexdigest())
     finally:
         journal.close()
-    final.finish()
+    writer.finish()
     jpath.unlink(missing_ok=True)
     clock.lap("finish")
     return ConvertResult(out, layout.file_size, len(jobs), len(jobs) - len(todo), produced, clock.total(),
-                         prepared.workers, clock.phases)
+                         prepared.workers, clock.phases, sha256=sha256)
 
 
 def convert(request: ConvertRequest) -> ConvertResult:

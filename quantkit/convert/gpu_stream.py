@@ -8,8 +8,8 @@ fast that the host work around it bounds the conversion, so here:
   copy releases the GIL);
 * the calling thread uploads a batch (consecutive pieces, at most :data:`BATCH_BYTES` of source and the
   encoder's pass size), widens it on the device (exact: F16 and BF16 are subsets of float32), checks it is finite
-  (one host sync per batch), encodes each piece with its own importance (the whole batch in one pass where no
-  piece has any: rows encode independently) and downloads the bytes.
+  (one host sync per batch), encodes the batch in one pass (rows encode independently; pieces with importance
+  each give their rows theirs: a row of importance per row) and downloads the bytes.
 
 Pieces whose values need host work first (a transform, an FP8 source, importance computed from the values)
 have no ``stored`` rows and go through :meth:`Piece.produce` as on the CPU path, in their place in the file order.
@@ -21,6 +21,7 @@ float32 and the encoder's scratch (bytes per weight in :mod:`quantkit.kernels.gp
 """
 from __future__ import annotations
 
+import contextlib
 import queue
 import threading
 from dataclasses import dataclass
@@ -146,7 +147,7 @@ def encode_stream(ctx, job, pieces, device: str, *, batch_bytes: int = BATCH_BYT
     ``device`` ("cuda", "cuda:N", or "cpu" with torch's CPU encoders, for tests)."""
     import torch
 
-    from ..errors import EncodeError
+    from ..errors import EncodeError, QuantkitError
     from ..formats.api import _check_imatrix
     from ..formats.registry import get_format
     from ..kernels import gpu_encode
@@ -183,9 +184,15 @@ def encode_stream(ctx, job, pieces, device: str, *, batch_bytes: int = BATCH_BYT
             bad = None if bool(finite.all()) else int((~finite).nonzero()[0, 0])   # a sync: the upload is done
             reader.free.put(host)
             ims = None if bad is not None else [importance(span.index) for span in batch.spans]
+            encoded = None
             if ims is not None and all(im is None for im in ims):   # rows encode alone: one pass for the batch
                 encoded = [gpu_encode.encode_tensor(x, fmt.qtype, None, name=job.name)]
-            else:
+            elif ims is not None and all(im is not None for im in ims):   # a row of importance per row
+                rows_im = ims[0] if len(ims) == 1 else torch.cat([im.expand(len(span.rows), -1)
+                                                                  for im, span in zip(ims, batch.spans)])
+                with contextlib.suppress(QuantkitError):   # a row ggml aborts on: named below, piece by piece
+                    encoded = [gpu_encode.encode_tensor(x, fmt.qtype, rows_im, name=job.name)]
+            if encoded is None:
                 r0, encoded = 0, []
                 for span in batch.spans:
                     r1 = r0 + len(span.rows)

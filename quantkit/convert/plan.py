@@ -31,6 +31,7 @@ as a multiplier (shape ``[1]``, or ``[experts]`` for stacked experts).
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -367,10 +368,11 @@ def _nvfp4_scale(weight: PlannedTensor) -> PlannedTensor:
                          tensor_nbytes(GGMLType.F32, shape))
 
 
-def build_plan(source: str | os.PathLike, recipe: Recipe | str | os.PathLike, *,
+def build_plan(source: str | os.PathLike | Checkpoint, recipe: Recipe | str | os.PathLike, *,
                imatrix: Mapping[str, Any] | None = None, bootstrap: bool = False, label: str | None = None,
                pre_tokenizer: str | None = None, dialect: str | None = None, support: str | None = None) -> Plan:
-    """Plan the conversion of checkpoint ``source`` with ``recipe`` (a Recipe, a file, or a shipped name).
+    """Plan the conversion of checkpoint ``source`` (a path, or a checkpoint the caller opened and keeps) with
+    ``recipe`` (a Recipe, a file, or a shipped name).
 
     ``imatrix``: GGUF tensor name -> importance values (any array-like; only names and sizes are read here).
     ``bootstrap``: use weight energy where the imatrix has no entry.  ``label``: the checkpoint label.
@@ -382,7 +384,7 @@ def build_plan(source: str | os.PathLike, recipe: Recipe | str | os.PathLike, *,
     if not isinstance(recipe, Recipe):
         recipe = load_recipe(recipe)
     dialect = dialect or recipe.dialect or LLAMA_CPP
-    with open_checkpoint(source) as ckpt:
+    with contextlib.nullcontext(source) if isinstance(source, Checkpoint) else open_checkpoint(source) as ckpt:
         model_type = ckpt.config.get("model_type")
         if not isinstance(model_type, str):
             raise SourceError(f"config.json gives no model_type (found {model_type!r})", path=ckpt.path,
@@ -435,7 +437,7 @@ def build_plan(source: str | os.PathLike, recipe: Recipe | str | os.PathLike, *,
                           f"{'no imatrix entry for them' if imatrix is not None else 'no imatrix'}: "
                           f"{', '.join(lacking[:MAX_NAMED_TENSORS])}{more}; pass an imatrix that covers them or "
                           f"bootstrap importance (--bootstrap-importance)", path=recipe.where())
-    plan = Plan(Path(source), model_type, recipe, tensors, metadata, label=label, bootstrap=bootstrap,
+    plan = Plan(ckpt.path, model_type, recipe, tensors, metadata, label=label, bootstrap=bootstrap,
                 imatrix_entries=len(imatrix) if imatrix is not None else None, skipped=skipped,
                 unused_rules=[resolution.explain_unused(r) for r in resolution.unused_rules], resolution=resolution)
     if support is not None:

@@ -18,7 +18,8 @@ from __future__ import annotations
 import fnmatch
 import os
 import re
-from concurrent.futures import ThreadPoolExecutor
+import threading
+from concurrent.futures import CancelledError, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable
@@ -125,12 +126,16 @@ class Hashing:
     """
 
     def __init__(self, paths: list[Path], stats: list[FileHash], *, jobs: int = 1):
+        self._stopped = threading.Event()
         self._pool = ThreadPoolExecutor(max_workers=max(1, jobs), thread_name_prefix="quantkit-hash")
         self._futures = [self._pool.submit(self._one, path, stat) for path, stat in zip(paths, stats)]
 
-    @staticmethod
-    def _one(path: Path, stat: FileHash) -> FileHash:
-        digest = _blob_sha256(path) or sha256_file(path)
+    def _go_on(self, _read: int) -> None:
+        if self._stopped.is_set():   # a run that fails early does not wait for whole shards to be hashed
+            raise CancelledError()
+
+    def _one(self, path: Path, stat: FileHash) -> FileHash:
+        digest = _blob_sha256(path) or sha256_file(path, progress=self._go_on)
         st = path.stat()
         if (st.st_size, st.st_mtime_ns) != (stat.size, stat.mtime_ns):
             raise SourceError("source file changed while the conversion was running", path=path)
@@ -144,7 +149,8 @@ class Hashing:
             self._pool.shutdown(wait=False)
 
     def cancel(self) -> None:
-        """Drop the files not started; a file being hashed finishes in its thread."""
+        """Drop the files not started and stop those being hashed (at their next chunk)."""
+        self._stopped.set()
         self._pool.shutdown(wait=False, cancel_futures=True)
 
 

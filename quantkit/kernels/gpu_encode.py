@@ -476,7 +476,7 @@ def _q2_k(x: torch.Tensor, imatrix) -> torch.Tensor:
     rows, n = x.shape
     b = x.reshape(-1, _QK_K)
     nb = b.shape[0]
-    qwb = None if imatrix is None else imatrix.reshape(1, -1).expand(rows, n).reshape(-1, _QK_K)
+    qwb = None if imatrix is None else imatrix.expand(rows, n).reshape(-1, _QK_K)
     L, scales, mins, sw = _search(b, qwb, 16, 3, (-0.5, 0.1, 15), 1, lambda xt: xt.abs())
     if qwb is None:                                       # quantize_row_q2_K_ref
         max_scale = _strict_max(scales.t())
@@ -514,7 +514,7 @@ def _q4_k(x: torch.Tensor, imatrix) -> torch.Tensor:
     rows, n = x.shape
     b = x.reshape(-1, _QK_K)
     nb = b.shape[0]
-    qwb = None if imatrix is None else imatrix.reshape(1, -1).expand(rows, n).reshape(-1, _QK_K)
+    qwb = None if imatrix is None else imatrix.expand(rows, n).reshape(-1, _QK_K)
     L, scales, mins, sw = _search(b, qwb, 32, 15, (-1.0, 0.1, 20), 2, _q4_k_ref_weights)
     if qwb is None:                                       # quantize_row_q4_K_ref
         max_scale = _strict_max(scales.t())
@@ -649,7 +649,7 @@ def _iq2_xxs(x: torch.Tensor, imatrix) -> torch.Tensor:
     rows, n = x.shape
     b = x.reshape(-1, _QK_K)
     nb = b.shape[0]
-    qwb = imatrix.reshape(1, -1).expand(rows, n).reshape(-1, _QK_K)
+    qwb = imatrix.expand(rows, n).reshape(-1, _QK_K)
     sigma2 = _div(_sum_sq_blocks(b), float(_QK_K))
     xt = _lanes(b, 32)
     K = xt.shape[1]
@@ -781,7 +781,9 @@ def supports(qtype) -> bool:
 def encode_tensor(x: torch.Tensor, qtype, imatrix: torch.Tensor | None = None, *, first_row: int = 0,
                   name: str | None = None) -> torch.Tensor:
     """Encode float32 ``x[rows, n]`` (clean input, as :func:`quantkit.formats.encode` checks it) on its own
-    device: uint8[rows, row_bytes] on that device.  ``first_row`` numbers the rows in error messages."""
+    device: uint8[rows, row_bytes] on that device.  ``imatrix``: float32[n] for every row, or [rows, n], a row of
+    importance per row (pieces with different importance in one pass: rows encode independently, so the bytes are
+    those of one call per piece).  ``first_row`` numbers the rows in error messages."""
     from ..formats.iquants import _ABORT_REASONS, _abort_error
 
     fmt = get_format(qtype)

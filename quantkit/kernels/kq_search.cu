@@ -490,15 +490,17 @@ QK_DEV void iq2_put(uint8_t* blk, int ib, float max_scale, float scale, int stat
     for (int b = 0; b < 4; ++b) q[4 + b] = (uint8_t)((word >> (8 * b)) & 0xFF);
 }
 
-// The sub-block's σ² (Σx² over its super-block, sequential from 0, / 256) and its encode.
-QK_DEV int iq2_lane(const float* x, const float* qw, int64_t n, int64_t s, const int32_t* kmap3,
+// The sub-block's σ² (Σx² over its super-block, sequential from 0, / 256) and its encode.  The importance of the
+// weight at offset o is qw[o % qn]: qn = n shares one row of importance among all rows, qn = rows·n gives each row
+// its own (experts of a batch, each with its imatrix slice: rows encode independently, so the bytes are the same).
+QK_DEV int iq2_lane(const float* x, const float* qw, int64_t qn, int64_t s, const int32_t* kmap3,
                     const uint16_t* grid_codes, const uint8_t* nb_index, float* scale, int* signs, int* grid) {
     const float* xb = x + (s >> 3) * 256;
     float ss = 0.0f;
     for (int i = 0; i < 256; ++i) ss = FADD(ss, FMUL(xb[i], xb[i]));
     const float sigma2 = FDIV(ss, 256.0f);
     const int64_t off = s * 32;
-    return iq2_sub_block(x + off, qw ? qw + off % n : nullptr, sigma2, kmap3, grid_codes, nb_index, scale, signs,
+    return iq2_sub_block(x + off, qw ? qw + off % qn : nullptr, sigma2, kmap3, grid_codes, nb_index, scale, signs,
                          grid);
 }
 
@@ -508,7 +510,7 @@ constexpr int IQ2_THREADS = 256;
 // Persistent blocks: kmap3 and the grid codes go to shared memory once per block (the neighbour lists, 113 KB, are
 // read through the cache: keeping them in shared memory measured no faster on an H200), then the block strides over
 // the sub-blocks; the 8 lanes of a super-block are 8 consecutive lanes of one warp.
-__global__ void __launch_bounds__(IQ2_THREADS) iq2_xxs_kernel(const float* x, const float* qw, int64_t n,
+__global__ void __launch_bounds__(IQ2_THREADS) iq2_xxs_kernel(const float* x, const float* qw, int64_t qn,
         int64_t n_sub, const int32_t* kmap3_g, const uint16_t* grid_codes_g, const uint8_t* nb_index,
         uint8_t* out, int8_t* status) {
     __shared__ int32_t kmap3[IQ2_KMAP3];
@@ -521,7 +523,7 @@ __global__ void __launch_bounds__(IQ2_THREADS) iq2_xxs_kernel(const float* x, co
         const int64_t s = base + threadIdx.x;
         float scale = 0.0f;
         int signs[4], grid[4], st = -1;
-        if (s < n_sub) st = iq2_lane(x, qw, n, s, kmap3, grid_codes, nb_index, &scale, signs, grid);
+        if (s < n_sub) st = iq2_lane(x, qw, qn, s, kmap3, grid_codes, nb_index, &scale, signs, grid);
         float max_scale = 0.0f;
         for (int j = 0; j < 8; ++j) {       // ggml's running MAX over the stored (non-empty) sub-blocks, in order
             const float sj = __shfl_sync(0xffffffffu, scale, first + j);
@@ -540,11 +542,12 @@ std::vector<torch::Tensor> iq2_xxs_encode(torch::Tensor x, torch::Tensor qw, tor
                                           torch::Tensor grid_codes, torch::Tensor nb_index) {
     TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2 && x.is_contiguous() && x.size(1) % 256 == 0,
                 "contiguous float32 rows of whole super-blocks expected");
-    TORCH_CHECK(qw.numel() == 0 || (qw.dtype() == torch::kFloat32 && qw.is_contiguous() && qw.numel() == x.size(1)),
-                "importance: float32[n]");
+    TORCH_CHECK(qw.numel() == 0 || (qw.dtype() == torch::kFloat32 && qw.is_contiguous() &&
+                                    (qw.numel() == x.size(1) || qw.numel() == x.numel())),
+                "importance: float32[n], or [rows, n] (a row of importance per row)");
     TORCH_CHECK(kmap3.dtype() == torch::kInt32 && kmap3.numel() == IQ2_KMAP3 && grid_codes.numel() == 256 &&
                 grid_codes.dtype() == torch::kInt16 && nb_index.dtype() == torch::kUInt8, "IQ2_XXS tables");
-    const int64_t rows = x.size(0), n = x.size(1), n_sub = rows * n / 32;
+    const int64_t rows = x.size(0), n = x.size(1), n_sub = rows * n / 32, qn = qw.numel() ? qw.numel() : n;
     auto out = torch::empty({rows, n / 256 * IQ2_BLOCK_BYTES}, x.options().dtype(torch::kUInt8));
     auto status = torch::empty({rows, n / 32}, x.options().dtype(torch::kInt8));
     const float* xp = x.data_ptr<float>();
@@ -564,7 +567,7 @@ std::vector<torch::Tensor> iq2_xxs_encode(torch::Tensor x, torch::Tensor qw, tor
         const int64_t needed = (n_sub + IQ2_THREADS - 1) / IQ2_THREADS;
         const int64_t blocks = std::min<int64_t>(needed, (int64_t)std::max(per_sm, 1) * sms);
         iq2_xxs_kernel<<<(unsigned)blocks, IQ2_THREADS, 0, c10::cuda::getCurrentCUDAStream()>>>(
-            xp, qp, n, n_sub, km, gc, nb, op, sp);
+            xp, qp, qn, n_sub, km, gc, nb, op, sp);
         C10_CUDA_KERNEL_LAUNCH_CHECK();
     }
 #else
@@ -574,7 +577,7 @@ std::vector<torch::Tensor> iq2_xxs_encode(torch::Tensor x, torch::Tensor qw, tor
         int signs[8][4], grid[8][4], st[8];
         float max_scale = 0.0f;
         for (int ib = 0; ib < 8; ++ib) {
-            st[ib] = iq2_lane(xp, qp, n, blk * 8 + ib, km, gc, nb, &scale[ib], signs[ib], grid[ib]);
+            st[ib] = iq2_lane(xp, qp, qn, blk * 8 + ib, km, gc, nb, &scale[ib], signs[ib], grid[ib]);
             if (st[ib] != -1) max_scale = max_scale > scale[ib] ? max_scale : scale[ib];
         }
         for (int ib = 0; ib < 8; ++ib) {
@@ -707,7 +710,7 @@ QK_DEV void kq_pack_qs(const uint8_t* Lb, int b0, int b1, uint8_t* blk) {
 
 #ifdef __CUDACC__
 template <int N>
-__global__ void __launch_bounds__(KQ_THREADS) kq_imatrix_kernel(const float* x, const float* qw, int64_t n,
+__global__ void __launch_bounds__(KQ_THREADS) kq_imatrix_kernel(const float* x, const float* qw, int64_t qn,
                                                                 int64_t n_blocks, uint8_t* out) {
     constexpr int S = KQuant<N>::S, PER = KQ_THREADS / S, BYTES = KQuant<N>::BYTES;
     __shared__ float scales[KQ_THREADS], mins[KQ_THREADS], sws[KQ_THREADS];
@@ -718,7 +721,7 @@ __global__ void __launch_bounds__(KQ_THREADS) kq_imatrix_kernel(const float* x, 
     const int64_t g = (int64_t)blockIdx.x * PER + sb;
     const bool valid = g < n_blocks;
     const float* xb = x + g * 256;
-    const float* qwb = qw + (g * 256) % n;
+    const float* qwb = qw + (g * 256) % qn;
     int L[N];
     if (valid) kq_search_sub<N>(xb, qwb, j, L, &scales[t], &mins[t], &sws[t]);
     __syncthreads();
@@ -740,19 +743,19 @@ __global__ void __launch_bounds__(KQ_THREADS) kq_imatrix_kernel(const float* x, 
 #endif
 
 template <int N>
-void kq_imatrix_run(const float* x, const float* qw, int64_t n, int64_t n_blocks, uint8_t* out) {
+void kq_imatrix_run(const float* x, const float* qw, int64_t qn, int64_t n_blocks, uint8_t* out) {
 #ifdef __CUDACC__
     constexpr int PER = KQ_THREADS / KQuant<N>::S;
     if (n_blocks > 0) {
         kq_imatrix_kernel<N><<<(unsigned)((n_blocks + PER - 1) / PER), KQ_THREADS, 0,
-                               c10::cuda::getCurrentCUDAStream()>>>(x, qw, n, n_blocks, out);
+                               c10::cuda::getCurrentCUDAStream()>>>(x, qw, qn, n_blocks, out);
         C10_CUDA_KERNEL_LAUNCH_CHECK();
     }
 #else
     constexpr int S = KQuant<N>::S, BYTES = KQuant<N>::BYTES;
     for (int64_t g = 0; g < n_blocks; ++g) {
         const float* xb = x + g * 256;
-        const float* qwb = qw + (g * 256) % n;
+        const float* qwb = qw + (g * 256) % qn;
         uint8_t* blk = out + g * BYTES;
         int L[S][N], codes[2][S];
         float scales[S], mins[S], sws[S];
@@ -770,7 +773,8 @@ void kq_imatrix_run(const float* x, const float* qw, int64_t n, int64_t n_blocks
 torch::Tensor kquant_imatrix_encode(torch::Tensor x, torch::Tensor qw, int64_t sub) {
     TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2 && x.is_contiguous() && x.size(1) % 256 == 0,
                 "contiguous float32 rows of whole super-blocks expected");
-    TORCH_CHECK(qw.dtype() == torch::kFloat32 && qw.is_contiguous() && qw.numel() == x.size(1), "importance: float32[n]");
+    TORCH_CHECK(qw.dtype() == torch::kFloat32 && qw.is_contiguous() && (qw.numel() == x.size(1) || qw.numel() == x.numel()),
+                "importance: float32[n], or [rows, n] (a row of importance per row)");
     TORCH_CHECK(sub == 16 || sub == 32, "sub-blocks of 16 (Q2_K) or 32 (Q4_K)");
     TORCH_CHECK(x.is_cuda() == qw.is_cuda(), "rows and importance on one device");
 #ifdef __CUDACC__
@@ -778,10 +782,10 @@ torch::Tensor kquant_imatrix_encode(torch::Tensor x, torch::Tensor qw, int64_t s
 #else
     TORCH_CHECK(!x.is_cuda(), "CPU rows expected");
 #endif
-    const int64_t rows = x.size(0), n = x.size(1), n_blocks = rows * n / 256;
+    const int64_t rows = x.size(0), n = x.size(1), n_blocks = rows * n / 256, qn = qw.numel();
     const int bytes = sub == 16 ? KQuant<16>::BYTES : KQuant<32>::BYTES;
     auto out = torch::empty({rows, n / 256 * bytes}, x.options().dtype(torch::kUInt8));
-    if (sub == 16) kq_imatrix_run<16>(x.data_ptr<float>(), qw.data_ptr<float>(), n, n_blocks, out.data_ptr<uint8_t>());
-    else kq_imatrix_run<32>(x.data_ptr<float>(), qw.data_ptr<float>(), n, n_blocks, out.data_ptr<uint8_t>());
+    if (sub == 16) kq_imatrix_run<16>(x.data_ptr<float>(), qw.data_ptr<float>(), qn, n_blocks, out.data_ptr<uint8_t>());
+    else kq_imatrix_run<32>(x.data_ptr<float>(), qw.data_ptr<float>(), qn, n_blocks, out.data_ptr<uint8_t>());
     return out;
 }
