@@ -7,8 +7,8 @@ Memory per worker is one tensor unit (one expert, one row chunk, or one small te
 :mod:`quantkit.convert.tensors`) plus the source pages read for the current tensor (unmapped after each
 tensor).  Numba runs one thread per worker (the workers are the parallelism).  With ``--device cuda`` a worker
 streams its tensors through the GPU (:mod:`quantkit.convert.gpu_stream`); workers share the GPU, each with its own
-context and a few batches of device memory.  Workers are spawned as soon as the :class:`WorkerPool` exists and receive the :class:`WorkerSetup` once
-the caller has planned the file.
+context and a few batches of device memory.  Workers are spawned as soon as the :class:`WorkerPool` exists and
+receive the :class:`WorkerSetup` once the caller has planned the file.
 
 Workers die with their parent (``PR_SET_PDEATHSIG``), so a killed conversion leaves no process writing behind.
 Each worker opens the partial by name and checks that it is the very file the caller created (device and inode):
