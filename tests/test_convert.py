@@ -24,11 +24,11 @@ from gguf.quants import dequantize
 from quantkit.arch import get_arch
 from quantkit.cli import main
 from quantkit.convert import execute as execute_module
-from quantkit.convert.journal import Journal, journal_path, read_journal
+from quantkit.convert.journal import Journal, JournalState, journal_path, read_journal
 from quantkit.convert.plan import inspect_sources
 from quantkit.resources import available_cpus
 from quantkit.convert.repack import mxfp4_from_fp4_e8m0, nvfp4_from_modelopt_layout, nvfp4_tensor_scale
-from quantkit.convert.source import FileHash
+from quantkit.convert.source import FileHash, Hashing
 from quantkit.errors import EncodeError, FormatError, ValidationError
 from quantkit.formats import blockscaled
 from quantkit.formats.minifloat import e2m1_decode, e4m3_decode
@@ -483,9 +483,25 @@ def count_produced(monkeypatch) -> list[str]:
     return produced
 
 
+def hashes_first(monkeypatch) -> None:
+    """Every source hash known before the first tensor completes, so the journal's line of them precedes every
+    tensor line (a tiny source usually hashes first anyway; the tests must not depend on it)."""
+    real = Hashing.__init__
+
+    def init(self, *a, **kw):
+        real(self, *a, **kw)
+        self.result()
+    monkeypatch.setattr(Hashing, "__init__", init)
+
+
+def journal_records(out: Path) -> list[dict]:
+    return [json.loads(line) for line in journal_path(out).read_text().splitlines()]
+
+
 def test_write_error_then_resume(qwen, reference, tmp_path, monkeypatch):
     ref, recipe = reference
     out = tmp_path / "q.gguf"
+    hashes_first(monkeypatch)
     real_pwrite, calls = os.pwrite, []
 
     def failing_pwrite(fd, data, offset):
@@ -510,11 +526,16 @@ def test_write_error_then_resume(qwen, reference, tmp_path, monkeypatch):
 @pytest.mark.parametrize("jobs", [1, 2])
 def test_crash_then_resume(qwen, reference, tmp_path, jobs):
     """A process killed (SIGKILL, no clean-up) right after journaling its third tensor resumes to the same bytes
-    (its workers die with it)."""
+    (its workers die with it), keeping the three tensors: the source hashes were journaled before them."""
     ref, recipe = reference
     out = tmp_path / "q.gguf"
     script = ("import os, signal, sys\n"
-              "from quantkit.convert import journal\n"
+              "from quantkit.convert import journal, source\n"
+              "hashing = source.Hashing.__init__\n"
+              "def hashes_first(self, *a, **kw):\n"   # see hashes_first()
+              "    hashing(self, *a, **kw)\n"
+              "    self.result()\n"
+              "source.Hashing.__init__ = hashes_first\n"
               "real = journal.Journal.record\n"
               "def record(self, *a):\n"
               "    real(self, *a)\n"
@@ -529,11 +550,38 @@ def test_crash_then_resume(qwen, reference, tmp_path, jobs):
                              timeout=600)
     assert crashed.returncode == -signal.SIGKILL, crashed.stderr
     assert leftovers(out) == {"q.gguf.partial", "q.gguf.journal", "q.gguf.lock"}   # the lock died with its holder
+    records = journal_records(out)
+    assert [list(r)[0] for r in records] == ["journal", "source_sha256", "tensor", "tensor", "tensor"]
+    hashes = records[1]["source_sha256"]
+    assert "model.safetensors" in hashes and hashes == {n: sha256_file(qwen / n) for n in hashes}
     resumed = subprocess.run([sys.executable, "-c", "from quantkit.cli import main; main()", "convert", *args,
                               "--resume"], capture_output=True, text=True, timeout=600)
     assert resumed.returncode == 0, resumed.stderr
     assert "3 from the journal" in resumed.stdout
     assert sha256_file(out) == sha256_file(ref)
+
+
+def test_interrupted_before_the_source_hashes_resumes_from_scratch(qwen, reference, tmp_path, monkeypatch):
+    """Tensors journaled before the source's hashes are known say nothing about what they were made from: a resume
+    keeps none of them (without an error), starts a fresh journal and still ends with the reference bytes."""
+    ref, recipe = reference
+    out = tmp_path / "q.gguf"
+    real = Journal.record
+
+    def interrupt(self, *a):
+        real(self, *a)
+        if len(journal_path(out).read_text().splitlines()) > 3:
+            raise KeyboardInterrupt
+    monkeypatch.setattr(Hashing, "done", lambda self: False)
+    monkeypatch.setattr(Journal, "record", interrupt)
+    assert run(*q2_args(qwen, out, recipe)).exit_code == 130
+    monkeypatch.undo()
+    assert [list(r)[0] for r in journal_records(out)] == ["journal", "tensor", "tensor", "tensor"]
+    produced = count_produced(monkeypatch)
+    result = run(*q2_args(qwen, out, recipe), "--resume")
+    assert result.exit_code == 0, result.output
+    assert "from the journal" not in result.output and len(produced) == len(GGUFFile(ref).tensors)
+    assert sha256_file(out) == sha256_file(ref) and leftovers(out) == {"q.gguf"}
 
 
 def test_ctrl_c_then_resume(qwen, reference, tmp_path, monkeypatch):
@@ -608,18 +656,25 @@ def test_journal_tolerates_a_cut_last_line(tmp_path):
     path = tmp_path / "x.journal"
     source = FileHash("a.safetensors", 3, 4, "")
     journal = Journal.create(path, "abc", [source])
-    journal.record("t1", "1" * 64, {"a.safetensors": "f" * 64})
+    journal.record("t0", "0" * 64)   # before the source hashes: kept as well once they follow
+    journal.record_sources([FileHash("a.safetensors", 3, 4, "f" * 64)])
+    journal.record("t1", "1" * 64)
     journal.close()
     with open(path, "ab") as f:
         f.write(b'{"tensor": "t2", "sha')
     state = read_journal(path, "abc", [source])
-    assert state.done == {"t1": "1" * 64} and state.sources == {"t1": {"a.safetensors": "f" * 64}}
+    assert state.done == {"t0": "0" * 64, "t1": "1" * 64} and state.source_sha256 == {"a.safetensors": "f" * 64}
     with pytest.raises(ValidationError, match="another plan"):
         read_journal(path, "abd", [source])
     with pytest.raises(ValidationError, match="'a.safetensors' changed"):
         read_journal(path, "abc", [FileHash("a.safetensors", 3, 5, "")])
     Journal.reopen(path).close()
     assert path.read_bytes().endswith(b"\n")
-    path.write_bytes(b'{"journal": 2, "layout_sha256": "abc", "sources": []}\nnot json\n{"tensor": "t"}\n')
+    path.write_bytes(b'{"journal": 3, "layout_sha256": "abc", "sources": []}\nnot json\n{"tensor": "t"}\n')
     with pytest.raises(FormatError, match="line 2"):
+        read_journal(path, "abc", [])
+    path.write_bytes(b'{"journal": 3, "layout_sha256": "abc", "sources": []}\n{"tensor": "t", "sha256": "1"}\n')
+    assert read_journal(path, "abc", []) == JournalState()   # no source hashes: nothing to keep
+    path.write_bytes(b'{"journal": 2, "layout_sha256": "abc", "sources": []}\n')
+    with pytest.raises(FormatError, match="not a version-3 conversion journal; start over with --force"):
         read_journal(path, "abc", [])

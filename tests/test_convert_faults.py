@@ -24,6 +24,7 @@ from quantkit.cli import main
 from quantkit.convert import execute as execute_module
 from quantkit.convert.journal import Journal, journal_path
 from quantkit.convert.pool import WORKER_BASE_BYTES, bound_jobs
+from quantkit.convert.source import Hashing
 from quantkit.errors import ConcurrentWriteError, OutputPathError
 from quantkit.io.atomic import check_output, output_lock, sha256_file
 from quantkit.io.gguf import align
@@ -32,7 +33,7 @@ from quantkit.io.gguf_writer import GGUFWriter, plan_layout
 from quantkit.io.safetensors import SafetensorsFile, write_safetensors
 from quantkit.testing.recipe_texts import PRE_TOKENIZER as PRE, Q2_RECIPE
 from quantkit.testing.tiny_models import TinyCheckpointCache
-from test_convert import leftovers, one_line_error
+from test_convert import hashes_first, journal_records, leftovers, one_line_error
 
 CLI = [sys.executable, "-c", "from quantkit.cli import main; main()"]
 #: Seeded kill points of the kill -9 test (issue: at least 20).
@@ -256,7 +257,9 @@ def test_space_reserve_is_proportional(qwen, recipe, reference, tmp_path, monkey
 # -- a source edited in place ---------------------------------------------------------------------------------------
 
 def interrupted_run(src: Path, out: Path, recipe: Path, monkeypatch, after: int) -> None:
+    """Ctrl-C once the journal has more than ``after`` lines, its source hashes first (:func:`hashes_first`)."""
     real = Journal.record
+    hashes_first(monkeypatch)
 
     def interrupt(self, *a):
         real(self, *a)
@@ -264,7 +267,8 @@ def interrupted_run(src: Path, out: Path, recipe: Path, monkeypatch, after: int)
             raise KeyboardInterrupt
     monkeypatch.setattr(Journal, "record", interrupt)
     assert run(*args_for(src, out, recipe)).exit_code == 130
-    monkeypatch.setattr(Journal, "record", real)
+    monkeypatch.undo()
+    assert [list(r)[0] for r in journal_records(out)][:3] == ["journal", "source_sha256", "tensor"]
 
 
 def edit_in_place(path: Path, tensor: str) -> None:
@@ -279,41 +283,53 @@ def edit_in_place(path: Path, tensor: str) -> None:
     assert (path.stat().st_size, path.stat().st_mtime_ns) == (st.st_size, st.st_mtime_ns)
 
 
-def first_journaled_source(out: Path, src: Path, recipe: Path) -> tuple[str, str]:
-    """(GGUF name, its first Hugging Face source) of the first tensor the journal lists."""
-    record = json.loads(journal_path(out).read_text().splitlines()[1])
+def source_of(src: Path, out: Path, recipe: Path, pick) -> str:
+    """The first Hugging Face source of the first planned tensor (by name) that ``pick(name)`` accepts."""
     request = execute_module.ConvertRequest(source=str(src), out=out, recipe=str(recipe), bootstrap=True,
                                             pre_tokenizer=PRE, progress=False)
-    job = execute_module.prepare(request).jobs[record["tensor"]]
-    return record["tensor"], job.output.sources[0].hf_name
+    return next(j.output.sources[0].hf_name for n, j in sorted(execute_module.prepare(request).jobs.items())
+                if pick(n))
 
 
-def test_source_edited_keeping_size_and_mtime_is_refused(qwen, recipe, tmp_path, monkeypatch):
+@pytest.mark.parametrize("edited", ["kept", "not converted yet"])
+def test_source_edited_keeping_size_and_mtime_is_refused(qwen, recipe, tmp_path, monkeypatch, edited):
+    """Once the journal holds the source hashes, a resume checks the whole files: a tensor kept or one still to
+    convert, an edit in place keeping size and mtime is refused with one line naming the file."""
     src = tmp_path / "ckpt"
     shutil.copytree(qwen, src)
     out = tmp_path / "q.gguf"
     interrupted_run(src, out, recipe, monkeypatch, after=3)
-    tensor, hf_name = first_journaled_source(out, src, recipe)
+    kept = {r["tensor"] for r in journal_records(out) if "tensor" in r}
+    hf_name = source_of(src, out, recipe, (lambda n: n in kept) if edited == "kept" else
+                        (lambda n: n not in kept and n.startswith("blk.1.attn_q")))
     edit_in_place(src / "model.safetensors", hf_name)
     line = one_line_error(run(*args_for(src, out, recipe, "--resume")))
-    assert "'model.safetensors' changed" in line and tensor in line and "--force" in line, line
+    assert "'model.safetensors' changed" in line and "SHA-256" in line and "--force" in line, line
     assert {"q.gguf.partial", "q.gguf.journal"} <= leftovers(out) and not out.exists()
+    assert run(*args_for(src, out, recipe, "--force")).exit_code == 0
+    fresh = tmp_path / "fresh.gguf"
+    assert run(*args_for(src, fresh, recipe)).exit_code == 0
+    assert sha256_file(out) == sha256_file(fresh)
 
 
 def test_source_edited_where_nothing_was_kept_resumes_to_the_new_bytes(qwen, recipe, tmp_path, monkeypatch):
-    """An in-place edit of a tensor not yet converted: nothing kept depends on it, so the resume goes on and ends
-    byte-identical to an uninterrupted conversion of the edited source (its header hashes the new file)."""
+    """Interrupted before the source hashes were journaled, nothing is kept: an in-place edit (size and mtime
+    kept) is no error, and the resume ends byte-identical to an uninterrupted conversion of the edited source
+    (its header hashes the new file)."""
     src = tmp_path / "ckpt"
     shutil.copytree(qwen, src)
     out = tmp_path / "q.gguf"
-    interrupted_run(src, out, recipe, monkeypatch, after=1)
-    kept = {json.loads(line)["tensor"] for line in journal_path(out).read_text().splitlines()[1:]}
-    request = execute_module.ConvertRequest(source=str(src), out=out, recipe=str(recipe), bootstrap=True,
-                                            pre_tokenizer=PRE, progress=False)
-    jobs = execute_module.prepare(request).jobs
-    untouched = next(j.output.sources[0].hf_name for n, j in sorted(jobs.items()) if n not in kept
-                     and n.startswith("blk.1.attn_q"))
-    edit_in_place(src / "model.safetensors", untouched)
+    real = Journal.record
+
+    def interrupt(self, *a):
+        real(self, *a)
+        raise KeyboardInterrupt
+    monkeypatch.setattr(Hashing, "done", lambda self: False)
+    monkeypatch.setattr(Journal, "record", interrupt)
+    assert run(*args_for(src, out, recipe)).exit_code == 130
+    monkeypatch.undo()
+    assert [list(r)[0] for r in journal_records(out)] == ["journal", "tensor"]
+    edit_in_place(src / "model.safetensors", source_of(src, out, recipe, lambda n: n.startswith("blk.1.attn_q")))
     assert run(*args_for(src, out, recipe, "--resume")).exit_code == 0
     fresh = tmp_path / "fresh.gguf"
     assert run(*args_for(src, fresh, recipe)).exit_code == 0

@@ -142,9 +142,9 @@ def test_read_error_is_raised_in_place_and_the_reader_stops(tiny, tmp_path, monk
 
 
 def test_convert_through_the_stream_writes_the_cpu_file(tiny, tmp_path, monkeypatch):
-    """A whole ``convert --device cuda -j 1`` (source digests in their threads, the device warmed beside the
-    planning; expert 0 unobserved, so its bootstrap importance takes the piece path) with torch's CPU encoders
-    standing in for the GPU: the file of the CPU path, byte for byte."""
+    """A whole ``convert --device cuda -j 1`` (the device warmed beside the planning; expert 0 unobserved, so its
+    bootstrap importance takes the piece path) with torch's CPU encoders standing in for the GPU: the file of the
+    CPU path, byte for byte."""
     from quantkit.convert import execute
 
     ckpt = tiny.get("qwen3_moe", "fused", "bf16")
@@ -177,7 +177,7 @@ def test_write_behind_keeps_the_order_and_raises_the_first_write_failure(monkeyp
     ctx = SimpleNamespace(device="cuda", release=lambda: None)
     job = SimpleNamespace(name="t", nbytes=sum(p.nbytes for p in pieces_out))
     written = []
-    done = pool.produce_tensor(ctx, job, lambda piece, at: written.append((at, piece.tobytes())), {})
+    done = pool.produce_tensor(ctx, job, lambda piece, at: written.append((at, piece.tobytes())))
     assert b"".join(w for _, w in written) == b"".join(p.tobytes() for p in pieces_out)
     assert [at for at, _ in written] == list(np.cumsum([0] + [p.nbytes for p in pieces_out[:-1]]))
     assert done.sha256 == hashlib.sha256(b"".join(p.tobytes() for p in pieces_out)).hexdigest()
@@ -186,4 +186,4 @@ def test_write_behind_keeps_the_order_and_raises_the_first_write_failure(monkeyp
         if at:
             raise OSError("disk gone")
     with pytest.raises(OSError, match="disk gone"):
-        pool.produce_tensor(ctx, job, failing, {})
+        pool.produce_tensor(ctx, job, failing)

@@ -18,14 +18,15 @@ Steps (:func:`convert`):
    file, 1 MiB to 1 GiB; ``reserve_bytes`` sets it).
 6. **Header**: ``<out>.journal`` is started with the size and mtime of every source file, then ``<out>.partial``
    is created at full size (in that order: a partial never exists without its journal); or, with ``resume``,
-   both are checked against this layout (the journal's layout hash and source files, the source bytes every
-   journaled tensor was made from, the partial's size and header bytes, and the SHA-256 of every payload the
-   journal lists).
+   both are checked against this layout (the journal's layout hash and source files' size and mtime, then each
+   source file's SHA-256 against the journal's, waiting for this run's own hashes, the partial's size and header
+   bytes, and the SHA-256 of every payload the journal lists).
 7. **Payloads**: the remaining tensors, largest first, in worker processes (:mod:`quantkit.convert.pool`; at
    most one per CPU and what the memory holds), each written at its planned offset and journaled with its
-   SHA-256 and its source bytes' SHA-256 as it completes; a progress bar shows tensors, bytes and the ETA.
-   Meanwhile background threads hash the source files (:class:`~quantkit.convert.source.Hashing`), so reading
-   the source twice overlaps the encoding instead of preceding it, and read the partial back behind the tensors
+   SHA-256 as it completes; a progress bar shows tensors, bytes and the ETA.  Meanwhile background threads hash
+   the source files (:class:`~quantkit.convert.source.Hashing`; the only time the source is hashed: the journal
+   records these hashes once they are all known), so reading the source twice overlaps the encoding instead of
+   preceding it, and read the partial back behind the tensors
    (:class:`~quantkit.convert.readback.ReadBack`): each payload against its journal hash, and the whole file's
    SHA-256 with the final header, in file order.  With ``device`` cuda the tensors stream
    through the GPU (:mod:`quantkit.convert.gpu_stream`) and those threads number half the CPUs.  With
@@ -42,7 +43,7 @@ nothing unverified: after an error, a crash, a full disk or Ctrl-C the partial a
 again with ``resume`` continues where the journal ends and produces the same bytes as an uninterrupted run
 (also when the earlier run was killed between its rename and the journal's removal).  Any change to the plan
 (recipe, imatrix, options that reach the metadata) changes the layout hash, and any change to a source file its
-size, mtime or the bytes a kept tensor was made from: a resume is refused, naming the file.
+size, mtime or SHA-256: a resume that would keep tensors is refused, naming the file.
 """
 from __future__ import annotations
 
@@ -69,12 +70,12 @@ from ..resources import available_cpus
 from .consistency import check_config_against_tensors
 from .journal import Journal, JournalState, journal_path, read_journal
 from .plan import Plan, PlannedTensor, build_plan, inspect_sources
-from .pool import (TensorDone, WorkerPool, WorkerSetup, bound_jobs, digest_threads, out_of_space, partial_gone,
-                   partial_identity, worker_memory)
+from .pool import (TensorDone, WorkerPool, WorkerSetup, bound_jobs, out_of_space, partial_gone, partial_identity,
+                   worker_memory)
 from .provenance import merged_metadata, provenance_metadata
 from .readback import ReadBack
 from .source import FileHash, Hashing, ResolvedSource, file_stats, provenance_files, resolve_source
-from .tensors import TensorJob, imatrix_shapes, load_model_imatrix, source_digests
+from .tensors import TensorJob, imatrix_shapes, load_model_imatrix
 
 #: Free space kept on the output's filesystem beyond the bytes still to be written, by default: this fraction of
 #: the file, at least FREE_SPACE_RESERVE_MIN_BYTES and at most FREE_SPACE_RESERVE_BYTES (a fixed 1 GiB refused a
@@ -265,20 +266,14 @@ def _check_space(out: Path, layout: Layout, partial: Path, resuming: bool, reser
                               f"free (a smaller reserve: --free-space-reserve BYTES)", path=out.parent)
 
 
-def _check_sources(source: Path, jobs: dict[str, TensorJob], journaled: JournalState) -> None:
-    """Refuse to keep a journaled payload whose source bytes are not the ones it was made from: a source edited in
-    place keeping its size and mtime passes the journal's first check, not this one."""
-    with open_checkpoint(source) as ckpt:
-        for name in journaled.done:
-            recorded = journaled.sources.get(name, {})
-            found = source_digests(ckpt, jobs[name])
-            if found != recorded:
-                changed = sorted(f for f in set(found) | set(recorded) if found.get(f) != recorded.get(f))
-                raise ValidationError(f"source file {changed[0]!r} changed since the partial output was started: "
-                                      f"the bytes tensor {name!r} was made from differ from the journal's hash "
-                                      f"(size and modification time unchanged); start over with --force",
-                                      path=source / changed[0] if source.is_dir() else source)
-            ckpt.close()   # unmap what was read (the next tensor maps again)
+def _check_source_hashes(source: Path, journaled: JournalState, hashes: list[FileHash]) -> None:
+    """Refuse to keep journaled payloads made from other bytes: a source edited in place keeping its size and mtime
+    passes the journal's first check, not this one."""
+    for h in hashes:
+        if journaled.source_sha256.get(h.name) != h.sha256:
+            raise ValidationError(f"source file {h.name!r} changed since the partial output was started: its "
+                                  f"SHA-256 differs from the journal's (size and modification time unchanged); "
+                                  f"start over with --force", path=source / h.name if source.is_dir() else source)
 
 
 @contextlib.contextmanager
@@ -439,7 +434,7 @@ def _execute(prepared: Prepared, request: ConvertRequest, out: Path, clock: _Clo
 
     writer = GGUFWriter(out, layout, overwrite=True)   # output and partial: checked by _check_output
     if resuming:
-        _check_sources(source.path, jobs, journaled)
+        _check_source_hashes(source.path, journaled, hashing.result())
         _write_header(partial, layout.header)   # back to pending hashes, had a run died while finishing
         writer.resume(journaled.done, verify=True, threads=helpers)
         journal = Journal.reopen(jpath)
@@ -451,8 +446,7 @@ def _execute(prepared: Prepared, request: ConvertRequest, out: Path, clock: _Clo
     identity = partial_identity(partial)
     setup = WorkerSetup(str(source.path), plan.model_type, request.imatrix, str(partial), jobs,
                         {n: layout.data_offset + t.offset for n, t in layout.tensors.items()},
-                        prepared.imatrix_shapes, request.allow_synthetic_imatrix, identity, request.device,
-                        digest_threads(prepared.workers))
+                        prepared.imatrix_shapes, request.allow_synthetic_imatrix, identity, request.device)
     todo = [n for n in jobs if n not in done]
     todo = _order(jobs, todo) if request.device == "cpu" else _file_order(layout, todo)
     produced: list[TensorDone] = []
@@ -467,6 +461,13 @@ def _execute(prepared: Prepared, request: ConvertRequest, out: Path, clock: _Clo
                                 path=partial)
         return found.header
 
+    hashes_journaled = resuming   # a kept journal has them already (checked above)
+
+    def journal_hashes() -> None:
+        nonlocal hashes_journaled
+        journal.record_sources(hashing.result())
+        hashes_journaled = True
+
     readback = None
     try:
         readback = ReadBack(partial, identity, layout, journaled.done, final_header, threads=helpers)
@@ -475,12 +476,16 @@ def _execute(prepared: Prepared, request: ConvertRequest, out: Path, clock: _Clo
                        len(done), request.progress, out.name) as advance, \
                 contextlib.closing(pool.run(setup, todo)) as results:
             for result in results:
-                journal.record(result.name, result.sha256, result.sources)
+                if not hashes_journaled and hashing.done():   # before this tensor's line: the earliest they can go
+                    journal_hashes()
+                journal.record(result.name, result.sha256)
                 done[result.name] = result.sha256
                 readback.written(result.name, result.sha256)
                 produced.append(result)
                 advance(result.nbytes)
         clock.lap("tensors")
+        if not hashes_journaled:
+            journal_hashes()
         sha256 = readback.result()   # never rename bytes nobody checked
         clock.lap("hash")
     finally:

@@ -1,18 +1,24 @@
-"""The conversion journal: which tensors of a partial output are written, with the SHA-256 of their bytes and of
-the source bytes they were made from.
+"""The conversion journal: which tensors of a partial output are written, with the SHA-256 of their bytes, and the
+SHA-256 of every source file they were made from.
 
 ``<out>.journal`` sits next to ``<out>.partial``; JSON lines, appended and fsynced one at a time::
 
-    {"journal": 2, "layout_sha256": "<hex>", "sources": [["<file>", size, mtime_ns], ...]}   first line
-    {"tensor": "<gguf name>", "sha256": "<hex>", "sources": {"<file>": "<hex>", ...}}   a payload written completely
+    {"journal": 3, "layout_sha256": "<hex>", "sources": [["<file>", size, mtime_ns], ...]}   first line
+    {"source_sha256": {"<file>": "<hex>", ...}}  every source file's SHA-256, once all are known
+    {"tensor": "<gguf name>", "sha256": "<hex>"}  a payload written completely
     {"renaming": "<hex>"}                       the verified partial is being renamed to the output
 
 ``layout_sha256`` is the SHA-256 of the planned header bytes with the source hashes still pending (metadata,
 tensor names, shapes, types, offsets), and ``sources`` the size and mtime of every source file when the partial
-was started: a journal is only ever applied to the partial of the same plan made from the same files.  A tensor
-line's ``sources`` holds, per source file, the SHA-256 of the stored bytes the tensor was made from
-(:func:`quantkit.convert.tensors.source_digests`): a resumed run re-hashes them before it keeps the tensor, so a
-source edited in place with its size and mtime kept is caught, naming the file.  ``renaming`` carries the SHA-256
+was started: a journal is only ever applied to the partial of the same plan made from the same files.
+``source_sha256`` holds the whole-file hashes the conversion computes anyway for the header
+(:class:`quantkit.convert.source.Hashing`); it is written as soon as they are all known, before the next tensor
+line, and in any case before ``renaming``.  Tensor lines may come before it (written while the source was still
+being hashed, by the same run: see below).  A resumed run hashes the source again and keeps the journal's tensors
+only if every file's hash equals the journal's, so a source edited in place with its size and mtime kept is
+caught, naming the file.  A journal without ``source_sha256`` keeps nothing (:func:`read_journal`): the run that
+wrote it died before the source was known, and a resume starts over with a fresh journal, so the tensor lines of
+a journal that has the line were all made by runs that read the files it names.  ``renaming`` carries the SHA-256
 of the final header: a run killed between the rename and the journal's removal left a finished output, which a
 resume recognizes by that header.  A crash can cut the last line short: a final line that does not parse is
 ignored (its tensor is simply encoded again); a bad line anywhere else is an error.
@@ -23,13 +29,13 @@ import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable, Mapping
+from typing import Iterable
 
 from ..errors import FormatError, ValidationError
 from .source import FileHash
 
 JOURNAL_SUFFIX = ".journal"
-JOURNAL_VERSION = 2
+JOURNAL_VERSION = 3
 
 
 def journal_path(out: str | os.PathLike) -> Path:
@@ -64,16 +70,18 @@ class JournalState:
     """What a journal says about its partial output."""
 
     done: dict[str, str] = field(default_factory=dict)
-    """Tensor name → SHA-256 of its payload, for every payload written completely."""
-    sources: dict[str, dict[str, str]] = field(default_factory=dict)
-    """Tensor name → {source file name → SHA-256 of the stored bytes the tensor was made from}."""
+    """Tensor name → SHA-256 of its payload, for every payload written completely (none without
+    ``source_sha256``: nothing says what they were made from)."""
+    source_sha256: dict[str, str] | None = None
+    """Source file name → SHA-256 of the whole file, as the run that started the partial found it."""
     renaming: str | None = None
     """SHA-256 of the final header, once the verified partial was being renamed to the output."""
 
 
 def read_journal(path: Path, layout_sha256: str, sources: Iterable[FileHash]) -> JournalState:
     """The journal's record, after checking that it belongs to this layout and that no source file's size or
-    mtime changed since the partial was started."""
+    mtime changed since the partial was started; the caller compares ``source_sha256`` with the source's hashes
+    before it keeps ``done``."""
     records = _parse(path)
     if not records or records[0].get("journal") != JOURNAL_VERSION:
         raise FormatError(f"not a version-{JOURNAL_VERSION} conversion journal; start over with --force", path=path)
@@ -89,11 +97,13 @@ def read_journal(path: Path, layout_sha256: str, sources: Iterable[FileHash]) ->
     state = JournalState()
     for record in records[1:]:
         if "tensor" in record:
-            name = str(record["tensor"])
-            state.done[name] = str(record["sha256"])
-            state.sources[name] = {str(f): str(h) for f, h in dict(record.get("sources") or {}).items()}
+            state.done[str(record["tensor"])] = str(record["sha256"])
+        elif "source_sha256" in record:
+            state.source_sha256 = {str(f): str(h) for f, h in dict(record["source_sha256"]).items()}
         elif "renaming" in record:
             state.renaming = str(record["renaming"])
+    if state.source_sha256 is None:
+        state.done.clear()
     return state
 
 
@@ -134,8 +144,12 @@ class Journal:
         except OSError as exc:   # name the journal (a full disk is reported with its path)
             raise OSError(exc.errno, exc.strerror, str(self.path)) from None
 
-    def record(self, tensor: str, sha256: str, sources: Mapping[str, str] | None = None) -> None:
-        self._append({"tensor": tensor, "sha256": sha256, "sources": dict(sources or {})})
+    def record(self, tensor: str, sha256: str) -> None:
+        self._append({"tensor": tensor, "sha256": sha256})
+
+    def record_sources(self, hashes: Iterable[FileHash]) -> None:
+        """Every source file's SHA-256 (once, when all are known)."""
+        self._append({"source_sha256": {h.name: h.sha256 for h in hashes}})
 
     def record_renaming(self, header_sha256: str) -> None:
         self._append({"renaming": header_sha256})

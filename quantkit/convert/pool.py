@@ -6,10 +6,9 @@ writes its payload with ``pwrite`` at the planned offset of the partial file, ha
 Memory per worker is one tensor unit (one expert, one row chunk, or one small tensor; see
 :mod:`quantkit.convert.tensors`) plus the source pages read for the current tensor (unmapped after each
 tensor).  Numba runs one thread per worker (the workers are the parallelism).  With ``--device cuda`` a worker
-streams its tensors through the GPU (:mod:`quantkit.convert.gpu_stream`) and hashes their source bytes in threads
-beside it (:class:`TensorWriter`); workers share the GPU, each with its own context and a few batches of device
-memory.  Workers are spawned as soon as the :class:`WorkerPool` exists and receive the :class:`WorkerSetup` once
-the caller has planned the file.
+streams its tensors through the GPU (:mod:`quantkit.convert.gpu_stream`); workers share the GPU, each with its own
+context and a few batches of device memory.  Workers are spawned as soon as the :class:`WorkerPool` exists and
+receive the :class:`WorkerSetup` once the caller has planned the file.
 
 Workers die with their parent (``PR_SET_PDEATHSIG``), so a killed conversion leaves no process writing behind.
 Each worker opens the partial by name and checks that it is the very file the caller created (device and inode):
@@ -37,7 +36,6 @@ import signal
 import threading
 import time
 from collections import deque
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from multiprocessing.connection import wait
 from typing import TYPE_CHECKING, Callable, Iterable, Iterator
@@ -47,8 +45,7 @@ from ..io.atomic import is_out_of_space
 from ..io.gguf_writer import pwrite_all
 from ..resources import available_cpus, available_memory
 from ..formats.warm import encoder_kinds
-from ..io.checkpoint import open_checkpoint
-from .tensors import ROW_CHUNK_BYTES, SourceContext, TensorJob, source_digests, tensor_bytes
+from .tensors import ROW_CHUNK_BYTES, SourceContext, TensorJob, tensor_bytes
 
 if TYPE_CHECKING:
     import numpy as np
@@ -61,17 +58,8 @@ PR_SET_PDEATHSIG = 1
 WORKER_BASE_BYTES = 160 << 20
 #: Pieces of a GPU stream waiting to be written and hashed (see _WriteBehind).
 WRITE_BEHIND = 2
-#: Threads computing source digests beside a GPU conversion, at least (see digest_threads).
-DIGEST_THREADS = 4
 #: A worker holds a unit as float32 plus its importance, encoder scratch and encoded bytes: about 3x the unit.
 UNIT_MEMORY_FACTOR = 3
-
-
-def digest_threads(workers: int) -> int:
-    """Digest threads per worker of a GPU conversion: half the CPUs shared among the workers, at least
-    :data:`DIGEST_THREADS`.  SHA-256 ran at 0.96 GB/s a thread on the H200 host measured, so 4 threads digest
-    3.8 GB/s of source, less than one GPU encodes a BF16 checkpoint with imatrix (8.76 GB in 1.72 s)."""
-    return max(DIGEST_THREADS, available_cpus() // (2 * max(1, workers)))
 
 
 def out_of_space(path, tensor: str | None = None) -> OutOfSpaceError:
@@ -114,8 +102,6 @@ class WorkerSetup:
     """(device, inode) of the partial the caller created: a worker writes into that file or into none."""
     device: str = "cpu"
     """Where workers encode (``SourceContext.device``)."""
-    digest_threads: int = DIGEST_THREADS
-    """Threads of each worker computing source digests beside a GPU stream (:func:`digest_threads`)."""
 
 
 @dataclass(frozen=True)
@@ -125,22 +111,16 @@ class TensorDone:
     nbytes: int
     seconds: float
     """Time spent producing and writing the tensor (reading, decoding, encoding, pwrite)."""
-    sources: dict[str, str] | None = None
-    """Source file name → SHA-256 of the stored bytes the tensor was made from (journaled for resume)."""
 
 
-def produce_tensor(context: SourceContext, job: TensorJob, put: Callable[["np.ndarray", int], None],
-                   sources: "Future | None" = None) -> TensorDone:
+def produce_tensor(context: SourceContext, job: TensorJob, put: Callable[["np.ndarray", int], None]) -> TensorDone:
     """Produce ``job``'s payload, handing each piece to ``put(piece, offset within the payload)``, hashing it as it
-    goes; the source pages read are released afterwards.  ``sources``: the job's :func:`source_digests` being
-    computed elsewhere (else they are computed here first)."""
+    goes; the source pages read are released afterwards."""
     start = time.perf_counter()
     digest = hashlib.sha256()
     written = 0
     behind = _WriteBehind(put, digest) if context.device != "cpu" else None
     try:
-        if sources is None:
-            sources = source_digests(context.checkpoint, job)
         with contextlib.closing(tensor_bytes(context, job)) as produced:
             for piece in produced:
                 if written + piece.nbytes > job.nbytes:
@@ -154,15 +134,13 @@ def produce_tensor(context: SourceContext, job: TensorJob, put: Callable[["np.nd
         if behind is not None:
             behind, done = None, behind
             done.close()
-        if not isinstance(sources, dict):
-            sources = sources.result()
     finally:
         if behind is not None:
             behind.close(quiet=True)
         context.release()
     if written != job.nbytes:
         raise FormatError(f"produced {written} bytes, the plan has {job.nbytes}", tensor=job.name)
-    return TensorDone(job.name, digest.hexdigest(), written, time.perf_counter() - start, sources)
+    return TensorDone(job.name, digest.hexdigest(), written, time.perf_counter() - start)
 
 
 class _WriteBehind:
@@ -199,19 +177,10 @@ class _WriteBehind:
 
 
 class TensorWriter:
-    """Produces tensors by name and writes them into the partial file (one per process).
-
-    On a GPU (``setup.device`` not "cpu") the encoding is no longer what bounds a tensor, so the SHA-256 of the
-    source bytes it reads (for resume) runs beside it in ``setup.digest_threads`` threads, for the tensors named to
-    :meth:`prefetch` ahead of :meth:`run` too; on the CPU the workers already use every core.
-    """
+    """Produces tensors by name and writes them into the partial file (one per process)."""
 
     def __init__(self, setup: WorkerSetup):
         self.setup = setup
-        self._digests: dict[str, Future] = {}
-        self._digester = (ThreadPoolExecutor(setup.digest_threads, thread_name_prefix="quantkit-digest")
-                          if setup.device != "cpu" else None)
-        self._local = threading.local()
         self.context = SourceContext(setup.source_path, setup.model_type, setup.imatrix_path,
                                      setup.imatrix_shapes, setup.allow_synthetic_imatrix, setup.device)
         try:
@@ -223,32 +192,11 @@ class TensorWriter:
             self.close()
             raise partial_gone(setup.partial_path)
 
-    def prefetch(self, names: Iterable[str]) -> None:
-        """Start the source digests of tensors about to be run (on a GPU; nothing on the CPU)."""
-        if self._digester is not None:
-            for name in names:
-                if name not in self._digests:
-                    self._digests[name] = self._digester.submit(self._source_digests, self.setup.jobs[name])
-
-    def _source_digests(self, job: TensorJob) -> dict[str, str]:
-        """:func:`source_digests` in a digest thread, through that thread's own checkpoint (opened once: a
-        checkpoint parses every shard's header; one shared between threads could lose its map to another's
-        ``close``), unmapped after each tensor like the producing thread's."""
-        checkpoint = getattr(self._local, "checkpoint", None)
-        if checkpoint is None:
-            checkpoint = self._local.checkpoint = open_checkpoint(self.setup.source_path)
-        try:
-            return source_digests(checkpoint, job)
-        finally:
-            checkpoint.close()
-
     def run(self, name: str) -> TensorDone:
         offset = self.setup.offsets[name]
-        self.prefetch([name])
         try:
             return produce_tensor(self.context, self.setup.jobs[name],
-                                  lambda piece, at: pwrite_all(self._fd, piece, offset + at),
-                                  self._digests.pop(name, None))
+                                  lambda piece, at: pwrite_all(self._fd, piece, offset + at))
         except OSError as exc:
             if is_out_of_space(exc):
                 raise out_of_space(self.setup.partial_path, name) from None
@@ -259,8 +207,6 @@ class TensorWriter:
         return self._fd
 
     def close(self) -> None:
-        if self._digester is not None:
-            self._digester.shutdown(wait=True, cancel_futures=True)
         self.context.release()
         fd, self._fd = self._fd, None
         if fd is not None:
@@ -390,10 +336,8 @@ class WorkerPool:
         self._started = True
         if not self._workers:
             writer = TensorWriter(setup)
-            names = list(names)
             try:
-                for i, name in enumerate(names):
-                    writer.prefetch(names[i:i + setup.digest_threads])
+                for name in names:
                     yield writer.run(name)
             finally:
                 writer.close()

@@ -10,8 +10,10 @@ Provenance files (:func:`provenance_files`): the safetensors shards the checkpoi
 configuration and tokenizer files (:data:`PROVENANCE_PATTERNS`).  Their SHA-256 is read from the Hugging Face
 cache when the file is a link to a blob named by its SHA-256 (the hub names large (LFS) blobs by the SHA-256 of
 their content and checks it on download); every other file is hashed, in ``jobs`` background threads
-(:class:`Hashing`; hashlib releases the GIL on large buffers) while the conversion encodes.  A resumed conversion
-hashes every file again: an equal size and mtime do not prove equal bytes, and the hashes go into the header.
+(:class:`Hashing`; hashlib releases the GIL on large buffers) while the conversion encodes.  These are the only
+hashes of the source a conversion computes: its journal records them (:mod:`quantkit.convert.journal`), and a
+resumed conversion hashes every file again and compares before it keeps any tensor (an equal size and mtime do not
+prove equal bytes), besides putting them in the header.
 """
 from __future__ import annotations
 
@@ -140,6 +142,10 @@ class Hashing:
         if (st.st_size, st.st_mtime_ns) != (stat.size, stat.mtime_ns):
             raise SourceError("source file changed while the conversion was running", path=path)
         return FileHash(stat.name, stat.size, stat.mtime_ns, digest)
+
+    def done(self) -> bool:
+        """Whether every hash is known (or failed: :meth:`result` raises that failure), without waiting."""
+        return all(f.done() for f in self._futures)
 
     def result(self) -> list[FileHash]:
         """Wait for every hash (in the order of ``paths``)."""

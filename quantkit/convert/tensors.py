@@ -38,7 +38,6 @@ which the imatrix never observed; ``bootstrap`` -- weight energy (Σ w² per inp
 from __future__ import annotations
 
 import functools
-import hashlib
 import math
 import os
 from dataclasses import dataclass, field
@@ -52,7 +51,6 @@ from ..arch import transforms
 from ..errors import SourceError, UnsupportedError, ValidationError
 from ..formats.api import encode
 from ..formats.registry import GGMLType
-from ..io.atomic import HASH_CHUNK_BYTES
 from ..io.checkpoint import open_checkpoint
 from ..imatrix import bootstrap_importance, load_imatrix, require_release_imatrix
 from ..imatrix.names import is_gguf_name, to_gguf_names
@@ -478,28 +476,6 @@ def pieces(ctx: SourceContext, job: TensorJob) -> Iterator[Piece]:
     if job.kind == "engram-rows":
         return _row_scaled_pieces(ctx, job)
     raise UnsupportedError(f"unknown tensor job kind {job.kind!r}; known: {KINDS}", tensor=job.name)
-
-
-def source_tensor_names(checkpoint, job: TensorJob) -> list[str]:
-    """Every stored tensor a job reads: its sources and their scale companions."""
-    names = set()
-    for m in job.output.sources:
-        names.add(m.hf_name)
-        names.update(checkpoint.companions(m.hf_name).values())
-    return sorted(names)
-
-
-def source_digests(checkpoint, job: TensorJob) -> dict[str, str]:
-    """Source file name → SHA-256 of the stored bytes (each tensor's name, then its bytes, in name order) that the
-    job reads from that file: what a resumed conversion re-checks before it keeps the job's payload."""
-    digests: dict[str, hashlib._Hash] = {}
-    for name in source_tensor_names(checkpoint, job):
-        digest = digests.setdefault(checkpoint.tensor_info(name).file.name, hashlib.sha256())
-        digest.update(name.encode() + b"\0")
-        stored = checkpoint.raw(name).reshape(-1).view(np.uint8)
-        for start in range(0, stored.size, HASH_CHUNK_BYTES):
-            digest.update(stored[start:start + HASH_CHUNK_BYTES])
-    return {file: d.hexdigest() for file, d in sorted(digests.items())}
 
 
 def tensor_bytes(ctx: SourceContext, job: TensorJob) -> Iterator[np.ndarray]:
