@@ -41,12 +41,13 @@ CHILD = r"""
 import os, sys, time
 import numpy as np, torch
 from tokenizers import Tokenizer
+from quantkit.resources import keep_budget
 from quantkit.runtime import load_model, logits_batch
 gguf, text, ctx, chunks, threads, arithmetic = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]), sys.argv[6]
 per_pass = int(sys.argv[8])
 torch.set_num_threads(threads)
 ids = Tokenizer.from_file(sys.argv[7]).encode(open(text).read()).ids
-model = load_model(gguf, arithmetic=arithmetic)
+model = load_model(gguf, arithmetic=arithmetic, keep_bytes=keep_budget())   # as quantkit score loads it on the CPU
 def score(first):
     seqs = [ids[c * ctx:(c + 1) * ctx] for c in range(first, first + per_pass)]
     return [torch.log_softmax(torch.from_numpy(out), -1) for out in logits_batch(model, seqs)]

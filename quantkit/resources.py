@@ -51,3 +51,15 @@ def memory_for(what: str) -> int:
     if found is None:
         raise UnsupportedError(f"cannot tell the available memory on this system; pass {what}")
     return found
+
+
+#: Share of the available memory that a runtime model run many times (a calibration, a fixture's cases) keeps its
+#: decoded weights in, so each weight is decoded once per run instead of once per forward pass.
+KEEP_FRACTION = 0.25
+
+
+def keep_budget() -> int:
+    """Bytes of decoded weights a model run many times may keep: :data:`KEEP_FRACTION` of :func:`available_memory`
+    (none where that cannot be read)."""
+    found = available_memory()
+    return int(KEEP_FRACTION * found) if found else 0

@@ -40,9 +40,10 @@ too (llama-imatrix skips them), and sums accumulate in float64.
 
 Memory: the accumulators (one float64 row per column per matrix), one chunk's activations, the cache of
 assembled weights (``max_memory`` bytes, default half the available memory) and the weight being used.  Without
-``max_memory``, weights decoded for one chunk are also kept for the next (up to :data:`KEEP_FRACTION` of the
-available memory: each weight is decoded once per run, not once per chunk); with it, nothing decoded is kept, so
-``max_memory`` bounds what stays in memory.  With ``max_memory`` on CUDA, weights are also streamed to the device
+``max_memory``, weights decoded for one chunk are also kept for the next (up to
+:data:`quantkit.resources.KEEP_FRACTION` of the available memory: each weight is decoded once per run, not once per
+chunk; the assembled payloads' cache has its own half, see :mod:`quantkit.runtime.weights`); with it, nothing
+decoded is kept, so ``max_memory`` bounds what stays in memory.  With ``max_memory`` on CUDA, weights are also streamed to the device
 per use rather than all placed there.
 
 Resume: after the forward pass that completes each further ``save_every`` chunks, the accumulators go to ``<out>.resume.gguf`` (an imatrix GGUF recording the
@@ -83,9 +84,6 @@ RESUME_IDENTITY = ("source_sha256", "text_sha256", "ctx", "chunks_per_pass", "al
 MLA_STEPS = ("kv_b_k", "kv_b_v")
 ROUTED_CLASSES = frozenset({"routed_gate", "routed_up", "routed_down"})
 DTYPES = ("float32", "bfloat16", "float16")
-#: Share of the available memory that decoded weights may keep between chunks when ``max_memory`` is not given
-#: (the assembled payloads' cache has its own half: see :mod:`quantkit.runtime.weights`).
-KEEP_FRACTION = 0.25
 #: Hidden-state values of one forward pass (tokens x hidden size) per torch thread of the default thread count
 #: (:attr:`CollectOptions.threads`).
 VALUES_PER_THREAD = 1 << 18
@@ -741,7 +739,7 @@ def load_collection_model(source: Path, config: dict, opts: CollectOptions):
     """The runtime model a collection runs (:func:`quantkit.runtime.load_model`) with the options' memory bounds."""
     import torch
 
-    from ..resources import memory_for
+    from ..resources import KEEP_FRACTION, memory_for
     from ..runtime import load_model
 
     # a memory bound on CUDA also streams the weights to the device per use instead of placing every one there
