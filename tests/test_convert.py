@@ -561,19 +561,26 @@ def test_crash_then_resume(qwen, reference, tmp_path, jobs):
     assert sha256_file(out) == sha256_file(ref)
 
 
+def interrupt_after_lines(monkeypatch, out: Path, lines: int):
+    """Make ``Journal.record`` raise KeyboardInterrupt (Ctrl-C) once ``out``'s journal holds more than ``lines``
+    lines; returns the real method."""
+    real = Journal.record
+
+    def interrupt(self, *a):
+        real(self, *a)
+        if len(journal_path(out).read_text().splitlines()) > lines:
+            raise KeyboardInterrupt
+    monkeypatch.setattr(Journal, "record", interrupt)
+    return real
+
+
 def test_interrupted_before_the_source_hashes_resumes_from_scratch(qwen, reference, tmp_path, monkeypatch):
     """Tensors journaled before the source's hashes are known say nothing about what they were made from: a resume
     keeps none of them (without an error), starts a fresh journal and still ends with the reference bytes."""
     ref, recipe = reference
     out = tmp_path / "q.gguf"
-    real = Journal.record
-
-    def interrupt(self, *a):
-        real(self, *a)
-        if len(journal_path(out).read_text().splitlines()) > 3:
-            raise KeyboardInterrupt
     monkeypatch.setattr(Hashing, "done", lambda self: False)
-    monkeypatch.setattr(Journal, "record", interrupt)
+    interrupt_after_lines(monkeypatch, out, 3)
     assert run(*q2_args(qwen, out, recipe)).exit_code == 130
     monkeypatch.undo()
     assert [list(r)[0] for r in journal_records(out)] == ["journal", "tensor", "tensor", "tensor"]
@@ -587,13 +594,7 @@ def test_interrupted_before_the_source_hashes_resumes_from_scratch(qwen, referen
 def test_ctrl_c_then_resume(qwen, reference, tmp_path, monkeypatch):
     ref, recipe = reference
     out = tmp_path / "q.gguf"
-    real = Journal.record
-
-    def interrupt(self, *a):
-        real(self, *a)
-        if len(journal_path(out).read_text().splitlines()) > 8:
-            raise KeyboardInterrupt
-    monkeypatch.setattr(Journal, "record", interrupt)
+    real = interrupt_after_lines(monkeypatch, out, 8)
     result = run(*q2_args(qwen, out, recipe))
     assert result.exit_code == 130 and "--resume" in result.stderr
     monkeypatch.setattr(Journal, "record", real)
