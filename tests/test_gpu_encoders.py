@@ -204,6 +204,28 @@ def test_convert_on_cuda_without_a_gpu_is_a_one_line_error(tmp_path):
     assert not out.exists()
 
 
+def test_convert_on_cuda_runs_one_job_unless_told(tmp_path, monkeypatch):
+    """Without -j, --device cuda runs one worker (each further one imports torch and holds a GPU context: -j 4 was
+    slower than -j 1 on an H200); -j still sets it, and on the CPU the default stays the CPUs available."""
+    from click.testing import CliRunner
+
+    from quantkit import examples
+    from quantkit.cli import main
+    from quantkit.convert import execute
+    from quantkit.resources import available_cpus
+
+    seen = []
+
+    def planned(request):
+        seen.append((request.device, request.jobs))
+        raise KeyboardInterrupt     # stop before any work
+    monkeypatch.setattr(execute, "prepare", planned)
+    for more in (["--device", "cuda"], ["--device", "cuda", "-j", "3"], []):
+        CliRunner().invoke(main, ["convert", str(examples.example_model_dir()), "-o", str(tmp_path / "x.gguf"),
+                                  "--recipe", str(examples.example_recipe("tiny-moe-q4_k")), *more])
+    assert seen == [("cuda", 1), ("cuda", 3), ("cpu", available_cpus())]
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 @pytest.mark.parametrize("n, nmax, use_mad", [(16, 3, True), (16, 3, False), (32, 15, False)])
 def test_fused_cuda_search_equals_eager_search(n, nmax, use_mad):

@@ -25,7 +25,8 @@ from .executors import check_executor, default_jobs
 @click.option("--bootstrap-importance", "bootstrap", is_flag=True,
               help="weight-energy importance (sum of w^2 per column) for tensors without imatrix data")
 @click.option("--allow-synthetic-imatrix", is_flag=True, help="accept an imatrix made from synthetic or fixture data")
-@click.option("-j", "--jobs", type=click.IntRange(min=1), default=default_jobs, show_default="CPUs available",
+@click.option("-j", "--jobs", type=click.IntRange(min=1), default=None,
+              show_default="CPUs available; 1 with --device cuda",
               help="worker processes (1: encode in this process); lowered to the CPUs available and to what the "
                    "memory holds, with a note")
 @click.option("--resume", is_flag=True, help="continue an interrupted conversion of the same plan")
@@ -52,7 +53,8 @@ from .executors import check_executor, default_jobs
                    "drafter (llama.cpp's dflash); each records the checkpoint identity its target must share")
 @click.option("--device", default="cpu", show_default=True, metavar="cpu|cuda[:N]",
               help="encode Q8_0, MXFP4, NVFP4, Q4_K, Q2_K and IQ2_XXS tensors on this torch device (same bytes as "
-                   "the CPU; other types stay on the CPU); with cuda, use few jobs: each worker holds the GPU")
+                   "the CPU; other types stay on the CPU); with cuda one job unless -j says otherwise (-j 4 measured "
+                   "slower than -j 1 on an H200: each worker imports torch and holds the GPU)")
 @click.option("--executor", type=click.Choice(["process", "ray"]), default="process", show_default=True,
               help="worker processes on this machine, or Ray tasks on a cluster (the ray extra)")
 @click.option("--address", metavar="HOST:PORT",
@@ -72,6 +74,8 @@ def convert(source, out, recipe, imatrix, bootstrap, allow_synthetic_imatrix, jo
 
     if not dry_run:
         check_executor("quantkit convert", executor, address)
+    if jobs is None:    # one process feeds a GPU best: each more worker imports torch and holds a context of its own
+        jobs = 1 if device != "cpu" and executor == "process" else default_jobs()
     request = ConvertRequest(source=source, out=out, recipe=recipe, imatrix=imatrix, bootstrap=bootstrap,
                              allow_synthetic_imatrix=allow_synthetic_imatrix, jobs=jobs, resume=resume, force=force,
                              label=label, pre_tokenizer=pre_tokenizer, reserve_bytes=reserve, dialect=dialect,
