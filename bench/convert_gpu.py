@@ -225,7 +225,22 @@ def run_convert(ckpt: Path, out: Path, recipe: Path, imatrix: Path, jobs: int, d
             "executor_s": rep["wall_seconds"], "phases_s": rep["phases"],
             "jobs_used": rep["jobs"], "slowest_tensors": sorted(((d["seconds"], d["name"]) for d in rep["produced"]),
                                                                 reverse=True)[:6],
-            "tensor_seconds": rep["tensor_seconds"], "file_size": rep["file_size"]}
+            "tensor_seconds": rep["tensor_seconds"], "file_size": rep["file_size"],
+            "by_kind": _by_kind(rep["produced"])}
+
+
+def _by_kind(produced: list[dict]) -> dict:
+    """Tensor seconds and output bytes summed by the name's last two parts (``ffn_gate_exps.weight``), with the
+    first tensor of each kind apart (it pays the kind's first kernel launch): the stream's steady state."""
+    kinds: dict[str, dict] = {}
+    for d in produced:
+        kind = ".".join(d["name"].split(".")[-2:])
+        k = kinds.setdefault(kind, {"count": 0, "first_s": d["seconds"], "rest_s": 0.0, "out_bytes": 0})
+        if k["count"]:
+            k["rest_s"] += d["seconds"]
+        k["count"] += 1
+        k["out_bytes"] += d["nbytes"]
+    return kinds
 
 
 def fixed_costs(ckpt: Path, recipe: Path, imatrix: Path, device: str) -> dict:

@@ -1,5 +1,6 @@
-"""``convert --device cuda``'s streaming (quantkit.convert.gpu_stream), run here with torch's CPU encoders: the
-payload of every tensor equals the CPU path's, split into batches or not, with the same errors."""
+"""``convert --device cuda``'s streaming (quantkit.convert.gpu_stream), with torch's CPU encoders (and on CUDA
+where there is one): the payload of every tensor equals the CPU path's, split into batches or not, with the same
+errors."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -58,11 +59,26 @@ def _prepared(ckpt: Path, tmp: Path, imatrix: bool):
     return prepared, str(im_path) if im_path else None
 
 
-def _contexts(prepared, im_path):
+def _contexts(prepared, im_path, device: str = "cpu"):
+    """(a context of the CPU path, one for the stream on ``device``)."""
     def ctx(device):
         return SourceContext(str(prepared.source.path), prepared.plan.model_type, im_path, prepared.imatrix_shapes,
                              True, device)
-    return ctx("cpu"), ctx("cpu")
+    return ctx("cpu"), ctx(device)
+
+
+def _assert_stream_equals_cpu(prepared, im_path, device: str, batch_bytes: int) -> None:
+    cpu, streamed = _contexts(prepared, im_path, device)
+    checked = 0
+    for job in prepared.jobs.values():
+        if job.kind != "encode" or not gpu_encode.supports(job.qtype):
+            continue
+        want = b"".join(a.tobytes() for a in tensor_bytes(cpu, job))
+        got = b"".join(a.tobytes() for a in gpu_stream.encode_stream(streamed, job, pieces(streamed, job), device,
+                                                                      batch_bytes=batch_bytes))
+        assert got == want, job.name
+        checked += 1
+    assert checked > 5
 
 
 @pytest.mark.parametrize("layout,imatrix", [("per-expert", False), ("per-expert", True), ("fused", True)])
@@ -70,17 +86,16 @@ def _contexts(prepared, im_path):
 def test_stream_equals_cpu_payload(tiny, tmp_path, layout, imatrix, batch_bytes):
     """Whole batches of pieces and pieces split over batches (4 KiB: a few rows each) give the CPU bytes."""
     prepared, im_path = _prepared(tiny.get("qwen3_moe", layout, "bf16"), tmp_path, imatrix)
-    cpu, streamed = _contexts(prepared, im_path)
-    checked = 0
-    for job in prepared.jobs.values():
-        if job.kind != "encode" or not gpu_encode.supports(job.qtype):
-            continue
-        want = b"".join(a.tobytes() for a in tensor_bytes(cpu, job))
-        got = b"".join(a.tobytes() for a in gpu_stream.encode_stream(streamed, job, pieces(streamed, job), "cpu",
-                                                                      batch_bytes=batch_bytes))
-        assert got == want, job.name
-        checked += 1
-    assert checked > 5
+    _assert_stream_equals_cpu(prepared, im_path, "cpu", batch_bytes)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("batch_bytes", [1 << 20, 4096])
+def test_cuda_stream_equals_cpu_payload(tiny, tmp_path, batch_bytes):
+    """On CUDA (uploads on a copy stream while the previous batch encodes, each download collected behind the next
+    batch's sync), with many small batches: the bytes of the CPU encoders."""
+    prepared, im_path = _prepared(tiny.get("qwen3_moe", "fused", "bf16"), tmp_path, True)
+    _assert_stream_equals_cpu(prepared, im_path, "cuda", batch_bytes)
 
 
 def test_batches_keep_the_piece_order_and_split_large_pieces():
@@ -187,3 +202,52 @@ def test_write_behind_keeps_the_order_and_raises_the_first_write_failure(monkeyp
             raise OSError("disk gone")
     with pytest.raises(OSError, match="disk gone"):
         pool.produce_tensor(ctx, job, failing)
+
+
+def test_next_tensor_encodes_while_earlier_ones_finish_writing(tmp_path, monkeypatch):
+    """``-j 1`` on a GPU: a tensor's last writes overlap the next tensor's encode; every payload still lands at its
+    offset with its hash, in the order given, and a write failing behind stops the run with that failure."""
+    import hashlib
+    import threading
+    from types import SimpleNamespace
+
+    from quantkit.convert import pool
+
+    sizes = [3000, 1, 5000, 700, 4096]
+    payloads = {f"t{i}": np.random.default_rng(i).integers(0, 255, n, dtype=np.uint8) for i, n in enumerate(sizes)}
+    offsets = dict(zip(payloads, np.cumsum([0] + sizes[:-1]).tolist()))
+    jobs = {name: SimpleNamespace(name=name, nbytes=p.nbytes) for name, p in payloads.items()}
+    slow_first = threading.Event()
+
+    def pieces_of(ctx, job):
+        return (payloads[job.name][i:i + 1000] for i in range(0, job.nbytes, 1000))
+    monkeypatch.setattr(pool, "tensor_bytes", pieces_of)
+    put = pool.pwrite_all
+
+    def slow_put(fd, piece, at):   # t0's writes wait until t1 was produced: the overlap is real
+        if at == offsets["t0"] and not slow_first.is_set():
+            assert slow_first.wait(10)
+        put(fd, piece, at)
+    monkeypatch.setattr(pool, "pwrite_all", slow_put)
+    start = pool.start_tensor
+
+    def starting(ctx, job, write):
+        if job.name == "t1":
+            slow_first.set()
+        return start(ctx, job, write)
+    monkeypatch.setattr(pool, "start_tensor", starting)
+    partial = tmp_path / "out.partial"
+    partial.write_bytes(bytes(sum(sizes)))
+    setup = pool.WorkerSetup("unused", "qwen3_moe", None, str(partial), jobs, offsets, {}, device="cuda")
+    done = list(pool.WorkerPool(1).run(setup, list(payloads)))
+    assert [d.name for d in done] == list(payloads)
+    assert all(d.sha256 == hashlib.sha256(payloads[d.name].tobytes()).hexdigest() for d in done)
+    assert partial.read_bytes() == b"".join(p.tobytes() for p in payloads.values())
+
+    def failing(fd, piece, at):
+        if at == offsets["t2"]:
+            raise OSError("disk gone")
+        put(fd, piece, at)
+    monkeypatch.setattr(pool, "pwrite_all", failing)
+    with pytest.raises(OSError, match="disk gone"):
+        list(pool.WorkerPool(1).run(setup, list(payloads)))

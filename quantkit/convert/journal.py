@@ -1,7 +1,10 @@
 """The conversion journal: which tensors of a partial output are written, with the SHA-256 of their bytes, and the
 SHA-256 of every source file they were made from.
 
-``<out>.journal`` sits next to ``<out>.partial``; JSON lines, appended and fsynced one at a time::
+``<out>.journal`` sits next to ``<out>.partial``; JSON lines, appended one at a time and fsynced at once, except
+tensor lines: those at most every :data:`TENSOR_SYNC_SECONDS` (a GPU writes hundreds of tensors a second, and an
+fsync takes milliseconds; a tensor line lost with the machine only means that tensor is encoded again, and a
+resume checks every payload the journal lists anyway)::
 
     {"journal": 3, "layout_sha256": "<hex>", "sources": [["<file>", size, mtime_ns], ...]}   first line
     {"source_sha256": {"<file>": "<hex>", ...}}  every source file's SHA-256, once all are known
@@ -25,8 +28,10 @@ ignored (its tensor is simply encoded again); a bad line anywhere else is an err
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable
@@ -36,6 +41,8 @@ from .source import FileHash
 
 JOURNAL_SUFFIX = ".journal"
 JOURNAL_VERSION = 3
+#: Longest time a tensor line waits for its fsync (every other line is fsynced before its call returns).
+TENSOR_SYNC_SECONDS = 0.5
 
 
 def journal_path(out: str | os.PathLike) -> Path:
@@ -113,6 +120,8 @@ class Journal:
     def __init__(self, path: Path, fd: int):
         self.path = path
         self._fd = fd
+        self._synced = time.monotonic()
+        self._unsynced = False
 
     @classmethod
     def create(cls, path: Path, layout_sha256: str, sources: Iterable[FileHash]) -> "Journal":
@@ -135,17 +144,23 @@ class Journal:
         os.lseek(fd, 0, os.SEEK_END)
         return cls(path, fd)
 
-    def _append(self, record: dict) -> None:
+    def _append(self, record: dict, *, sync: bool = True) -> None:
         line = memoryview((json.dumps(record, separators=(",", ":")) + "\n").encode())
         try:
             while line:   # a short write (a disk filling up) goes on until the rest fits or the error comes
                 line = line[os.write(self._fd, line):]
-            os.fsync(self._fd)
+            self._unsynced = True
+            if sync or time.monotonic() - self._synced >= TENSOR_SYNC_SECONDS:
+                self._sync()
         except OSError as exc:   # name the journal (a full disk is reported with its path)
             raise OSError(exc.errno, exc.strerror, str(self.path)) from None
 
+    def _sync(self) -> None:
+        os.fsync(self._fd)
+        self._synced, self._unsynced = time.monotonic(), False
+
     def record(self, tensor: str, sha256: str) -> None:
-        self._append({"tensor": tensor, "sha256": sha256})
+        self._append({"tensor": tensor, "sha256": sha256}, sync=False)
 
     def record_sources(self, hashes: Iterable[FileHash]) -> None:
         """Every source file's SHA-256 (once, when all are known)."""
@@ -155,6 +170,11 @@ class Journal:
         self._append({"renaming": header_sha256})
 
     def close(self) -> None:
+        """fsync the tensor lines not yet synced (best effort: they only save work), and close."""
+        if self._fd is None:
+            return
+        with contextlib.suppress(OSError):
+            if self._unsynced:
+                self._sync()
         fd, self._fd = self._fd, None
-        if fd is not None:
-            os.close(fd)
+        os.close(fd)

@@ -58,6 +58,8 @@ PR_SET_PDEATHSIG = 1
 WORKER_BASE_BYTES = 160 << 20
 #: Pieces of a GPU stream waiting to be written and hashed (see _WriteBehind).
 WRITE_BEHIND = 2
+#: Tensors of a GPU stream still being written and hashed while the next one encodes (see WorkerPool._run_here).
+TENSORS_BEHIND = 2
 #: A worker holds a unit as float32 plus its importance, encoder scratch and encoded bytes: about 3x the unit.
 UNIT_MEMORY_FACTOR = 3
 
@@ -116,6 +118,36 @@ class TensorDone:
 def produce_tensor(context: SourceContext, job: TensorJob, put: Callable[["np.ndarray", int], None]) -> TensorDone:
     """Produce ``job``'s payload, handing each piece to ``put(piece, offset within the payload)``, hashing it as it
     goes; the source pages read are released afterwards."""
+    return start_tensor(context, job, put).result()
+
+
+class PendingTensor:
+    """A tensor produced whose last pieces may still be being written and hashed (:func:`start_tensor`)."""
+
+    def __init__(self, job: TensorJob, start: float, written: int, digest, behind: "_WriteBehind | None"):
+        self._job, self._start, self._written, self._digest, self._behind = job, start, written, digest, behind
+
+    def done(self) -> bool:
+        return self._behind is None or self._behind.finished()
+
+    def result(self) -> TensorDone:
+        """Wait for the writes; the tensor's record, or the first write failure."""
+        end = None
+        if self._behind is not None:
+            behind, self._behind = self._behind, None
+            behind.close()
+            end = behind.last_write
+        if self._written != self._job.nbytes:
+            raise FormatError(f"produced {self._written} bytes, the plan has {self._job.nbytes}",
+                              tensor=self._job.name)
+        return TensorDone(self._job.name, self._digest.hexdigest(), self._written,
+                          (end or time.perf_counter()) - self._start)
+
+
+def start_tensor(context: SourceContext, job: TensorJob, put: Callable[["np.ndarray", int], None]) -> PendingTensor:
+    """:func:`produce_tensor` up to the writes: on a GPU, the last pieces are still written and hashed in a thread
+    when this returns, so that the next tensor's encoding overlaps them (a Q2_K tensor encodes faster than one
+    thread hashes its bytes)."""
     start = time.perf_counter()
     digest = hashlib.sha256()
     written = 0
@@ -131,16 +163,13 @@ def produce_tensor(context: SourceContext, job: TensorJob, put: Callable[["np.nd
                     put(piece, written)
                     digest.update(piece)
                 written += piece.nbytes
-        if behind is not None:
-            behind, done = None, behind
-            done.close()
-    finally:
+    except BaseException:
         if behind is not None:
             behind.close(quiet=True)
+        raise
+    finally:
         context.release()
-    if written != job.nbytes:
-        raise FormatError(f"produced {written} bytes, the plan has {job.nbytes}", tensor=job.name)
-    return TensorDone(job.name, digest.hexdigest(), written, time.perf_counter() - start)
+    return PendingTensor(job, start, written, digest, behind)
 
 
 class _WriteBehind:
@@ -151,6 +180,7 @@ class _WriteBehind:
     def __init__(self, put: Callable[["np.ndarray", int], None], digest):
         self._queue: queue.Queue = queue.Queue(maxsize=WRITE_BEHIND)
         self._error: BaseException | None = None
+        self.last_write: float | None = None
         self._thread = threading.Thread(target=self._run, args=(put, digest), daemon=True, name="quantkit-write")
         self._thread.start()
 
@@ -162,11 +192,17 @@ class _WriteBehind:
                     digest.update(item[0])
                 except BaseException as exc:  # noqa: BLE001 - raised in the producing thread
                     self._error = exc
+            self.last_write = time.perf_counter()
+            self._queue.task_done()
 
     def submit(self, piece: "np.ndarray", at: int) -> None:
         if self._error is not None:
             raise self._error
         self._queue.put((piece, at))
+
+    def finished(self) -> bool:
+        """Every piece submitted so far is written (or a write failed)."""
+        return self._queue.unfinished_tasks == 0
 
     def close(self, *, quiet: bool = False) -> None:
         """Wait for every piece to be written; raise the first failure unless ``quiet`` (already failing)."""
@@ -193,10 +229,24 @@ class TensorWriter:
             raise partial_gone(setup.partial_path)
 
     def run(self, name: str) -> TensorDone:
+        return self.finish(name, self.start(name))
+
+    def start(self, name: str) -> PendingTensor:
+        """Produce tensor ``name`` (its last writes may still be under way: :meth:`finish`)."""
         offset = self.setup.offsets[name]
+        with self._named(name):
+            return start_tensor(self.context, self.setup.jobs[name],
+                                lambda piece, at: pwrite_all(self._fd, piece, offset + at))
+
+    def finish(self, name: str, pending: PendingTensor) -> TensorDone:
+        with self._named(name):
+            return pending.result()
+
+    @contextlib.contextmanager
+    def _named(self, name: str):
+        """A full filesystem as the error that names the partial and the tensor."""
         try:
-            return produce_tensor(self.context, self.setup.jobs[name],
-                                  lambda piece, at: pwrite_all(self._fd, piece, offset + at))
+            yield
         except OSError as exc:
             if is_out_of_space(exc):
                 raise out_of_space(self.setup.partial_path, name) from None
@@ -335,12 +385,7 @@ class WorkerPool:
             raise RuntimeError("WorkerPool.run() may be called once")
         self._started = True
         if not self._workers:
-            writer = TensorWriter(setup)
-            try:
-                for name in names:
-                    yield writer.run(name)
-            finally:
-                writer.close()
+            yield from self._run_here(setup, names)
             return
         queue = deque(names)
 
@@ -382,6 +427,25 @@ class WorkerPool:
                     raise message[2]
                 yield message[1]
                 assign(worker)
+
+    @staticmethod
+    def _run_here(setup: WorkerSetup, names: Iterable[str]) -> Iterator[TensorDone]:
+        """In this process, one tensor at a time; on a GPU the next tensor encodes while up to
+        :data:`TENSORS_BEHIND` earlier ones finish their writes."""
+        writer = TensorWriter(setup)
+        behind: deque = deque()
+        try:
+            for name in names:
+                behind.append((name, writer.start(name)))
+                while behind and (len(behind) > TENSORS_BEHIND or behind[0][1].done()):
+                    yield writer.finish(*behind.popleft())
+            while behind:
+                yield writer.finish(*behind.popleft())
+        finally:
+            for _, pending in behind:   # failing: stop the writes still under way
+                with contextlib.suppress(BaseException):
+                    pending.result()
+            writer.close()
 
     def close(self, *, terminate: bool = False) -> None:
         """Stop the workers: tell idle ones to exit (or terminate all), then reap them."""
