@@ -293,8 +293,34 @@ def _load(weights, device: torch.device, dtype: torch.dtype, stream: bool, keep_
             if buffer is not None and not isinstance(buffer, PackedTensor) and buffer.device != device:
                 module._buffers[attr] = buffer.to(device)
     store.check()
+    if device.type == "cuda" and dtype == torch.float32:
+        _fuse_rms_norms(model)
     return RuntimeModel(model, store, weights.config, device, dtype, _vocab_size(model), packed,
                         graphs=device.type == "cuda" and not stream and dtype in FUSED_DTYPES)
+
+
+def _fuse_rms_norms(model) -> None:
+    """Run the plain RMSNorms (:data:`.ggml_arithmetic.PLAIN_RMS_NORMS`) of a float32 CUDA model as one Triton
+    launch each (:func:`quantkit.kernels.triton_rmsnorm.rms_norm`) where the activations are contiguous float32;
+    transformers' six kernels otherwise."""
+    from ..kernels.triton_rmsnorm import rms_norm
+    from .ggml_arithmetic import PLAIN_RMS_NORMS
+
+    def fused(module):
+        original = module.forward
+
+        def forward(hidden_states):
+            w = module.weight
+            if (hidden_states.is_cuda and hidden_states.dtype == torch.float32 and hidden_states.is_contiguous()
+                    and type(w) is torch.nn.Parameter and w.dtype == torch.float32 and w.is_contiguous()
+                    and tuple(w.shape) == tuple(hidden_states.shape[-1:])):
+                return rms_norm(hidden_states, w, module.variance_epsilon)
+            return original(hidden_states)
+        return forward
+
+    for m in model.modules():
+        if type(m).__name__ in PLAIN_RMS_NORMS:
+            m.forward = fused(m)
 
 
 def _mtp_tensors(weights, amap: ArchMap) -> set[str]:
