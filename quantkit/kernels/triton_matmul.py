@@ -16,6 +16,14 @@ dequantize-then-matmul up to summation order (and TF32 splitting): tests/test_ru
 sub-block was measured 1.06-1.5x slower on the H200, across runs: a product per sub-block breaks the accumulator
 chain; bench/results/score-vs-llamacpp-2026-12-02c.md.)
 An NVFP4 tensor's global scale (one per tensor or per expert) multiplies the product instead of the weight.
+(One launch for the gate and up products with ``silu(gate) * up`` in its epilogue, two accumulators in 64 x 64
+tiles, was measured 9.7 ms slower per 7.6B 2048-token pass than two launches and torch's gate on the H200:
+bench/results/score-vs-llamacpp-2026-12-02e.md.)
+
+Routed experts (:func:`route`, :class:`Routed`): one routing kernel sorts the (token, expert) pairs by expert
+(a counting sort) and writes the counts and the tile table; the grouped products then read each sorted row's
+token from the unsorted activations and write each result, times its routing weight, to its (token, slot) row,
+so no gathered or un-sorted copy of the activations is made.
 """
 from __future__ import annotations
 
@@ -24,7 +32,6 @@ from dataclasses import dataclass, replace
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra import libdevice
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType as GGMLType
 
 from ..errors import FormatError
@@ -60,9 +67,6 @@ class Config:
 #: (a 7.6B MoE's experts see ~250 rows at 2048 tokens: 128-row tiles idle more).
 DENSE = Config(128, 64, 64, 8, 3)
 GROUPED = Config(64, 128, 64, 4, 3)
-#: Gated grouped products (:func:`grouped_linear` with ``up``): two accumulators, so half the columns of
-#: :data:`GROUPED` (the same registers and weight tiles decoded per step).
-GROUPED_GLU = Config(64, 64, 64, 4, 3)
 #: Narrow dense products (the router: ``n`` at most :data:`NARROW_N`) keep the first kernels' launch: 64 x 64
 #: tiles, 128-value steps, two stages (0.08 ms for the 7.6B MoE's router at 2048 tokens; 32-row tiles with
 #: 256-value steps took 1.0 ms, and :data:`DENSE` leaves half as many programs for a launch of few row tiles).
@@ -105,11 +109,11 @@ def _decode(FORMAT: tl.constexpr, base, sub, val, m, t0, t1):
 
 
 @triton.jit
-def _packed_matmul_kernel(x, w, w_up, out, tiles, scale, t0, t1, gather, scatter, row_weights, M, N, stride_x,
+def _packed_matmul_kernel(x, w, out, tiles, scale, t0, t1, gather, scatter, row_weights, M, N, stride_x,
                           stride_out, out_col, expert_bytes, row_bytes, scale_stride, gather_div,
                           FORMAT: tl.constexpr, TYPE_SIZE: tl.constexpr, NSUB: tl.constexpr, SUB: tl.constexpr,
                           S_STEP: tl.constexpr, K_STEPS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                          GROUPED: tl.constexpr, GATHER: tl.constexpr, SCATTER: tl.constexpr, GLU: tl.constexpr,
+                          GROUPED: tl.constexpr, GATHER: tl.constexpr, SCATTER: tl.constexpr,
                           SCALED: tl.constexpr, FP32: tl.constexpr, PRECISION: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -132,7 +136,6 @@ def _packed_matmul_kernel(x, w, w_up, out, tiles, scale, t0, t1, gather, scatter
         s = tl.arange(0, S_STEP)[None, :, None]
         val = tl.arange(0, SUB)[None, None, :]
         w_row = w + expert.to(tl.int64) * expert_bytes + cols.to(tl.int64)[:, None, None] * row_bytes
-        u_row = w_up + expert.to(tl.int64) * expert_bytes + cols.to(tl.int64)[:, None, None] * row_bytes
         w_ok = col_ok[:, None, None]
         if GATHER:      # product row i reads row gather[i] // gather_div of x (the token of a routed pair)
             src = tl.load(gather + rows, mask=row_ok, other=0) // gather_div
@@ -140,7 +143,6 @@ def _packed_matmul_kernel(x, w, w_up, out, tiles, scale, t0, t1, gather, scatter
             src = rows
         x_tile = x + src.to(tl.int64)[:, None] * stride_x + tl.arange(0, BK)[None, :]
         acc = tl.zeros((BM, BN), dtype=tl.float32)
-        acc_up = tl.zeros((BM, BN), dtype=tl.float32)
         for step in range(K_STEPS):
             g = step * S_STEP + s
             wv = _decode(FORMAT, w_row + (g // NSUB) * TYPE_SIZE, g % NSUB, val, w_ok, t0, t1)
@@ -150,12 +152,6 @@ def _packed_matmul_kernel(x, w, w_up, out, tiles, scale, t0, t1, gather, scatter
                 acc = tl.dot(xv, tl.trans(wv), acc, input_precision=PRECISION)
             else:
                 acc = tl.dot(xv, tl.trans(wv.to(xv.dtype)), acc)
-            if GLU:     # the up projection's tile of the same rows and columns, from the same activations
-                uv = tl.reshape(_decode(FORMAT, u_row + (g // NSUB) * TYPE_SIZE, g % NSUB, val, w_ok, t0, t1),
-                                (BN, BK))
-                acc_up = tl.dot(xv, tl.trans(uv), acc_up, input_precision=PRECISION)
-        if GLU:     # silu(gate) * up as torch computes it: x / (1 + exp(-x)), correctly rounded division
-            acc = tl.math.div_rn(acc, 1.0 + libdevice.exp(-acc)) * acc_up
         if SCALED:
             acc = acc * tl.load(scale + expert * scale_stride)
         if SCATTER:     # product row i, times row_weights[scatter[i]], is row scatter[i] of out
@@ -302,7 +298,7 @@ def _fallbacks(config: Config, sub: int):
 
 def _launch(x: torch.Tensor, payload: torch.Tensor, qtype: GGMLType, n: int, out: torch.Tensor, out_col: int,
             tiles: ExpertTiles | None, scale: torch.Tensor | None, precision: str, config: Config | None,
-            routed: Routed | None = None, up: torch.Tensor | None = None) -> torch.Tensor:
+            routed: Routed | None = None) -> torch.Tensor:
     qtype = GGMLType(int(qtype))
     if qtype not in FUSED_TYPES:
         raise FormatError(f"no fused product for {qtype.name}")
@@ -327,30 +323,26 @@ def _launch(x: torch.Tensor, payload: torch.Tensor, qtype: GGMLType, n: int, out
     if m == 0 or n == 0:
         return out
     fp32 = x.dtype == torch.float32
-    if up is not None and (not fp32 or scale is not None or up.numel() != payload.numel() or up.dtype != torch.uint8
-                           or up.device != x.device or not up.is_contiguous()):
-        raise FormatError("a gated product takes float32 activations and an unscaled up payload shaped as the gate's")
     if config is None:
-        config = (GROUPED_GLU if up is not None else GROUPED) if tiles is not None else \
-            NARROW if n <= NARROW_N else DENSE
+        config = GROUPED if tiles is not None else NARROW if n <= NARROW_N else DENSE
     if tiles is not None and tiles.block_m != config.block_m:
         raise FormatError(f"expert tiles of {tiles.block_m} rows for a launch of {config.block_m}-row programs")
     gather = routed.gather if routed is not None else None
     scatter = routed.scatter if routed is not None else None
-    key = (qtype.name, fp32, precision, x.device, config, gather is not None, scatter is not None, up is not None)
+    key = (qtype.name, fp32, precision, x.device, config, gather is not None, scatter is not None)
     for fit in ((_fitting[key],) if key in _fitting else _fallbacks(config, sub)):
         step = _step_values(k, sub, fit.block_k)
         grid = (triton.cdiv(m, fit.block_m) if tiles is None else tiles.table.shape[0], triton.cdiv(n, fit.block_n))
         try:
             _packed_matmul_kernel[grid](
-                x, payload, payload if up is None else up, out, tiles.table if tiles is not None else payload, scale if scale is not None else
+                x, payload, out, tiles.table if tiles is not None else payload, scale if scale is not None else
                 payload, *args, payload if gather is None else gather, payload if scatter is None else scatter,
                 payload if scatter is None else routed.weights, m, n, x.stride(0), out.stride(0), out_col,
                 n * row_bytes, row_bytes, 0 if scale is None or scale.numel() == 1 else 1,
                 1 if gather is None else routed.gather_div,
                 FORMAT=qtype.name, TYPE_SIZE=type_size, NSUB=nsub, SUB=sub, S_STEP=step // sub, K_STEPS=k // step,
                 BM=fit.block_m, BN=fit.block_n, GROUPED=tiles is not None, GATHER=gather is not None,
-                SCATTER=scatter is not None, GLU=up is not None, SCALED=scale is not None, FP32=fp32,
+                SCATTER=scatter is not None, SCALED=scale is not None, FP32=fp32,
                 PRECISION=precision, num_warps=fit.warps, num_stages=fit.stages)
         except triton.runtime.errors.OutOfResources:
             continue
@@ -376,14 +368,12 @@ def linear(x: torch.Tensor, payload: torch.Tensor, qtype: "GGMLType | int", n: i
 def grouped_linear(x: torch.Tensor, payload: torch.Tensor, qtype: "GGMLType | int", n: int, counts: torch.Tensor,
                    *, out: torch.Tensor | None = None, out_col: int = 0, scale: torch.Tensor | None = None,
                    tiles: ExpertTiles | None = None, config: Config | None = None,
-                   routed: Routed | None = None, up: torch.Tensor | None = None) -> torch.Tensor:
+                   routed: Routed | None = None) -> torch.Tensor:
     """``x[i] @ W[e_i].T`` for rows sorted by expert (``counts[e]`` rows of expert ``e``; ``W [experts, n, k]`` as
     its packed payload), every expert in one launch; ``scale``: NVFP4 global scales (one, or one per expert);
     ``tiles``: :func:`expert_tiles` of ``counts`` (computed here if not given, of ``config``'s rows per tile);
-    ``config``: the launch (by default :data:`GROUPED`, :data:`GROUPED_GLU` with ``up``); ``routed``: rows read
-    from, or written to, where they are (:class:`Routed`; ``out`` must be given for a scatter); ``up``: the
-    payload of a second weight of ``W``'s type and shape (float32 activations, no ``scale``): the product is then
-    ``silu(x[i] @ W[e_i].T) * (x[i] @ U[e_i].T)``, a gated MLP's hidden activations in one launch."""
+    ``config``: the launch (by default :data:`GROUPED`); ``routed``: rows read from, or written to, where they
+    are (:class:`Routed`; ``out`` must be given for a scatter)."""
     rows = x.shape[0] if routed is None or routed.gather is None else routed.gather.numel()
     if routed is not None and routed.scatter is not None and (out is None or routed.weights is None
                                                               or routed.weights.dtype != torch.float32):
@@ -392,5 +382,4 @@ def grouped_linear(x: torch.Tensor, payload: torch.Tensor, qtype: "GGMLType | in
         tiles = expert_tiles(counts, rows, (config or GROUPED).block_m)
     if out is None:
         out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
-    return _launch(x, payload.reshape(-1), qtype, n, out, out_col, tiles, scale, FLOAT32_PRECISION, config, routed,
-                   None if up is None else up.reshape(-1))
+    return _launch(x, payload.reshape(-1), qtype, n, out, out_col, tiles, scale, FLOAT32_PRECISION, config, routed)

@@ -71,31 +71,19 @@ def _fusable(weight) -> bool:
     return fused is not None and fused() is not None
 
 
-def _silu_gated(module) -> bool:
-    """Whether the experts' hidden activations are transformers' default gate, ``silu(gate) * up``."""
-    from transformers.activations import SiLUActivation
-    from transformers.integrations.moe import _default_apply_gate
-
-    return (module.has_gate and getattr(type(module), "_apply_gate", None) is _default_apply_gate
-            and type(module.act_fn) in (SiLUActivation, torch.nn.SiLU))
-
-
 def _fused_forward(module, up, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                    top_k_weights: torch.Tensor) -> torch.Tensor:
     """Path 2 of the module doc: the pairs sorted and tiled by one routing kernel
     (:func:`~quantkit.kernels.triton_matmul.route`); the gate/up product reads each sorted row's token where it
-    is (and, for the default SiLU gate, computes ``silu(gate) * up`` in the same launch), the down product writes
-    each row, times its routing weight, to its (token, slot) place; one sum over the slots.  The same products,
-    weights and sum as gathering, multiplying and un-sorting with torch (path 3's steps), without their copies."""
+    is, the down product writes each row, times its routing weight, to its (token, slot) place; one sum over the
+    slots.  The same products, weights and sum as gathering, multiplying and un-sorting with torch (path 3's
+    steps), without their copies."""
     from ..kernels.triton_matmul import Routed, route
 
     tokens, top_k = top_k_index.shape
     order, counts, tiles = route(top_k_index.reshape(-1).contiguous(), module.num_experts)
-    gather = Routed(gather=order, gather_div=top_k)
-    h = up.fused_glu(hidden_states, counts, tiles, gather) if _silu_gated(module) else None
-    if h is None:
-        h = up.fused_linear(hidden_states, counts, tiles, gather)
-        h = module._apply_gate(h) if module.has_gate else module.act_fn(h)
+    h = up.fused_linear(hidden_states, counts, tiles, Routed(gather=order, gather_div=top_k))
+    h = module._apply_gate(h) if module.has_gate else module.act_fn(h)
     weights = top_k_weights.reshape(-1).to(torch.float32).contiguous()
     out = module.down_proj.fused_linear(h, counts, tiles, Routed(scatter=order, weights=weights))
     return out.view(tokens, top_k, -1).sum(dim=1).to(hidden_states.dtype)

@@ -426,24 +426,6 @@ class PackedTensor(torch.Tensor):
                                       scale=part.scale, tiles=tiles, routed=routed)
         return out
 
-    def fused_glu(self, x: torch.Tensor, counts: torch.Tensor, tiles, routed=None) -> torch.Tensor | None:
-        """``silu(x @ G.T) * (x @ U.T)`` of a sliced (experts) gate/up weight ``[G; U]`` in one fused launch per
-        layer (:func:`~quantkit.kernels.triton_matmul.grouped_linear` with ``up``), rows as :meth:`fused_linear`'s;
-        None unless its GGUF tensors are two of one type, the gate's rows first, with no NVFP4 scale."""
-        parts = self.fused()
-        if parts is None or not self.plan.sliced or x.dtype != torch.float32 or len(parts) != 2:
-            return None
-        gate, up = parts
-        half = self.plan.shape[-2] // 2
-        if ((gate.first, gate.rows, up.first, up.rows) != (0, half, half, half) or gate.qtype != up.qtype
-                or gate.scale is not None or up.scale is not None):
-            return None
-        store = self.assembler.store
-        for part in parts:
-            store.expect_finite_payload(part.gguf_name)
-        return store._matmul.grouped_linear(x.contiguous(), gate.payload, gate.qtype, half, counts, tiles=tiles,
-                                            routed=routed, up=up.payload)
-
     @property
     def activation_type(self) -> str:
         """The form ggml's CPU backend converts activations to before multiplying by this weight
