@@ -2,7 +2,7 @@
 
     python bench/score_vs_llamacpp.py --llama-src LLAMA_CPP_TREE [--build /tmp/llama-build] [--jobs 14]
         [--models 1b,7b] [--tokens 512,2048] [--batch 2048] [--long 16384] [--dtypes float32,bfloat16]
-        [--repeats 3] [--skip-llama] [--overlap-build] [--skip-llama-bench] [--markdown FILE] [--logs DIR]
+        [--repeats 3] [--second-half] [--skip-llama] [--overlap-build] [--skip-llama-bench] [--markdown FILE] [--logs DIR]
 
 1. Starts building llama.cpp's ``llama-perplexity`` and ``llama-bench`` with CUDA for sm_90 from the vendored
    source tree (``python -m quantkit.testing.llama_src`` prints where it is) in the background (about 5 minutes
@@ -11,7 +11,8 @@
    of bench/runtime_gpu.py) with a small SentencePiece vocabulary so llama-perplexity can tokenize a text:
    ``1b`` (1.02B, 16 experts top-4, 8 layers) and ``7b`` (7.6B, 64 experts top-8, 24 layers), and a text of
    random words (one token each).
-3. quantkit: :func:`quantkit.runtime.logits_batch` (every position's logits, copied to the host) on random
+3. quantkit: :func:`quantkit.runtime.logits_batch` (every position's logits, copied to the host; with
+   ``--second-half`` those of positions N/2.. only, what llama-perplexity asks for) on random
    tokens of each ``--tokens`` length N (and ``--long`` for the first model), ``max(1, --batch // N)`` sequences
    per forward pass as llama-perplexity packs ``--batch // N`` chunks per pass (its ``n_seq``), per compute
    dtype; tokens/s from the median of ``--repeats`` calls after a warm-up; peak device memory is torch's
@@ -21,11 +22,13 @@
    steady state of chunked scoring that llama-perplexity's steady figure also measures.
    Normally after the build has finished (a quiet machine); ``--overlap-build`` times them while it runs
    (to fit a short device lease: give the build fewer ``--jobs`` than the host has cores).
-4. llama.cpp (after the build): ``llama-perplexity -c N`` (every position's logits; flash attention on, all layers
-   on the GPU) over enough chunks of the text; tokens/s from its log's timestamps (:func:`perplexity_speed`:
-   its own ``--log-file``, else its output; the arrival times of its output lines if both lost the last lines);
-   peak memory is the most ``nvidia-smi`` saw in use during
-   the run less the idle figure.  ``llama-bench -p N -n 0 -fa 0,1`` (last position only) is shown as context
+4. llama.cpp (after the build): ``llama-perplexity -c N`` (flash attention on, all layers on the GPU) over
+   enough chunks of the text: it scores the second half of each chunk, so it asks for the logits of positions
+   N/2.. only (its last layer's attention output, FFN and head run on those rows; those logits are copied to
+   the host, where its threads compute the NLL, inside its timed passes); tokens/s (all N tokens of a chunk
+   counted) from its log's timestamps (:func:`perplexity_speed`: its own ``--log-file``, else its output; the
+   arrival times of its output lines if both lost the last lines); peak memory is the most ``nvidia-smi`` saw in
+   use during the run less the idle figure.  ``llama-bench -p N -n 0 -fa 0,1`` (last position only) is shown as context
    (``--skip-llama-bench``: not run, for a short device lease).
 
 Prints one JSON object per measurement, then a markdown table (also written to ``--markdown``).
@@ -147,9 +150,10 @@ def idle_mib() -> int:
 
 
 def score_quantkit(path: Path, lengths: list[int], repeats: int, dtype: torch.dtype, vocab: int,
-                   batch: int) -> list[dict]:
+                   batch: int, second_half: bool = False) -> list[dict]:
     """Sequences of n tokens, ``max(1, batch // n)`` per forward pass (as llama-perplexity's ``-b`` packs chunks
-    and ``quantkit score`` packs cases): tokens/s over the median call."""
+    and ``quantkit score`` packs cases): tokens/s (all n tokens of each sequence, as llama-perplexity counts)
+    over the median call; ``second_half``: logits of positions n/2.. only."""
     records = []
     model = load_model(path, device="cuda", dtype=dtype)
     try:
@@ -157,15 +161,17 @@ def score_quantkit(path: Path, lengths: list[int], repeats: int, dtype: torch.dt
             rng = np.random.default_rng(n)
             per_pass = max(1, batch // n)
             seqs = [rng.integers(3, vocab, size=n).tolist() for _ in range(per_pass)]
-            logits_batch(model, seqs)    # warm-up: Triton compiles, cuBLAS picks kernels
+            first = n // 2 if second_half else 0
+            logits_batch(model, seqs, first)    # warm-up: Triton compiles, cuBLAS picks kernels
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
             times = []
             for _ in range(repeats):
                 t0 = time.perf_counter()
-                logits_batch(model, seqs)
+                logits_batch(model, seqs, first)
                 times.append(time.perf_counter() - t0)
             records.append({"tokens": n, "sequences_per_pass": per_pass, "dtype": str(dtype).removeprefix("torch."),
+                            "logits_from": first,
                             "tokens_per_s": n * per_pass / statistics.median(times), "seconds": times,
                             "peak_device_bytes": torch.cuda.max_memory_allocated(),
                             "payload_device_bytes": model.store.device_bytes})
@@ -276,8 +282,10 @@ def run_llama_bench(binary: Path, path: Path, lengths: list[int], log: Path) -> 
 
 # -- report -----------------------------------------------------------------------------------------------------
 
-def markdown(results: dict, dtypes: list[str]) -> str:
-    lines = [f"Device: {torch.cuda.get_device_name()}, torch {torch.__version__}, commit {commit()}", ""]
+def markdown(results: dict, dtypes: list[str], second_half: bool = False) -> str:
+    lines = [f"Device: {torch.cuda.get_device_name()}, torch {torch.__version__}, commit {commit()}", "",
+             "quantkit logits: " + ("positions N/2.. of each sequence (llama-perplexity's outputs)" if second_half
+                                    else "every position's"), ""]
     for name, r in results.items():
         lines += [f"### {name}: {r['parameters'] / 1e9:.2f}B parameters, file {r['file_bytes'] / 2**30:.2f} GiB", "",
                   "| tokens x sequences per pass | " + " | ".join(f"quantkit {d} tok/s" for d in dtypes) +
@@ -322,6 +330,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--batch", type=int, default=2048,
                         help="tokens per forward pass for quantkit (llama-perplexity's -b default, which it uses)")
+    parser.add_argument("--second-half", action="store_true",
+                        help="quantkit returns the logits of positions N/2.. only, the ones llama-perplexity asks "
+                             "for (default: every position's)")
     parser.add_argument("--skip-llama", action="store_true")
     parser.add_argument("--skip-llama-bench", action="store_true")
     parser.add_argument("--overlap-build", action="store_true",
@@ -357,9 +368,9 @@ def main() -> None:
     for name, r in results.items():
         for d in dtypes:
             r["quantkit"] += score_quantkit(r["path"], r["lengths"], args.repeats, getattr(torch, d),
-                                            MODELS[name]["vocab_size"], args.batch)
+                                            MODELS[name]["vocab_size"], args.batch, args.second_half)
         if args.markdown:
-            args.markdown.write_text(markdown(results, dtypes))
+            args.markdown.write_text(markdown(results, dtypes, args.second_half))
     if build is not None and args.overlap_build:
         wait_for(build, args.logs)
     for name, r in results.items():
@@ -371,8 +382,8 @@ def main() -> None:
                 r["llama_bench"] = run_llama_bench(tools / "llama-bench", r["path"], lengths,
                                                    args.logs / "llama.log")
         if args.markdown:       # after each model: a run cut short keeps what it measured
-            args.markdown.write_text(markdown(results, dtypes))
-    print(markdown(results, dtypes))
+            args.markdown.write_text(markdown(results, dtypes, args.second_half))
+    print(markdown(results, dtypes, args.second_half))
 
 
 if __name__ == "__main__":

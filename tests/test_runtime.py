@@ -203,10 +203,14 @@ def test_sequences_in_one_pass_give_their_own_logits(ggufs, arch):
     ids = token_ids(arch, 60)
     sequences = [ids[:23], ids[5:65], ids[30:41]]
     together = logits_batch(model, sequences)
-    for seq, got in zip(sequences, together):
+    later = logits_batch(model, sequences, first=7)     # positions 7.. only: the head multiplies those rows
+    for seq, got, tail in zip(sequences, together, later):
         alone = logits(model, seq)
-        assert got.shape == alone.shape
+        assert got.shape == alone.shape and tail.shape == (len(seq) - 7, alone.shape[1])
         assert np.abs(got - alone).max() <= RELATIVE_TOLERANCE * np.abs(alone).max()
+        assert np.abs(tail - alone[7:]).max() <= RELATIVE_TOLERANCE * np.abs(alone).max()
+    with pytest.raises(FixtureError, match="shortest sequence has 11 tokens"):
+        logits_batch(model, sequences, first=11)
 
 
 def test_qwen3moe_config_is_rebuilt_from_gguf_hyperparameters(ggufs, tmp_path):

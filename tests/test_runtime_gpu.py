@@ -139,6 +139,68 @@ def test_fused_products_equal_dequantize_then_matmul(name, dtype):
     assert bool(((grouped.double() - ref).abs() <= bound).all()), name
 
 
+@pytest.mark.parametrize("tokens,top_k,n_experts", [(2048, 8, 64), (300, 4, 16), (5, 2, 3), (77, 8, 256)])
+def test_route_sorts_and_tiles_as_torch(tokens, top_k, n_experts):
+    """The routing kernel's order is torch's stable argsort of the pairs' experts, its counts their bincount, its
+    tile table expert_tiles' (spare tiles: expert -1); one expert takes a slot of every token."""
+    from quantkit.kernels.triton_matmul import expert_tiles, route
+
+    gen = torch.Generator(device="cuda").manual_seed(tokens)
+    idx = torch.argsort(torch.rand(tokens, n_experts, generator=gen, device="cuda"), 1)[:, :top_k]
+    idx[:, 0] = n_experts // 2
+    pairs = idx.reshape(-1).contiguous()
+    order, counts, tiles = route(pairs, n_experts)
+    assert torch.equal(order.long(), torch.argsort(pairs, stable=True))
+    assert torch.equal(counts, torch.bincount(pairs, minlength=n_experts))
+    ref = expert_tiles(counts, pairs.numel()).table
+    valid = ref[:, 0] >= 0
+    assert torch.equal(tiles.table[valid], ref[valid]) and bool((tiles.table[~valid, 0] == -1).all())
+
+
+@pytest.mark.parametrize("name", ["Q4_K", "NVFP4"])
+def test_routed_products_equal_gather_weight_and_unsort(name):
+    """Grouped products that read each routed row's token in place, and write each result times its routing
+    weight to its (token, slot) row, equal gathering the tokens, multiplying, weighting and un-sorting with torch,
+    bit for bit (same products; the weight multiplies after the NVFP4 scale, as the torch steps do)."""
+    from quantkit.kernels.triton_matmul import Routed, grouped_linear, route
+
+    qtype = GGMLType[name]
+    rng = np.random.default_rng(int(qtype))
+    n_experts, rows, cols, tokens, top_k = 6, 200, 512, 300, 4
+    payload = torch.from_numpy(np.stack([_encoded(name, rows, cols, rng) for _ in range(n_experts)])).cuda()
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    hidden = torch.randn(tokens, cols, generator=gen, device="cuda")
+    pairs = torch.argsort(torch.rand(tokens, n_experts, generator=gen, device="cuda"), 1)[:, :top_k].reshape(-1)
+    weights = torch.rand(tokens * top_k, generator=gen, device="cuda")
+    scale = torch.tensor([0.5, 3.0, 1.25, 1.0, 2.0, 0.75], device="cuda") if name == "NVFP4" else None
+    order, counts, tiles = route(pairs.contiguous(), n_experts)
+    sorted_order = order.long()
+    plain = grouped_linear(hidden[sorted_order // top_k], payload, qtype, rows, counts, scale=scale, tiles=tiles)
+    gathered = grouped_linear(hidden, payload, qtype, rows, counts, scale=scale, tiles=tiles,
+                              routed=Routed(gather=order, gather_div=top_k))
+    assert torch.equal(gathered, plain)
+    want = torch.empty_like(plain)
+    want[sorted_order] = plain * weights[sorted_order, None]
+    got = torch.empty_like(plain)
+    grouped_linear(hidden[sorted_order // top_k], payload, qtype, rows, counts, scale=scale, tiles=tiles, out=got,
+                   routed=Routed(scatter=order, weights=weights))
+    assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("shape", [(1, 300, 2048), (1, 300, 16, 128), (7, 96)])
+def test_rms_norm_kernel_equals_transformers_arithmetic(shape):
+    """The one-launch RMSNorm against transformers' float32 steps: within a few float32 ulps (the sum of squares
+    is added in another order)."""
+    from quantkit.kernels.triton_rmsnorm import rms_norm
+
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    x = 3 * torch.randn(*shape, generator=gen, device="cuda")
+    w = torch.randn(shape[-1], generator=gen, device="cuda")
+    want = w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6))
+    got = rms_norm(x, w, 1e-6)
+    assert float((got - want).abs().max()) <= 2.0 ** -20 * float(want.abs().max())
+
+
 def test_cuda_runtime_multiplies_packed_weights(ggufs, monkeypatch):
     """On CUDA every matrix of the mixed Qwen3-MoE file (Q4_K experts, Q8_0 and F32 matrices) is multiplied packed:
     after the first pass (which decodes each payload once, for the finiteness check) no weight is built."""

@@ -16,6 +16,14 @@ dequantize-then-matmul up to summation order (and TF32 splitting): tests/test_ru
 sub-block was measured 1.06-1.5x slower on the H200, across runs: a product per sub-block breaks the accumulator
 chain; bench/results/score-vs-llamacpp-2026-12-02c.md.)
 An NVFP4 tensor's global scale (one per tensor or per expert) multiplies the product instead of the weight.
+(One launch for the gate and up products with ``silu(gate) * up`` in its epilogue, two accumulators in 64 x 64
+tiles, was measured 9.7 ms slower per 7.6B 2048-token pass than two launches and torch's gate on the H200:
+bench/results/score-vs-llamacpp-2026-12-02e.md.)
+
+Routed experts (:func:`route`, :class:`Routed`): one routing kernel sorts the (token, expert) pairs by expert
+(a counting sort) and writes the counts and the tile table; the grouped products then read each sorted row's
+token from the unsorted activations and write each result, times its routing weight, to its (token, slot) row,
+so no gathered or un-sorted copy of the activations is made.
 """
 from __future__ import annotations
 
@@ -101,11 +109,11 @@ def _decode(FORMAT: tl.constexpr, base, sub, val, m, t0, t1):
 
 
 @triton.jit
-def _packed_matmul_kernel(x, w, out, tiles, scale, t0, t1, M, N, stride_x, stride_out, out_col, expert_bytes,
-                          row_bytes, scale_stride,
+def _packed_matmul_kernel(x, w, out, tiles, scale, t0, t1, gather, scatter, row_weights, M, N, stride_x,
+                          stride_out, out_col, expert_bytes, row_bytes, scale_stride, gather_div,
                           FORMAT: tl.constexpr, TYPE_SIZE: tl.constexpr, NSUB: tl.constexpr, SUB: tl.constexpr,
                           S_STEP: tl.constexpr, K_STEPS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                          GROUPED: tl.constexpr,
+                          GROUPED: tl.constexpr, GATHER: tl.constexpr, SCATTER: tl.constexpr,
                           SCALED: tl.constexpr, FP32: tl.constexpr, PRECISION: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -129,7 +137,11 @@ def _packed_matmul_kernel(x, w, out, tiles, scale, t0, t1, M, N, stride_x, strid
         val = tl.arange(0, SUB)[None, None, :]
         w_row = w + expert.to(tl.int64) * expert_bytes + cols.to(tl.int64)[:, None, None] * row_bytes
         w_ok = col_ok[:, None, None]
-        x_tile = x + rows.to(tl.int64)[:, None] * stride_x + tl.arange(0, BK)[None, :]
+        if GATHER:      # product row i reads row gather[i] // gather_div of x (the token of a routed pair)
+            src = tl.load(gather + rows, mask=row_ok, other=0) // gather_div
+        else:
+            src = rows
+        x_tile = x + src.to(tl.int64)[:, None] * stride_x + tl.arange(0, BK)[None, :]
         acc = tl.zeros((BM, BN), dtype=tl.float32)
         for step in range(K_STEPS):
             g = step * S_STEP + s
@@ -142,7 +154,12 @@ def _packed_matmul_kernel(x, w, out, tiles, scale, t0, t1, M, N, stride_x, strid
                 acc = tl.dot(xv, tl.trans(wv.to(xv.dtype)), acc)
         if SCALED:
             acc = acc * tl.load(scale + expert * scale_stride)
-        dst = out + rows.to(tl.int64)[:, None] * stride_out + out_col + cols[None, :]
+        if SCATTER:     # product row i, times row_weights[scatter[i]], is row scatter[i] of out
+            dst_row = tl.load(scatter + rows, mask=row_ok, other=0)
+            acc = acc * tl.load(row_weights + dst_row, mask=row_ok, other=0.0)[:, None]
+        else:
+            dst_row = rows
+        dst = out + dst_row.to(tl.int64)[:, None] * stride_out + out_col + cols[None, :]
         tl.store(dst, acc.to(out.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
 
@@ -182,6 +199,88 @@ def expert_tiles(counts: torch.Tensor, rows: int, block_m: int = GROUPED.block_m
     return ExpertTiles(table.to(torch.int32), block_m)
 
 
+@dataclass(frozen=True)
+class Routed:
+    """Routed (token, expert) pairs read and written where they are by a grouped product, with no gathered or
+    un-sorted copy: product row ``i`` (rows sorted by expert) reads row ``gather[i] // gather_div`` of ``x``
+    (the pair's token); its result times ``weights[scatter[i]]`` (float32) is row ``scatter[i]`` of ``out``."""
+
+    gather: torch.Tensor | None = None
+    gather_div: int = 1
+    scatter: torch.Tensor | None = None
+    weights: torch.Tensor | None = None
+
+
+@triton.jit
+def _route_count_kernel(pairs, chunk_counts, P, CH: tl.constexpr, EP: tl.constexpr):
+    c = tl.program_id(0)
+    i = c * CH + tl.arange(0, CH)
+    e = tl.load(pairs + i, mask=i < P, other=-1)
+    hot = (e[:, None] == tl.arange(0, EP)[None, :]).to(tl.int32)
+    tl.store(chunk_counts + c * EP + tl.arange(0, EP), tl.sum(hot, 0))
+
+
+@triton.jit
+def _route_place_kernel(pairs, chunk_counts, order, counts, table, P, E, CHUNKS, TILES, CH: tl.constexpr,
+                        EP: tl.constexpr, CP: tl.constexpr, BM: tl.constexpr, TB: tl.constexpr):
+    c = tl.program_id(0)
+    ch = tl.arange(0, CP)
+    ex = tl.arange(0, EP)
+    per_chunk = tl.load(chunk_counts + ch[:, None] * EP + ex[None, :], mask=ch[:, None] < CHUNKS, other=0)
+    totals = tl.sum(per_chunk, 0)
+    starts = tl.cumsum(totals, 0) - totals
+    # a counting sort, stable: a pair's place is its expert's first row, plus the expert's pairs in earlier
+    # chunks, plus those before it in this chunk
+    base = starts + tl.sum(tl.where(ch[:, None] < c, per_chunk, 0), 0)
+    i = c * CH + tl.arange(0, CH)
+    e = tl.load(pairs + i, mask=i < P, other=-1)
+    hot = (e[:, None] == ex[None, :]).to(tl.int32)
+    place = tl.sum(hot * (base[None, :] + tl.cumsum(hot, 0) - 1), 1)
+    tl.store(order + place, i, mask=i < P)
+    if c == 0:
+        tl.store(counts + ex, totals.to(tl.int64), mask=ex < E)
+    # program c also writes tiles c * TB .. c * TB + TB - 1 of the table
+    per_expert = (totals + BM - 1) // BM
+    tile_end = tl.cumsum(per_expert, 0)
+    tile_start = tile_end - per_expert
+    t = c * TB + tl.arange(0, TB)
+    inside = (t[:, None] >= tile_start[None, :]) & (t[:, None] < tile_end[None, :])
+    expert = tl.where(tl.sum(inside.to(tl.int32), 1) > 0, tl.sum(tl.where(inside, ex[None, :], 0), 1), -1)
+    first = tl.sum(tl.where(inside, starts[None, :] + (t[:, None] - tile_start[None, :]) * BM, 0), 1)
+    end = tl.sum(tl.where(inside, starts[None, :] + totals[None, :], 0), 1)
+    ok = t < TILES
+    tl.store(table + 3 * t, expert, mask=ok)
+    tl.store(table + 3 * t + 1, first, mask=ok)
+    tl.store(table + 3 * t + 2, end, mask=ok)
+
+
+def route(pairs: torch.Tensor, n_experts: int, block_m: int = GROUPED.block_m
+          ) -> tuple[torch.Tensor, torch.Tensor, ExpertTiles]:
+    """``(order, counts, tiles)`` of the routed experts ``pairs`` (int64, one per (token, slot) pair): ``order``
+    int32, the pairs' indices sorted by expert (stably: ``torch.argsort(pairs, stable=True)``), ``counts`` int64
+    pairs per expert, ``tiles`` :func:`expert_tiles` of them (spare tiles ``(-1, 0, 0)``).  Two launches and no
+    host wait, where sorting and tabulating with torch took about 25 kernels (a radix sort over 64-bit keys)."""
+    rows = pairs.numel()
+    ep = triton.next_power_of_2(max(n_experts, 2))
+    ch = max(16, min(256, 8192 // ep))          # a chunk's one-hot [ch, ep] stays in registers
+    chunks = triton.cdiv(rows, ch)
+    n_tiles = triton.cdiv(rows, block_m) + n_experts
+    chunk_counts = torch.empty(chunks, ep, dtype=torch.int32, device=pairs.device)
+    order = torch.empty(rows, dtype=torch.int32, device=pairs.device)
+    counts = torch.empty(n_experts, dtype=torch.int64, device=pairs.device)
+    table = torch.empty(n_tiles, 3, dtype=torch.int32, device=pairs.device)
+    if rows:
+        tb = max(16, min(128, 8192 // ep))
+        _route_count_kernel[(chunks,)](pairs, chunk_counts, rows, CH=ch, EP=ep)
+        _route_place_kernel[(max(chunks, triton.cdiv(n_tiles, tb)),)](
+            pairs, chunk_counts, order, counts, table, rows, n_experts, chunks, n_tiles, CH=ch, EP=ep,
+            CP=triton.next_power_of_2(chunks), BM=block_m, TB=tb)
+    else:
+        counts.zero_()
+        table.copy_(torch.tensor([-1, 0, 0], dtype=torch.int32, device=pairs.device).expand(n_tiles, 3))
+    return order, counts, ExpertTiles(table, block_m)
+
+
 def _fallbacks(config: Config, sub: int):
     """``config``, then ones needing less shared memory: fewer stages, then shorter K steps, then fewer columns."""
     yield config
@@ -198,8 +297,8 @@ def _fallbacks(config: Config, sub: int):
 
 
 def _launch(x: torch.Tensor, payload: torch.Tensor, qtype: GGMLType, n: int, out: torch.Tensor, out_col: int,
-            tiles: ExpertTiles | None, scale: torch.Tensor | None, precision: str,
-            config: Config | None) -> torch.Tensor:
+            tiles: ExpertTiles | None, scale: torch.Tensor | None, precision: str, config: Config | None,
+            routed: Routed | None = None) -> torch.Tensor:
     qtype = GGMLType(int(qtype))
     if qtype not in FUSED_TYPES:
         raise FormatError(f"no fused product for {qtype.name}")
@@ -220,7 +319,7 @@ def _launch(x: torch.Tensor, payload: torch.Tensor, qtype: GGMLType, n: int, out
         raise FormatError(f"{qtype.name} payload of {payload.numel()} bytes is not {experts} x {n} rows of "
                           f"{row_bytes} bytes")
     args = [table(name, x.device) for name in tables] + [payload] * (2 - len(tables))
-    m = x.shape[0]
+    m = x.shape[0] if routed is None or routed.gather is None else routed.gather.numel()
     if m == 0 or n == 0:
         return out
     fp32 = x.dtype == torch.float32
@@ -228,17 +327,22 @@ def _launch(x: torch.Tensor, payload: torch.Tensor, qtype: GGMLType, n: int, out
         config = GROUPED if tiles is not None else NARROW if n <= NARROW_N else DENSE
     if tiles is not None and tiles.block_m != config.block_m:
         raise FormatError(f"expert tiles of {tiles.block_m} rows for a launch of {config.block_m}-row programs")
-    key = (qtype.name, fp32, precision, x.device, config)
+    gather = routed.gather if routed is not None else None
+    scatter = routed.scatter if routed is not None else None
+    key = (qtype.name, fp32, precision, x.device, config, gather is not None, scatter is not None)
     for fit in ((_fitting[key],) if key in _fitting else _fallbacks(config, sub)):
         step = _step_values(k, sub, fit.block_k)
         grid = (triton.cdiv(m, fit.block_m) if tiles is None else tiles.table.shape[0], triton.cdiv(n, fit.block_n))
         try:
             _packed_matmul_kernel[grid](
                 x, payload, out, tiles.table if tiles is not None else payload, scale if scale is not None else
-                payload, *args, m, n, x.stride(0), out.stride(0), out_col, n * row_bytes, row_bytes,
-                0 if scale is None or scale.numel() == 1 else 1,
+                payload, *args, payload if gather is None else gather, payload if scatter is None else scatter,
+                payload if scatter is None else routed.weights, m, n, x.stride(0), out.stride(0), out_col,
+                n * row_bytes, row_bytes, 0 if scale is None or scale.numel() == 1 else 1,
+                1 if gather is None else routed.gather_div,
                 FORMAT=qtype.name, TYPE_SIZE=type_size, NSUB=nsub, SUB=sub, S_STEP=step // sub, K_STEPS=k // step,
-                BM=fit.block_m, BN=fit.block_n, GROUPED=tiles is not None, SCALED=scale is not None, FP32=fp32,
+                BM=fit.block_m, BN=fit.block_n, GROUPED=tiles is not None, GATHER=gather is not None,
+                SCATTER=scatter is not None, SCALED=scale is not None, FP32=fp32,
                 PRECISION=precision, num_warps=fit.warps, num_stages=fit.stages)
         except triton.runtime.errors.OutOfResources:
             continue
@@ -263,12 +367,19 @@ def linear(x: torch.Tensor, payload: torch.Tensor, qtype: "GGMLType | int", n: i
 
 def grouped_linear(x: torch.Tensor, payload: torch.Tensor, qtype: "GGMLType | int", n: int, counts: torch.Tensor,
                    *, out: torch.Tensor | None = None, out_col: int = 0, scale: torch.Tensor | None = None,
-                   tiles: ExpertTiles | None = None, config: Config | None = None) -> torch.Tensor:
+                   tiles: ExpertTiles | None = None, config: Config | None = None,
+                   routed: Routed | None = None) -> torch.Tensor:
     """``x[i] @ W[e_i].T`` for rows sorted by expert (``counts[e]`` rows of expert ``e``; ``W [experts, n, k]`` as
     its packed payload), every expert in one launch; ``scale``: NVFP4 global scales (one, or one per expert);
     ``tiles``: :func:`expert_tiles` of ``counts`` (computed here if not given, of ``config``'s rows per tile);
-    ``config``: the launch (by default :data:`GROUPED`)."""
+    ``config``: the launch (by default :data:`GROUPED`); ``routed``: rows read from, or written to, where they
+    are (:class:`Routed`; ``out`` must be given for a scatter)."""
+    rows = x.shape[0] if routed is None or routed.gather is None else routed.gather.numel()
+    if routed is not None and routed.scatter is not None and (out is None or routed.weights is None
+                                                              or routed.weights.dtype != torch.float32):
+        raise FormatError("a scattered product needs its output and float32 row weights")
     if tiles is None:
-        tiles = expert_tiles(counts, x.shape[0], (config or GROUPED).block_m)
-    return _launch(x, payload.reshape(-1), qtype, n, _output(x, n, out), out_col, tiles, scale, FLOAT32_PRECISION,
-                   config)
+        tiles = expert_tiles(counts, rows, (config or GROUPED).block_m)
+    if out is None:
+        out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
+    return _launch(x, payload.reshape(-1), qtype, n, out, out_col, tiles, scale, FLOAT32_PRECISION, config, routed)

@@ -11,7 +11,9 @@ interface as :data:`GROUPED`) instead:
    Q2_K, IQ2_XXS, MXFP4, NVFP4, BF16, F32) and holds whole rows of them, multiplies the sorted rows by the
    packed weights in one launch per GGUF tensor over all active experts
    (:func:`quantkit.kernels.triton_matmul.grouped_linear`): the weights are decoded in registers by the
-   bit-exact Triton decoders, nothing decoded reaches global memory;
+   bit-exact Triton decoders, nothing decoded reaches global memory; the sort, counts and tile table come from
+   one routing kernel, and the products read each token and write each weighted result where they are
+   (:func:`_fused_forward`: no gathered or un-sorted copies);
 3. otherwise decodes each stacked expert tensor of the layer whole (one Triton launch per GGUF tensor, float32)
    into a transient tensor of the compute dtype (:meth:`.packed.PackedTensor.materialize`) and multiplies every
    expert's tokens in one grouped product: ``torch.nn.functional.grouped_mm`` (``torch._grouped_mm`` in older
@@ -69,15 +71,22 @@ def _fusable(weight) -> bool:
     return fused is not None and fused() is not None
 
 
-def _product(x: torch.Tensor, weight, experts: torch.Tensor, counts: torch.Tensor, transposed: bool,
-             tiles) -> torch.Tensor:
-    """One projection of every routed row: fused (packed weights multiplied as they are) where it applies, else
-    the decoded weights' grouped product."""
-    if not transposed and tiles is not None:
-        out = weight.fused_linear(x, counts, tiles)
-        if out is not None:
-            return out
-    return grouped_linear(x, _unpacked(weight), experts, counts, transposed)
+def _fused_forward(module, up, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                   top_k_weights: torch.Tensor) -> torch.Tensor:
+    """Path 2 of the module doc: the pairs sorted and tiled by one routing kernel
+    (:func:`~quantkit.kernels.triton_matmul.route`); the gate/up product reads each sorted row's token where it
+    is, the down product writes each row, times its routing weight, to its (token, slot) place; one sum over the
+    slots.  The same products, weights and sum as gathering, multiplying and un-sorting with torch (path 3's
+    steps), without their copies."""
+    from ..kernels.triton_matmul import Routed, route
+
+    tokens, top_k = top_k_index.shape
+    order, counts, tiles = route(top_k_index.reshape(-1).contiguous(), module.num_experts)
+    h = up.fused_linear(hidden_states, counts, tiles, Routed(gather=order, gather_div=top_k))
+    h = module._apply_gate(h) if module.has_gate else module.act_fn(h)
+    weights = top_k_weights.reshape(-1).to(torch.float32).contiguous()
+    out = module.down_proj.fused_linear(h, counts, tiles, Routed(scatter=order, weights=weights))
+    return out.view(tokens, top_k, -1).sum(dim=1).to(hidden_states.dtype)
 
 
 def _unpacked(weight: torch.Tensor) -> torch.Tensor:
@@ -102,10 +111,13 @@ def grouped_experts_forward(self, hidden_states: torch.Tensor, top_k_index: torc
     """A transformers experts module's forward as grouped products (see the module doc)."""
     # the attributes are set by transformers' experts decorator, the only caller
     up = self.gate_up_proj if self.has_gate else self.up_proj
-    fused = not self.is_transposed and _fusable(up) and _fusable(self.down_proj)
+    fused = (not self.is_transposed and _fusable(up) and _fusable(self.down_proj)
+             and hidden_states.dtype == up.dtype == self.down_proj.dtype)
     if (self.has_bias or self.has_post_expert_norm or not self.is_concatenated or self._is_expert_parallel
             or (not fused and (top_k_index.numel() < self.num_experts or _decoded_bytes(self) > MAX_DECODED_BYTES))):
         return _eager(self)(self, hidden_states, top_k_index, top_k_weights)
+    if fused:
+        return _fused_forward(self, up, hidden_states, top_k_index, top_k_weights)
     tokens, top_k = top_k_index.shape
     pairs = top_k_index.reshape(-1)
     order = torch.argsort(pairs, stable=True)
@@ -115,13 +127,9 @@ def grouped_experts_forward(self, hidden_states: torch.Tensor, top_k_index: torc
         0, pairs, torch.ones_like(pairs, dtype=torch.int64))
     x = hidden_states[order // top_k]
     transposed = self.is_transposed
-    tiles = None
-    if fused:
-        from ..kernels.triton_matmul import expert_tiles
-        tiles = expert_tiles(counts, x.shape[0])
-    h = _product(x, up, experts, counts, transposed, tiles)
+    h = grouped_linear(x, _unpacked(up), experts, counts, transposed)
     h = self._apply_gate(h) if self.has_gate else self.act_fn(h)
-    out = _product(h, self.down_proj, experts, counts, transposed, tiles)
+    out = grouped_linear(h, _unpacked(self.down_proj), experts, counts, transposed)
     out = out * top_k_weights.reshape(-1)[order, None].to(out.dtype)
     unsorted = torch.empty_like(out)
     unsorted[order] = out

@@ -293,8 +293,34 @@ def _load(weights, device: torch.device, dtype: torch.dtype, stream: bool, keep_
             if buffer is not None and not isinstance(buffer, PackedTensor) and buffer.device != device:
                 module._buffers[attr] = buffer.to(device)
     store.check()
+    if device.type == "cuda" and dtype == torch.float32:
+        _fuse_rms_norms(model)
     return RuntimeModel(model, store, weights.config, device, dtype, _vocab_size(model), packed,
                         graphs=device.type == "cuda" and not stream and dtype in FUSED_DTYPES)
+
+
+def _fuse_rms_norms(model) -> None:
+    """Run the plain RMSNorms (:data:`.ggml_arithmetic.PLAIN_RMS_NORMS`) of a float32 CUDA model as one Triton
+    launch each (:func:`quantkit.kernels.triton_rmsnorm.rms_norm`) where the activations are contiguous float32;
+    transformers' six kernels otherwise."""
+    from ..kernels.triton_rmsnorm import rms_norm
+    from .ggml_arithmetic import PLAIN_RMS_NORMS
+
+    def fused(module):
+        original = module.forward
+
+        def forward(hidden_states):
+            w = module.weight
+            if (hidden_states.is_cuda and hidden_states.dtype == torch.float32 and hidden_states.is_contiguous()
+                    and type(w) is torch.nn.Parameter and w.dtype == torch.float32 and w.is_contiguous()
+                    and tuple(w.shape) == tuple(hidden_states.shape[-1:])):
+                return rms_norm(hidden_states, w, module.variance_epsilon)
+            return original(hidden_states)
+        return forward
+
+    for m in model.modules():
+        if type(m).__name__ in PLAIN_RMS_NORMS:
+            m.forward = fused(m)
 
 
 def _mtp_tensors(weights, amap: ArchMap) -> set[str]:
@@ -356,29 +382,34 @@ def logits(model: RuntimeModel, token_ids: Sequence[int]) -> np.ndarray:
     return logits_batch(model, [token_ids])[0]
 
 
-def logits_batch(model: RuntimeModel, sequences: Sequence[Sequence[int]]) -> list[np.ndarray]:
-    """float32 logits ``[len(s), vocab]`` of each sequence, all in one forward pass (no cache).
+def logits_batch(model: RuntimeModel, sequences: Sequence[Sequence[int]], first: int = 0) -> list[np.ndarray]:
+    """float32 logits ``[len(s) - first, vocab]`` of each sequence (positions ``first``.. only: the output head
+    multiplies those rows only, as llama-perplexity asks for the second half of each chunk), all in one forward
+    pass (no cache).
 
     The sequences are right-padded to the longest: in a causal model no position sees a later one, so the padding
     changes no real position's inputs, only the shapes of the products (hence the float32 rounding, within the
     runtime's tolerance)."""
     ids = [check_token_ids(model, s) for s in sequences]
     lengths = [len(i) for i in ids]
+    if not 0 <= first < min(lengths):
+        raise FixtureError(f"logits from position {first}: the shortest sequence has {min(lengths)} tokens")
     padded = np.zeros((len(ids), max(lengths)), np.int64)    # id 0 pads: any valid id does
     for row, (values, n) in enumerate(zip(ids, lengths)):
         padded[row, :n] = values
     input_ids = torch.as_tensor(padded, device=model.device)
-    out = _forward(model, input_ids)
+    out = _forward(model, input_ids, max(lengths) - first if first else 0)     # positions first.. of the rows
     model.store.check()
+    lengths = [n - first for n in lengths]
     # one reduction per sequence where the logits are, and one wait for all of them (not a host pass over them)
     finite = torch.stack([finite_flag(out[row, :n]) for row, n in enumerate(lengths)]).tolist()
     results = []
     for row, n in enumerate(lengths):
         result = _host_float32(out[row, :n])
         if not finite[row]:
-            position = int(np.argwhere(~np.isfinite(result))[0][0])
+            position = first + int(np.argwhere(~np.isfinite(result))[0][0])
             raise ValidationError(f"non-finite logits at position {position}; first non-finite output: module "
-                                  f"{_first_non_finite(model.module, input_ids[row:row + 1, :n])!r}",
+                                  f"{_first_non_finite(model.module, input_ids[row:row + 1, :first + n])!r}",
                                   path=model.path)
         results.append(result)
     return results
@@ -394,7 +425,8 @@ class _Graph:
     """A forward pass captured as a CUDA graph: its input ids and logits stay allocated; a replay reruns every
     kernel launch of the pass with no Python in between."""
 
-    shape: tuple[int, ...]
+    shape: tuple
+    """The input ids' shape and the logits' positions kept (``logits_to_keep``, 0 for all)."""
     graph: Any
     input_ids: torch.Tensor
     logits: torch.Tensor
@@ -402,15 +434,17 @@ class _Graph:
     """The finiteness checks the pass queues (rows decoded per pass: the token embedding's), flags in place."""
 
 
-def _eager(model: RuntimeModel, input_ids: torch.Tensor) -> torch.Tensor:
+def _eager(model: RuntimeModel, input_ids: torch.Tensor, keep: int = 0) -> torch.Tensor:
     # no_grad, not inference_mode: packed weights answer view operations (weight[expert]) with fresh tensors,
     # which inference mode refuses to register as views
     with torch.no_grad(), model.forward_mode(), one_sequence_per_row():
+        if keep:
+            return model.module(input_ids=input_ids, use_cache=False, logits_to_keep=keep).logits
         return model.module(input_ids=input_ids, use_cache=False).logits
 
 
-def _forward(model: RuntimeModel, input_ids: torch.Tensor) -> torch.Tensor:
-    """The logits of one forward pass.  With :attr:`RuntimeModel.graphs`, a shape of at most
+def _forward(model: RuntimeModel, input_ids: torch.Tensor, keep: int = 0) -> torch.Tensor:
+    """The logits of one forward pass (of the last ``keep`` positions only, if not 0).  With :attr:`RuntimeModel.graphs`, a shape of at most
     :data:`GRAPH_MAX_TOKENS` whose eager pass decoded nothing for the first time (every payload's finiteness is
     then proven; the pass has no host wait) is captured if the next pass has the same shape, then replayed while
     it repeats (chunked scoring, cases sorted by length: the 512-token 7.6B MoE pass is ~2,250 launches,
@@ -418,14 +452,14 @@ def _forward(model: RuntimeModel, input_ids: torch.Tensor) -> torch.Tensor:
     The checks a pass queues each time (the embedding rows it decodes) are queued again after every replay.  One
     graph is kept per model."""
     if not model.graphs or input_ids.numel() > GRAPH_MAX_TOKENS:
-        return _eager(model, input_ids)
-    shape = tuple(input_ids.shape)
+        return _eager(model, input_ids, keep)
+    shape = (tuple(input_ids.shape), keep)
     store = model.store
     graph = model._graph
     if graph is None or graph.shape != shape:
         if shape != model._repeat_candidate:
             before = store.first_checks
-            out = _eager(model, input_ids)
+            out = _eager(model, input_ids, keep)
             model._repeat_candidate = shape if store.first_checks == before else None
             return out
         model._graph = None         # the previous graph's memory returns to the allocator first
@@ -434,12 +468,12 @@ def _forward(model: RuntimeModel, input_ids: torch.Tensor) -> torch.Tensor:
         start = store.queued()
         try:
             with torch.cuda.graph(captured):
-                logits = _eager(model, static_ids)
+                logits = _eager(model, static_ids, keep)
         except RuntimeError as exc:     # a model whose pass waits for the device (or copies from the host)
             store.take_checks(start)
             warnings.warn(f"CUDA graph capture failed, forward passes stay eager: {exc}", stacklevel=3)
             model.graphs = False
-            return _eager(model, input_ids)
+            return _eager(model, input_ids, keep)
         graph = model._graph = _Graph(shape, captured, static_ids, logits, store.take_checks(start))
     model._repeat_candidate = shape
     graph.input_ids.copy_(input_ids)

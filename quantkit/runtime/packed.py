@@ -401,27 +401,29 @@ class PackedTensor(torch.Tensor):
         return self.__dict__["_fused"]
 
     def fused_linear(self, x: torch.Tensor, counts: torch.Tensor | None = None,
-                     tiles=None) -> torch.Tensor | None:
+                     tiles=None, routed=None) -> torch.Tensor | None:
         """``x @ W.T`` multiplied packed (no decoded weight), or None where the fused products do not apply.
         ``x``: ``[rows, in]`` in this weight's dtype.  A sliced (experts) weight multiplies rows sorted by expert,
         ``counts[e]`` rows of expert ``e`` (``tiles``: their :func:`~quantkit.kernels.triton_matmul.expert_tiles`,
-        when already computed)."""
+        when already computed; ``routed``: a :class:`~quantkit.kernels.triton_matmul.Routed`, the rows read from
+        or written to where they are)."""
         parts = self.fused()
         if parts is None or x.dtype != self.dtype or (counts is None) == self.plan.sliced:
             return None
         store = self.assembler.store
         matmul = store._matmul
         x = x.contiguous()
-        out = torch.empty(x.shape[0], self.plan.shape[-2], dtype=x.dtype, device=x.device)
+        rows = x.shape[0] if routed is None or routed.gather is None else routed.gather.numel()
+        out = torch.empty(rows, self.plan.shape[-2], dtype=x.dtype, device=x.device)
         if counts is not None and tiles is None:
-            tiles = matmul.expert_tiles(counts, x.shape[0])
+            tiles = matmul.expert_tiles(counts, rows)
         for part in parts:
             store.expect_finite_payload(part.gguf_name)
             if counts is None:
                 matmul.linear(x, part.payload, part.qtype, part.rows, out=out, out_col=part.first, scale=part.scale)
             else:
                 matmul.grouped_linear(x, part.payload, part.qtype, part.rows, counts, out=out, out_col=part.first,
-                                      scale=part.scale, tiles=tiles)
+                                      scale=part.scale, tiles=tiles, routed=routed)
         return out
 
     @property
