@@ -13,8 +13,8 @@ for every weight of the blocks, then measures, for each process count N of ``--j
     (``SourceContext.array``: the BF16 bits widened by numpy), each tensor's maps released after it as convert
     does; N processes started and warm beforehand take the tensors largest first (the best balance; convert's
     GPU workers take them in file order); the figure is the wall time from handing out the first tensor to the
-    last one read (page cache warm: the checkpoint was just written and synced).  ``raw read`` (first N only) is the same with the stored bits
-    copied, not widened.
+    last one read (page cache warm: the checkpoint was just written and synced).  ``raw read`` (first N only) is
+    the same with the stored bits copied, not widened.
 (b) encode: every tensor with a GPU type encoded on the GPU from float32 already resident there (each expert
     with its imatrix slice, in the encoders' pass sizes), timed between two synchronizations, tensor by tensor,
     summed; uploads excluded; after one warm-up encode of each type (its compile or load reported apart).

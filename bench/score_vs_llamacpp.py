@@ -2,7 +2,8 @@
 
     python bench/score_vs_llamacpp.py --llama-src LLAMA_CPP_TREE [--build /tmp/llama-build] [--jobs 14]
         [--models 1b,7b] [--tokens 512,2048] [--batch 2048] [--long 16384] [--dtypes float32,bfloat16]
-        [--repeats 3] [--second-half] [--skip-llama] [--overlap-build] [--skip-llama-bench] [--markdown FILE] [--logs DIR]
+        [--repeats 3] [--second-half] [--skip-llama] [--overlap-build] [--skip-llama-bench] [--markdown FILE]
+        [--logs DIR]
 
 1. Starts building llama.cpp's ``llama-perplexity`` and ``llama-bench`` with CUDA for sm_90 from the vendored
    source tree (``python -m quantkit.testing.llama_src`` prints where it is) in the background (about 5 minutes

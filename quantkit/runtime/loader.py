@@ -444,13 +444,13 @@ def _eager(model: RuntimeModel, input_ids: torch.Tensor, keep: int = 0) -> torch
 
 
 def _forward(model: RuntimeModel, input_ids: torch.Tensor, keep: int = 0) -> torch.Tensor:
-    """The logits of one forward pass (of the last ``keep`` positions only, if not 0).  With :attr:`RuntimeModel.graphs`, a shape of at most
-    :data:`GRAPH_MAX_TOKENS` whose eager pass decoded nothing for the first time (every payload's finiteness is
-    then proven; the pass has no host wait) is captured if the next pass has the same shape, then replayed while
-    it repeats (chunked scoring, cases sorted by length: the 512-token 7.6B MoE pass is ~2,250 launches,
-    host-bound when each goes through Python).  Shapes that alternate stay eager: a capture costs about a pass.
-    The checks a pass queues each time (the embedding rows it decodes) are queued again after every replay.  One
-    graph is kept per model."""
+    """The logits of one forward pass (of the last ``keep`` positions only, if not 0).  With
+    :attr:`RuntimeModel.graphs`, a shape of at most :data:`GRAPH_MAX_TOKENS` whose eager pass decoded nothing for
+    the first time (every payload's finiteness is then proven; the pass has no host wait) is captured if the next
+    pass has the same shape, then replayed while it repeats (chunked scoring, cases sorted by length: the
+    512-token 7.6B MoE pass is ~2,250 launches, host-bound when each goes through Python).  Shapes that alternate
+    stay eager: a capture costs about a pass.  The checks a pass queues each time (the embedding rows it decodes)
+    are queued again after every replay.  One graph is kept per model."""
     if not model.graphs or input_ids.numel() > GRAPH_MAX_TOKENS:
         return _eager(model, input_ids, keep)
     shape = (tuple(input_ids.shape), keep)
