@@ -285,3 +285,19 @@ def test_fused_encoders_cpu_build_match_ggml(ggml, qtype, monkeypatch):
                     report = _check(ggml, qtype, x, im, "cpu", f"{qtype.name} fused cpu {fam} {variant} n={n}")
                     reports += [report] if report else []
     assert not reports, "\n".join(reports[:3])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("qtype", sorted(WITH_IMATRIX, key=lambda t: t.name), **by_name)
+def test_rows_with_their_own_importance_match_ggml_per_piece(ggml, qtype, device):
+    """One pass over several pieces, each row with its piece's importance (``imatrix[rows, n]``, as
+    ``convert --device cuda`` encodes a tensor's experts): ggml's bytes for each piece encoded alone with its own."""
+    n = 256 if device == "cpu" else 1536
+    pieces = [corpus.family(fam, 2, n, seed) for seed, fam in enumerate(corpus.FAMILIES[:4])]
+    importances = [corpus.imatrix("random", n, seed) for seed in range(len(pieces))]
+    importances[1] = corpus.imatrix("with_zeros", n, 1)
+    dev = torch.device(device)
+    rows_im = torch.from_numpy(np.concatenate([np.broadcast_to(im, p.shape) for p, im in zip(pieces, importances)]))
+    got = gpu_encode.encode_tensor(torch.from_numpy(np.concatenate(pieces)).to(dev), qtype, rows_im.to(dev))
+    want = np.concatenate([ggml.quantize(p, qtype, im) for p, im in zip(pieces, importances)])
+    assert np.array_equal(got.cpu().numpy().reshape(want.shape), want)
