@@ -228,13 +228,14 @@ class ManySource(FakeSource):
 
     def __init__(self, *args, fail=False, **kwargs):
         super().__init__(*args, **kwargs)
-        self.calls, self.fail = [], fail
+        self.calls, self.firsts, self.fail = [], [], fail
 
-    def logits_many(self, sequences):
+    def logits_many(self, sequences, first=0):
         self.calls.append([len(s) for s in sequences])
+        self.firsts.append(first)
         if self.fail:
             raise ValidationError("non-finite logits at position 3; first non-finite output: module 'lm_head'")
-        return [self.logits(s) for s in sequences]
+        return [self.logits(s)[first:] for s in sequences]
 
 
 def test_case_batches_run_shortest_first_within_the_token_budget():
@@ -253,6 +254,11 @@ def test_cases_scored_in_groups_equal_cases_scored_alone(tmp_path, codec):
     grouped = score_fixture(many, codec, fx, ctx=64)
     assert grouped.scores == alone.scores
     assert max(len(call) for call in many.calls) > 1
+    # each group asks for the logits from its first scored position on (the last prompt token's), not all
+    cases = prepare_cases(fx, codec, ctx=64)
+    groups = case_batches(cases, 2048)
+    assert many.firsts[-len(groups):] == [min(len(cases[i].prompt_ids) for i in g) - 1 for g in groups]
+    assert max(many.firsts) > 0
     # a group that fails reruns its cases one at a time, so the error names the case
     with pytest.raises(ValidationError, match=r"^case case_\d+: non-finite logits at position 3"):
         score_fixture(RaisingMany(512, fail=True), codec, fx, ctx=64)

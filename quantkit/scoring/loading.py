@@ -61,14 +61,15 @@ class RuntimeSource:
 
         return logits(self.model, np.asarray(token_ids, np.int64))
 
-    def logits_many(self, sequences: Sequence[Sequence[int]]) -> list[np.ndarray]:
-        """Several sequences in one forward pass (:func:`quantkit.runtime.logits_batch`); one at a time with the
-        ggml-cpu arithmetic, which follows llama.cpp's graph of one sequence."""
+    def logits_many(self, sequences: Sequence[Sequence[int]], first: int = 0) -> list[np.ndarray]:
+        """Several sequences in one forward pass (:func:`quantkit.runtime.logits_batch`), the logits of positions
+        ``first``.. of each (the output head multiplies only those); one at a time with the ggml-cpu arithmetic,
+        which follows llama.cpp's graph of one sequence."""
         from ..runtime import logits_batch
 
         if self.arithmetic == "ggml-cpu":
-            return [self.logits(s) for s in sequences]
-        return logits_batch(self.model, [np.asarray(s, np.int64) for s in sequences])
+            return [self.logits(s)[first:] for s in sequences]
+        return logits_batch(self.model, [np.asarray(s, np.int64) for s in sequences], first=first)
 
     def generate(self, prompt_ids: Sequence[int], max_new_tokens: int, stop: Callable[[int], bool],
                  choose: Callable[[np.ndarray], int] | None = None) -> list[int]:

@@ -150,37 +150,42 @@ def case_batches(cases: Sequence[PreparedCase], batch_tokens: int) -> list[list[
     return groups
 
 
-def sequence_logits(source: LogitSource, sequences: Sequence[Sequence[int]], names: Sequence[str]
-                    ) -> list[np.ndarray]:
-    """Each sequence's logits, all in one forward pass where the source runs several (``logits_many``); errors
-    name the sequence (``names``, e.g. ``case X``)."""
+def sequence_logits(source: LogitSource, sequences: Sequence[Sequence[int]], names: Sequence[str],
+                    first: int = 0) -> list[np.ndarray]:
+    """Each sequence's logits of positions ``first``.., all in one forward pass where the source runs several
+    (``logits_many``: its output head then multiplies those positions only; a 32K-token prompt's logits would
+    be 32K x vocabulary floats); errors name the sequence (``names``, e.g. ``case X``)."""
     sequences = [[int(i) for i in ids] for ids in sequences]
     many = getattr(source, "logits_many", None)
-    if many is not None and len(sequences) > 1:
+    if many is not None:
         try:
-            return [check_logits(rows, len(ids), name) for rows, ids, name in zip(many(sequences), sequences, names)]
+            return [check_logits(rows, len(ids) - first, name)
+                    for rows, ids, name in zip(many(sequences, first=first), sequences, names)]
         except ValidationError:     # one at a time, to name the sequence that fails
             pass
-    return [_checked_logits(source, ids, name) for ids, name in zip(sequences, names)]
+    return [_checked_logits(source, ids, name)[first:] for ids, name in zip(sequences, names)]
 
 
-def score_logits(case: PreparedCase, logits: np.ndarray, width: int) -> CaseScore:
-    """Score one prepared case from its logits (module doc, step 3)."""
+def score_logits(case: PreparedCase, logits: np.ndarray, width: int, first: int = 0) -> CaseScore:
+    """Score one prepared case from its logits of positions ``first``.. (module doc, step 3)."""
     if logits.shape[1] != width:
         raise ValidationError(f"case {case.id}: the model returned {logits.shape[1]} logits per token, "
                               f"{width} before")
     p, t = len(case.prompt_ids), len(case.target_ids)
     try:
-        return score_case(case.id, p, case.target_ids, logits[p - 1:p + t - 1], case.reference)
+        return score_case(case.id, p, case.target_ids, logits[p - 1 - first:p + t - 1 - first], case.reference)
     except NonFiniteLogits as exc:
         raise ValidationError(f"case {case.id}: the model's logits at target position {exc.row} hold NaN "
                               f"or +inf ({exc.detail})") from None
 
 
 def score_group(source: LogitSource, cases: Sequence[PreparedCase], width: int) -> list[CaseScore]:
-    """Run ``cases`` (one group of :func:`case_batches`) and score each."""
-    logits = sequence_logits(source, [c.prompt_ids + c.target_ids for c in cases], [f"case {c.id}" for c in cases])
-    return [score_logits(c, rows, width) for c, rows in zip(cases, logits)]
+    """Run ``cases`` (one group of :func:`case_batches`) and score each: the logits from the group's first scored
+    position on (a case's prompt positions but its last are not scored)."""
+    first = min(len(c.prompt_ids) for c in cases) - 1
+    logits = sequence_logits(source, [c.prompt_ids + c.target_ids for c in cases], [f"case {c.id}" for c in cases],
+                             first)
+    return [score_logits(c, rows, width, first) for c, rows in zip(cases, logits)]
 
 
 def run_cases(source: LogitSource, cases: Sequence[PreparedCase],
@@ -212,9 +217,9 @@ def _chunk_rows(source: LogitSource, tokens: np.ndarray, n_ctx: int, n_chunk: in
     for start in range(0, n_chunk, per_pass):
         chunks = range(start, min(start + per_pass, n_chunk))
         inputs = [chunk_inputs(tokens, n_ctx, chunk, bos_id) for chunk in chunks]
-        logits = sequence_logits(source, [ids for ids, _ in inputs], [f"chunk {chunk}" for chunk in chunks])
+        logits = sequence_logits(source, [ids for ids, _ in inputs], [f"chunk {chunk}" for chunk in chunks], first)
         for chunk, chunk_logits, (_, targets) in zip(chunks, logits, inputs):
-            rows = chunk_logits[first:n_ctx - 1]
+            rows = chunk_logits[:n_ctx - 1 - first]
             try:
                 log_normalizers(rows)
             except NonFiniteLogits as exc:
