@@ -1,12 +1,13 @@
 """CPU scoring throughput: quantkit's runtime against llama-perplexity on the same GGUFs, threads and text.
 
     python bench/score_cpu_vs_llamacpp.py --llama-perplexity PATH [--threads 2] [--ctx 512] [--batch 2048]
-        [--chunks 8] [--repeats 3] [--arithmetic float32] [--markdown OUT.md]
+        [--chunks 8] [--repeats 3] [--arithmetic float32] [--second-half] [--markdown OUT.md]
 
 The bundled example (``quantkit/examples/tiny-moe``, a qwen3_moe) is converted by quantkit with the example
 recipes ``tiny-moe-q4_k`` and ``tiny-moe-iq2xxs-w2q2k`` (bundled imatrix).  Both tools then score the same text
-(the example's calibration text, repeated) in ``--chunks`` chunks of ``--ctx`` tokens, logits at every position,
-``--batch / --ctx`` chunks per forward pass (llama-perplexity's ``-b``; quantkit's ``logits_batch``).  Each
+(the example's calibration text, repeated) in ``--chunks`` chunks of ``--ctx`` tokens, quantkit's logits at every
+position (``--second-half``: of positions ctx/2.. only, what llama-perplexity computes and what ``quantkit score``'s
+KLD chunks ask for), ``--batch / --ctx`` chunks per forward pass (llama-perplexity's ``-b``; quantkit's ``logits_batch``).  Each
 measurement is a child process, quantkit and llama-perplexity interleaved over ``--repeats`` rounds:
 
 - llama-perplexity: tokens/s of the chunk loop, from the walls of two runs (one pass of chunks, and one pass +
@@ -44,13 +45,13 @@ from tokenizers import Tokenizer
 from quantkit.resources import keep_budget
 from quantkit.runtime import load_model, logits_batch
 gguf, text, ctx, chunks, threads, arithmetic = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]), sys.argv[6]
-per_pass = int(sys.argv[8])
+per_pass, first = int(sys.argv[8]), int(sys.argv[9])
 torch.set_num_threads(threads)
 ids = Tokenizer.from_file(sys.argv[7]).encode(open(text).read()).ids
 model = load_model(gguf, arithmetic=arithmetic, keep_bytes=keep_budget())   # as quantkit score loads it on the CPU
 def score(first):
     seqs = [ids[c * ctx:(c + 1) * ctx] for c in range(first, first + per_pass)]
-    return [torch.log_softmax(torch.from_numpy(out), -1) for out in logits_batch(model, seqs)]
+    return [torch.log_softmax(torch.from_numpy(out), -1) for out in logits_batch(model, seqs, first=first)]
 score(0)
 t0 = time.perf_counter()
 for first in range(0, chunks, per_pass):
@@ -84,7 +85,7 @@ def run_quantkit(gguf: Path, text: Path, args) -> tuple[float, float]:
     t0 = time.perf_counter()
     done = subprocess.run([sys.executable, "-c", CHILD, str(gguf), str(text), str(args.ctx), str(args.chunks),
                            str(args.threads), args.arithmetic, str(EXAMPLES / "tiny-moe" / "tokenizer.json"),
-                           str(args.batch // args.ctx)],
+                           str(args.batch // args.ctx), str(args.ctx // 2 if args.second_half else 0)],
                           capture_output=True, text=True, cwd=REPO,
                           env={**os.environ, "OMP_NUM_THREADS": str(args.threads), "PYTHONPATH": str(REPO)})
     wall = time.perf_counter() - t0
@@ -105,6 +106,8 @@ def main() -> None:
                              "together; a multiple of --ctx dividing --chunks x --ctx (default --ctx)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--arithmetic", default="float32", choices=("float32", "ggml-cpu"))
+    parser.add_argument("--second-half", action="store_true",
+                        help="quantkit's logits of positions ctx/2.. only (llama-perplexity's outputs)")
     parser.add_argument("--markdown")
     args = parser.parse_args()
     args.batch = args.batch or args.ctx
@@ -138,7 +141,9 @@ def main() -> None:
             rows.append((label, {k: statistics.median(v) for k, v in samples.items()}))
     lines = [f"{machine()}, commit {commit()}, {args.threads} threads, ctx {args.ctx}, batch {args.batch}, "
              f"{args.chunks} chunks, "
-             f"arithmetic {args.arithmetic}, medians of {args.repeats} interleaved rounds",
+             f"arithmetic {args.arithmetic}, quantkit logits of "
+             f"{'positions ctx/2..' if args.second_half else 'every position'}, "
+             f"medians of {args.repeats} interleaved rounds",
              "", "| model | llama-perplexity tok/s | quantkit tok/s | ratio | llama wall s | quantkit wall s | wall ratio |",
              "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for label, m in rows:
