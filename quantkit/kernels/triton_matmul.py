@@ -199,6 +199,11 @@ def expert_tiles(counts: torch.Tensor, rows: int, block_m: int = GROUPED.block_m
     return ExpertTiles(table.to(torch.int32), block_m)
 
 
+#: Most per-chunk expert counts the routing kernel reads into one program (chunks x experts, powers of two):
+#: 4,096 tokens x top-8 over 64 experts; a 16K-token pass would hold 64K of them (registers spill).
+ROUTE_MAX_COUNTS = 1 << 14
+
+
 @dataclass(frozen=True)
 class Routed:
     """Routed (token, expert) pairs read and written where they are by a grouped product, with no gathered or
@@ -259,11 +264,17 @@ def route(pairs: torch.Tensor, n_experts: int, block_m: int = GROUPED.block_m
     """``(order, counts, tiles)`` of the routed experts ``pairs`` (int64, one per (token, slot) pair): ``order``
     int32, the pairs' indices sorted by expert (stably: ``torch.argsort(pairs, stable=True)``), ``counts`` int64
     pairs per expert, ``tiles`` :func:`expert_tiles` of them (spare tiles ``(-1, 0, 0)``).  Two launches and no
-    host wait, where sorting and tabulating with torch took about 25 kernels (a radix sort over 64-bit keys)."""
+    host wait, where sorting and tabulating with torch took about 25 kernels (a radix sort over 64-bit keys).
+    Past :data:`ROUTE_MAX_COUNTS` (long passes, many experts) torch's sort and :func:`expert_tiles` instead:
+    every program of the placing kernel holds all chunks' counts."""
     rows = pairs.numel()
     ep = triton.next_power_of_2(max(n_experts, 2))
     ch = max(16, min(256, 8192 // ep))          # a chunk's one-hot [ch, ep] stays in registers
     chunks = triton.cdiv(rows, ch)
+    if triton.next_power_of_2(chunks) * ep > ROUTE_MAX_COUNTS:
+        order = torch.argsort(pairs, stable=True).to(torch.int32)
+        counts = torch.bincount(pairs, minlength=n_experts)
+        return order, counts, expert_tiles(counts, rows, block_m)
     n_tiles = triton.cdiv(rows, block_m) + n_experts
     chunk_counts = torch.empty(chunks, ep, dtype=torch.int32, device=pairs.device)
     order = torch.empty(rows, dtype=torch.int32, device=pairs.device)
