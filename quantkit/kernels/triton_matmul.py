@@ -200,7 +200,8 @@ def expert_tiles(counts: torch.Tensor, rows: int, block_m: int = GROUPED.block_m
 
 
 #: Most per-chunk expert counts the routing kernel reads into one program (chunks x experts, powers of two):
-#: 4,096 tokens x top-8 over 64 experts; a 16K-token pass would hold 64K of them (registers spill).
+#: 4,096 tokens x top-8 over 64 experts; a 16K-token pass would hold 64K of them (registers spill), 2,048 tokens
+#: over 256 experts 128K.  Beyond, torch's sort (no host wait either: CUDA graphs capture it).
 ROUTE_MAX_COUNTS = 1 << 14
 
 
@@ -273,7 +274,8 @@ def route(pairs: torch.Tensor, n_experts: int, block_m: int = GROUPED.block_m
     chunks = triton.cdiv(rows, ch)
     if triton.next_power_of_2(chunks) * ep > ROUTE_MAX_COUNTS:
         order = torch.argsort(pairs, stable=True).to(torch.int32)
-        counts = torch.bincount(pairs, minlength=n_experts)
+        counts = torch.zeros(n_experts, dtype=torch.int64, device=pairs.device).scatter_add_(
+            0, pairs, torch.ones_like(pairs, dtype=torch.int64))            # bincount would wait for the device
         return order, counts, expert_tiles(counts, rows, block_m)
     n_tiles = triton.cdiv(rows, block_m) + n_experts
     chunk_counts = torch.empty(chunks, ep, dtype=torch.int32, device=pairs.device)
