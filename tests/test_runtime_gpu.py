@@ -141,11 +141,11 @@ def test_fused_products_equal_dequantize_then_matmul(name, dtype):
 
 
 @pytest.mark.parametrize("tokens,top_k,n_experts", [(2048, 8, 64), (300, 4, 16), (5, 2, 3), (77, 8, 256),
-                                                    (16384, 8, 64)])
+                                                    (16384, 8, 64), (2048, 8, 256)])
 def test_route_sorts_and_tiles_as_torch(tokens, top_k, n_experts):
     """The routing kernel's order is torch's stable argsort of the pairs' experts, its counts their bincount, its
     tile table expert_tiles' (spare tiles: expert -1); one expert takes a slot of every token.  16K tokens: past
-    ROUTE_MAX_COUNTS, torch's path, the same answer."""
+    ROUTE_MAX_COUNTS (and 2K tokens over 256 experts), torch's path, the same answer."""
     from quantkit.kernels.triton_matmul import expert_tiles, route
 
     gen = torch.Generator(device="cuda").manual_seed(tokens)
