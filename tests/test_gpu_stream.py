@@ -74,8 +74,9 @@ def _assert_stream_equals_cpu(prepared, im_path, device: str, batch_bytes: int) 
         if job.kind != "encode" or not gpu_encode.supports(job.qtype):
             continue
         want = b"".join(a.tobytes() for a in tensor_bytes(cpu, job))
-        got = b"".join(a.tobytes() for a in gpu_stream.encode_stream(streamed, job, pieces(streamed, job), device,
-                                                                      batch_bytes=batch_bytes))
+        got = b"".join(gpu_stream.payload(a).tobytes()
+                       for a in gpu_stream.encode_stream(streamed, job, pieces(streamed, job), device,
+                                                         batch_bytes=batch_bytes))
         assert got == want, job.name
         checked += 1
     assert checked > 5
@@ -129,8 +130,45 @@ def test_non_finite_row_and_read_errors_come_back_in_place(tiny, tmp_path):
     with pytest.raises(EncodeError) as on_cpu:
         b"".join(tensor_bytes(cpu, job))
     with pytest.raises(EncodeError) as streaming:
-        b"".join(gpu_stream.encode_stream(streamed, job, pieces(streamed, job), "cpu", batch_bytes=1 << 20))
+        b"".join(gpu_stream.payload(a) for a in gpu_stream.encode_stream(streamed, job, pieces(streamed, job), "cpu",
+                                                                          batch_bytes=1 << 20))
     assert str(streaming.value) == str(on_cpu.value) and "row 2" in str(on_cpu.value)
+
+
+@pytest.mark.parametrize("case", ["abort-in-second", "nan-after-abort", "nan-and-abort-in-one"])
+def test_batch_errors_name_the_first_failing_piece_and_row_as_the_cpu_path(case):
+    """The stream never waits for a batch: its rows' flags come back with its bytes, and the error raised is the
+    CPU path's, piece by piece (IQ2_XXS rows whose weighted distances overflow: ggml aborts on them)."""
+    from types import SimpleNamespace
+
+    from quantkit import encode
+    from quantkit.convert.tensors import Piece
+    from quantkit.testing import corpus
+
+    rng = np.random.default_rng(3)
+    experts = [(rng.standard_normal((3, 256)) * 0.02).astype(np.float32) for _ in range(3)]
+    overflow = corpus.family("mixed_blocks", 1, 256)[0]            # 1e30-scaled blocks
+    bad_rows = {"abort-in-second": [(1, 2, overflow)], "nan-after-abort": [(1, 1, overflow), (2, 0, np.nan)],
+                "nan-and-abort-in-one": [(0, 0, overflow), (0, 2, np.nan)]}[case]
+    for expert, row, value in bad_rows:
+        experts[expert][row] = value
+    stored = [(e.view(np.uint32) >> 16).astype(np.uint16) for e in experts]   # exact in BF16: its top half
+    experts = [(b.astype(np.uint32) << 16).view(np.float32) for b in stored]
+    im = {m: corpus.imatrix("random", 256) + m for m in range(3)}
+    job = SimpleNamespace(name="blk.0.ffn_up_exps.weight", qtype="IQ2_XXS", importance="imatrix", bootstrap=(),
+                          imatrix_name=None)
+    ctx = SimpleNamespace(imatrix=SimpleNamespace(importance=lambda name, expert: im[expert]))
+    units = [Piece(m, 3 * m, 3, produce=None, stored=lambda b=b: ("BF16", b)) for m, b in enumerate(stored)]
+    with pytest.raises(EncodeError) as on_cpu:
+        for m, x in enumerate(experts):
+            try:
+                encode(x, "IQ2_XXS", im[m])
+            except EncodeError as exc:
+                raise EncodeError(exc.detail, tensor=f"{job.name}[{m}]") from None
+    with pytest.raises(EncodeError) as streaming:
+        for piece in gpu_stream.encode_stream(ctx, job, units, "cpu"):   # the three experts in one batch
+            gpu_stream.payload(piece)
+    assert str(streaming.value) == str(on_cpu.value)
 
 
 
@@ -149,7 +187,7 @@ def test_read_error_is_raised_in_place_and_the_reader_stops(tiny, tmp_path, monk
     monkeypatch.setattr(gpu_stream, "_fill", failing)
     stream = gpu_stream.encode_stream(ctx, job, pieces(ctx, job), "cpu", batch_bytes=4096)
     first = next(stream)
-    assert first.size > 0
+    assert gpu_stream.payload(first).size > 0
     with pytest.raises(OSError, match="read failed"):
         next(stream)
     assert len(calls) == 2

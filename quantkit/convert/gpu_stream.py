@@ -1,29 +1,33 @@
 """A tensor's pieces encoded on a GPU with the source reads overlapped (``convert --device cuda``).
 
 The CPU path produces a piece at a time: read, widen to float32 on the host, encode.  On a GPU the encode is so
-fast that the host work around it bounds the conversion, so here:
+fast that the host work around it bounds the conversion, so here the host never waits for the GPU:
 
 * a reader thread copies the stored bits of the next pieces (F32/F16/BF16 rows straight from the memory-mapped
   source, no widening) into pinned staging buffers, :data:`STAGING_BUFFERS` batches ahead of the encoder, each
   batch in slices by :data:`FILL_THREADS` threads (one thread copies a mapped file at ~5 GB/s on an H200 host,
   slower than the encoders take Q2_K/Q4_K/Q8_0; numpy's copy releases the GIL);
-* the calling thread uploads a batch (consecutive pieces, at most :data:`BATCH_BYTES` of source and the
-  encoder's pass size) on a copy stream while the previous batch encodes, widens it on the device (exact: F16
-  and BF16 are subsets of float32), checks it is finite (one host sync per batch, which also finds the previous
-  batch's bytes downloaded), encodes the batch in one pass (rows encode independently; pieces with importance
-  each give their rows theirs: a row of importance per row) and queues the download of its bytes.
+* the calling thread queues, per batch (consecutive pieces, at most :data:`BATCH_BYTES` of source and the
+  encoder's pass size): its upload on a copy stream, then on the compute stream its widening (exact: F16 and BF16
+  are subsets of float32), a finiteness flag per row (non-finite rows are zeroed, their bytes never used), one
+  encode pass (rows encode independently; pieces with importance each give their rows theirs: a row of
+  importance per row, the tensor's importance uploaded once) and the download of its bytes and flags;
+* it yields a :class:`PendingBytes` per batch at once: the thread that writes the bytes waits for them and
+  raises the error of a non-finite or aborting row there, in its place.  So the next batch, and the next
+  tensor, are read and queued while the GPU still encodes this one (pool.start_tensor's write-behind bounds how
+  far ahead).
 
 Pieces whose values need host work first (a transform, an FP8 source, importance computed from the values)
 have no ``stored`` rows and go through :meth:`Piece.produce` as on the CPU path, in their place in the file order.
-The bytes are those of :func:`quantkit.kernels.gpu_encode.encode` on each piece (same checks, same errors, the
-rows numbered within the piece), so those of the CPU encoders.
+The bytes and errors are those of :func:`quantkit.kernels.gpu_encode.encode` on each piece (the rows numbered
+within the piece), so those of the CPU encoders.
 
-Memory: host, :data:`STAGING_BUFFERS` pinned buffers of :data:`BATCH_BYTES`; device, one batch as stored, as
-float32 and the encoder's scratch (bytes per weight in :mod:`quantkit.kernels.gpu_encode`).
+Memory: host, :data:`STAGING_BUFFERS` pinned buffers of :data:`BATCH_BYTES` and the pinned downloads not yet
+written; device, per batch in flight its bits as stored, as float32, and the encoder's scratch (bytes per weight
+in :mod:`quantkit.kernels.gpu_encode`).
 """
 from __future__ import annotations
 
-import contextlib
 import queue
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -68,16 +72,6 @@ class _Batch:
     @property
     def nbytes(self) -> int:
         return sum(s.rows.nbytes for s in self.spans)
-
-
-@dataclass
-class _Upload:
-    """A batch on its way to the device: its staging buffer (refilled once the copy is done) and its bytes."""
-
-    batch: _Batch
-    host: object
-    bits: object
-    ready: object = None
 
 
 def _batches(units, weights_per_batch: int, batch_bytes: int) -> Iterator[object]:
@@ -141,7 +135,7 @@ class _Reader:
         self.free: queue.Queue = queue.Queue()
         self.ready: queue.Queue = queue.Queue()
         for buf in buffers:
-            self.free.put(buf)
+            self.free.put((buf, None))
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, args=(iter(items),), daemon=True,
                                         name="quantkit-gpu-reader")
@@ -151,9 +145,11 @@ class _Reader:
         try:
             for item in items:
                 if isinstance(item, _Batch):
-                    buf = self.free.get()
+                    buf, uploaded = self.free.get()
                     if self._stop.is_set():
                         return
+                    if uploaded is not None:   # the buffer's last upload must be done before it is refilled
+                        uploaded.synchronize()
                     _fill(buf.numpy(), item.spans)
                     item = (item, buf)
                 self.ready.put(item)
@@ -163,26 +159,64 @@ class _Reader:
         except BaseException as exc:  # noqa: BLE001 - re-raised by the encoding thread, in its place
             self.ready.put(exc)
 
-    def get(self, block: bool = True):
+    def get(self):
         """The next item as the reader left it: a piece, a (batch, filled buffer) pair, an exception to raise in
-        its place, :attr:`_END`; or None when ``block`` is False and it is not ready yet."""
-        try:
-            return self.ready.get(block)
-        except queue.Empty:
-            return None
+        its place, or :attr:`_END`."""
+        return self.ready.get()
 
     def close(self) -> None:
         self._stop.set()
-        self.free.put(None)            # wakes a reader waiting for a buffer
+        self.free.put((None, None))    # wakes a reader waiting for a buffer
         self._thread.join()
 
 
-def encode_stream(ctx, job, pieces, device: str, *, batch_bytes: int = BATCH_BYTES) -> Iterator[np.ndarray]:
-    """``job``'s payload as ``uint8`` arrays in file order (their concatenation is the payload), encoded on
-    ``device`` ("cuda", "cuda:N", or "cpu" with torch's CPU encoders, for tests)."""
+class PendingBytes:
+    """A batch's encoded bytes on their way to the host.  :meth:`result` waits for them and raises the error of
+    the batch's first failing row in its place: a non-finite weight, or a row ggml aborts on."""
+
+    def __init__(self, out, flags, done, spans: list[tuple[str, int, int]], qtype):
+        self.nbytes = out.numel()
+        self._out, self._flags, self._done, self._spans, self._qtype = out, flags, done, spans, qtype
+
+    def result(self) -> np.ndarray:
+        if self._done is not None:
+            self._done.synchronize()
+        flags = self._flags.numpy()
+        if flags.any():
+            raise self._error(flags)
+        return self._out.numpy().reshape(-1)
+
+    def _error(self, flags: np.ndarray) -> Exception:
+        """The error the CPU path raises first: that of the first piece with a failing row (flags: -1 non-finite,
+        > 0 ggml's abort reason), its non-finite rows before its aborting ones."""
+        from ..errors import EncodeError
+        from ..kernels.gpu_encode import abort_error
+
+        r0 = 0
+        for name, first_row, count in self._spans:
+            mine = flags[r0:r0 + count]
+            r0 += count
+            if not mine.any():
+                continue
+            bad = np.flatnonzero(mine < 0)
+            if bad.size:
+                return EncodeError(f"non-finite weight (NaN or Inf) in row {first_row + int(bad[0])}", tensor=name)
+            row = int(np.flatnonzero(mine)[0])
+            return abort_error(self._qtype, first_row + row, int(mine[row]), name)
+        raise AssertionError("flags set outside the batch's spans")
+
+
+def payload(piece) -> np.ndarray:
+    """A piece of :func:`encode_stream` as bytes (waiting for a batch still on the GPU)."""
+    return piece.result() if isinstance(piece, PendingBytes) else piece
+
+
+def encode_stream(ctx, job, pieces, device: str, *, batch_bytes: int = BATCH_BYTES) -> Iterator[object]:
+    """``job``'s payload in file order: ``uint8`` arrays and :class:`PendingBytes` (:func:`payload` gives their
+    bytes; their concatenation is the payload), encoded on ``device`` ("cuda", "cuda:N", or "cpu" with torch's
+    CPU encoders, for tests).  Errors of the source, the imatrix or the encoders come in their place."""
     import torch
 
-    from ..errors import EncodeError, QuantkitError
     from ..formats.api import _check_imatrix
     from ..formats.registry import get_format
     from ..kernels import gpu_encode
@@ -194,100 +228,70 @@ def encode_stream(ctx, job, pieces, device: str, *, batch_bytes: int = BATCH_BYT
     pieces = list(pieces)
     units = [(p, p.stored() if p.stored is not None else None) for p in pieces]
     units = [(p, s if s is None or s[1].shape[1] % fmt.block_size == 0 else None) for p, s in units]
+    streamed = [i for i, (_, s) in enumerate(units) if s is not None]
+    # Every streamed piece has importance or none has (a piece whose importance comes from its values has no
+    # stored rows): one upload for the tensor, a row per piece.
+    ims = [_check_imatrix(_importance(ctx, job, pieces[i].matrix, None), units[i][1][1].shape[1], fmt,
+                          _unit_name(job, pieces[i].matrix)) for i in streamed]
+    im_row = {i: k for k, i in enumerate(streamed)}
+    im_table = None
+    if streamed and ims[0] is not None:
+        im_table = torch.from_numpy(np.stack(ims))
+        im_table = (im_table.pin_memory() if cuda else im_table).to(dev, non_blocking=True)
     size = max([batch_bytes] + [s[1].itemsize * s[1].shape[1] for _, s in units if s is not None])   # >= a row
     buffers = [torch.empty(size, dtype=torch.uint8, pin_memory=cuda) for _ in range(STAGING_BUFFERS)]
     reader = _Reader(_batches(units, gpu_encode.chunk_weights_for(fmt.qtype), size), buffers)
-    importances: dict[int, object] = {}
-
-    def importance(index: int):
-        if index not in importances:
-            piece = pieces[index]
-            name = _unit_name(job, piece.matrix)
-            im = _check_imatrix(_importance(ctx, job, piece.matrix, None), units[index][1][1].shape[1], fmt, name)
-            importances[index] = None if im is None else torch.from_numpy(im).to(dev)
-        return importances[index]
-
     compute = torch.cuda.current_stream(dev) if cuda else None
     copier = torch.cuda.Stream(dev) if cuda else None
 
-    def upload(item) -> _Upload:
-        """Start copying a filled batch to the device (on the copy stream, ``ready`` when done)."""
-        batch, host = item
+    def upload(batch: _Batch, host):
+        """The batch's stored bits on the device, copied on the copy stream (the compute stream waits for it)."""
         if not cuda:
-            return _Upload(batch, host, host[:batch.nbytes].clone())
-        bits = torch.empty(batch.nbytes, dtype=torch.uint8, device=dev)   # memory of the compute stream...
-        copier.wait_stream(compute)                                        # ...whose earlier users are done
-        with torch.cuda.stream(copier):
+            bits = host[:batch.nbytes].clone()
+            reader.free.put((host, None))
+            return bits
+        with torch.cuda.stream(copier):   # memory of the copy stream's pool, used by the compute stream after
+            bits = torch.empty(batch.nbytes, dtype=torch.uint8, device=dev)
             bits.copy_(host[:batch.nbytes], non_blocking=True)
-            ready = torch.cuda.Event()
-            ready.record(copier)
-        bits.record_stream(copier)
-        return _Upload(batch, host, bits, ready)
+            uploaded = torch.cuda.Event()
+            uploaded.record(copier)
+        reader.free.put((host, uploaded))
+        compute.wait_event(uploaded)
+        bits.record_stream(compute)
+        return bits
 
-    def take(item):
-        """A reader item for the loop: a batch's upload started, an error raised in its place."""
-        if isinstance(item, BaseException):
-            raise item
-        return upload(item) if isinstance(item, tuple) else item
+    def encode(batch: _Batch, bits) -> PendingBytes:
+        """Queue the batch's widening, checks, encode and download; nothing here waits for the device."""
+        x = bits.view(getattr(torch, _TORCH_DTYPES[batch.dtype])).to(torch.float32).reshape(-1, batch.n)
+        finite = torch.isfinite(x).all(dim=1)
+        x.masked_fill_(~finite[:, None], 0.0)      # a non-finite row fails the piece; zeroed, it cannot upset the rest
+        rows_im = None
+        if im_table is not None:
+            rows_im = (im_table[im_row[batch.spans[0].index]] if len(batch.spans) == 1 else
+                       torch.cat([im_table[im_row[s.index]].expand(len(s.rows), -1) for s in batch.spans]))
+        out, reasons = gpu_encode.encode_rows(x, fmt.qtype, rows_im)
+        flags = -(~finite).to(torch.int32)
+        if reasons is not None:
+            flags = torch.where(finite, reasons, flags)
+        spans = [(_unit_name(job, pieces[s.index].matrix), s.first_row, len(s.rows)) for s in batch.spans]
+        if not cuda:
+            return PendingBytes(out, flags, None, spans, fmt.qtype)
+        host_out = torch.empty(out.shape, dtype=torch.uint8, pin_memory=True)
+        host_flags = torch.empty(flags.shape, dtype=torch.int32, pin_memory=True)
+        host_out.copy_(out, non_blocking=True)
+        host_flags.copy_(flags, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record(compute)
+        return PendingBytes(host_out, host_flags, done, spans, fmt.qtype)
 
-    def encode(batch, x, bad):
-        ims = None if bad is not None else [importance(span.index) for span in batch.spans]
-        encoded = None
-        if ims is not None and all(im is None for im in ims):   # rows encode alone: one pass for the batch
-            encoded = [gpu_encode.encode_tensor(x, fmt.qtype, None, name=job.name)]
-        elif ims is not None and all(im is not None for im in ims):   # a row of importance per row
-            rows_im = ims[0] if len(ims) == 1 else torch.cat([im.expand(len(span.rows), -1)
-                                                              for im, span in zip(ims, batch.spans)])
-            with contextlib.suppress(QuantkitError):   # a row ggml aborts on: named below, piece by piece
-                encoded = [gpu_encode.encode_tensor(x, fmt.qtype, rows_im, name=job.name)]
-        if encoded is None:
-            r0, encoded = 0, []
-            for span in batch.spans:
-                r1 = r0 + len(span.rows)
-                name = _unit_name(job, pieces[span.index].matrix)
-                if bad is not None and bad < r1:
-                    raise EncodeError(f"non-finite weight (NaN or Inf) in row {span.first_row + bad - r0}",
-                                      tensor=name)
-                encoded.append(gpu_encode.encode_tensor(x[r0:r1], fmt.qtype, importance(span.index),
-                                                        first_row=span.first_row, name=name))
-                r0 = r1
-        out = torch.cat(encoded)
-        if cuda:   # downloaded behind the next batch's upload; the next host sync finds it done
-            host_out = torch.empty(out.shape, dtype=torch.uint8, pin_memory=True)
-            host_out.copy_(out, non_blocking=True)
-            out = host_out
-        return out.numpy().reshape(-1)
-
-    done = None        # the last batch's bytes (on CUDA: downloading until the next host sync)
-    ahead = None       # the reader's next item, taken early so that its upload overlaps this batch's encode
     try:
-        while True:
-            raw = ahead if ahead is not None else reader.get()
-            ahead = None
-            if not isinstance(raw, (tuple, _Upload)) and done is not None:   # no next batch to sync behind
-                if cuda:
-                    compute.synchronize()
-                yield done
-                done = None
-            item = take(raw)
-            if item is _Reader._END:
-                break
-            if not isinstance(item, _Upload):            # a piece with host work first, in its place
+        while (item := reader.get()) is not _Reader._END:
+            if isinstance(item, BaseException):
+                raise item
+            if isinstance(item, tuple):
+                batch, host = item
+                yield encode(batch, upload(batch, host))
+            else:                                   # a piece with host work first, in its place
                 yield item.produce(None)[1].reshape(-1)
-                continue
-            if cuda:
-                compute.wait_event(item.ready)
-            x = item.bits.view(getattr(torch, _TORCH_DTYPES[item.batch.dtype])).to(torch.float32)
-            x = x.reshape(-1, item.batch.n)
-            finite = torch.isfinite(x).all(dim=1)
-            bad = None if bool(finite.all()) else int((~finite).nonzero()[0, 0])   # a sync: uploaded, and the
-            reader.free.put(item.host)                                               # last download is done
-            if done is not None:
-                yield done
-                done = None
-            nxt = reader.get(block=False)
-            if nxt is not None:   # an error stays raw: raised when its turn comes
-                ahead = nxt if isinstance(nxt, BaseException) else take(nxt)
-            done = encode(item.batch, x, bad)
     finally:
         reader.close()

@@ -45,6 +45,7 @@ from ..io.atomic import is_out_of_space
 from ..io.gguf_writer import pwrite_all
 from ..resources import available_cpus, available_memory
 from ..formats.warm import encoder_kinds
+from .gpu_stream import payload
 from .tensors import ROW_CHUNK_BYTES, SourceContext, TensorJob, tensor_bytes
 
 if TYPE_CHECKING:
@@ -56,8 +57,9 @@ WORKER_EXIT_TIMEOUT = 10.0
 PR_SET_PDEATHSIG = 1
 #: Resident memory of a worker before its first tensor (Python, numpy, numba, quantkit): measured ~150 MB.
 WORKER_BASE_BYTES = 160 << 20
-#: Pieces of a GPU stream waiting to be written and hashed (see _WriteBehind).
-WRITE_BEHIND = 2
+#: Batches of a GPU stream queued behind the one being written (see _WriteBehind): how far the host queues work
+#: ahead of the GPU, so that the next tensor's first batches are read and queued before the GPU runs dry.
+WRITE_BEHIND = 4
 #: Tensors of a GPU stream still being written and hashed while the next one encodes (see WorkerPool._run_here).
 TENSORS_BEHIND = 2
 #: A worker holds a unit as float32 plus its importance, encoder scratch and encoded bytes: about 3x the unit.
@@ -145,9 +147,9 @@ class PendingTensor:
 
 
 def start_tensor(context: SourceContext, job: TensorJob, put: Callable[["np.ndarray", int], None]) -> PendingTensor:
-    """:func:`produce_tensor` up to the writes: on a GPU, the last pieces are still written and hashed in a thread
-    when this returns, so that the next tensor's encoding overlaps them (a Q2_K tensor encodes faster than one
-    thread hashes its bytes)."""
+    """:func:`produce_tensor` up to the writes: on a GPU, the last batches may still be encoding, and are written
+    and hashed in a thread, when this returns, so that the next tensor is read and queued meanwhile (the GPU never
+    waits for the host; a Q2_K tensor encodes faster than one thread hashes its bytes)."""
     start = time.perf_counter()
     digest = hashlib.sha256()
     written = 0
@@ -173,8 +175,9 @@ def start_tensor(context: SourceContext, job: TensorJob, put: Callable[["np.ndar
 
 
 class _WriteBehind:
-    """``put`` and hash a GPU stream's pieces in a thread, in order, while the next batch encodes (on the CPU the
-    encoders are the bound and the workers use every core).  At most :data:`WRITE_BEHIND` pieces wait; the first
+    """Wait for a GPU stream's pieces (:func:`quantkit.convert.gpu_stream.payload`), ``put`` and hash them in a
+    thread, in order, while the next batches are queued (on the CPU the encoders are the bound and the workers use
+    every core).  At most :data:`WRITE_BEHIND` pieces wait; the first
     failure is raised by the next :meth:`submit` or by :meth:`close`."""
 
     def __init__(self, put: Callable[["np.ndarray", int], None], digest):
@@ -188,14 +191,15 @@ class _WriteBehind:
         while (item := self._queue.get()) is not None:
             if self._error is None:
                 try:
-                    put(*item)
-                    digest.update(item[0])
+                    piece = payload(item[0])   # a GPU batch: waits for its download here, not in the producer
+                    put(piece, item[1])
+                    digest.update(piece)
                 except BaseException as exc:  # noqa: BLE001 - raised in the producing thread
                     self._error = exc
             self.last_write = time.perf_counter()
             self._queue.task_done()
 
-    def submit(self, piece: "np.ndarray", at: int) -> None:
+    def submit(self, piece, at: int) -> None:
         if self._error is not None:
             raise self._error
         self._queue.put((piece, at))

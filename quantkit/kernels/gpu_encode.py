@@ -42,7 +42,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..errors import UnsupportedError
+from ..errors import EncodeError, UnsupportedError
 from ..formats.registry import GGMLType, get_format
 
 F32 = np.float32
@@ -548,14 +548,6 @@ def _q4_k(x: torch.Tensor, imatrix) -> torch.Tensor:
 _FLT_MAX = float(np.finfo(np.float32).max)
 
 
-class RowAbort(Exception):
-    """ggml would abort the process on row ``row`` of the tensor (``reason`` is one of iquants' status codes)."""
-
-    def __init__(self, row: int, reason: int):
-        super().__init__(row, reason)
-        self.row, self.reason = row, reason
-
-
 @functools.lru_cache(maxsize=None)
 def _iq2_xxs_tables(device: str):
     """(kmap[65536], neighbour lists padded with -1 [n_lists, max_len], lattice values 2l+1 [256, 8]) on device."""
@@ -595,11 +587,8 @@ def _iq2_xxs_fused_tables(device: str):
 def _iq2_xxs_fused(ext, x: torch.Tensor, imatrix) -> torch.Tensor:
     qw = imatrix if imatrix is not None else torch.empty(0, dtype=torch.float32, device=x.device)
     out, status = ext.iq2_xxs_encode(x.contiguous(), qw.contiguous(), *_iq2_xxs_fused_tables(str(x.device)))
-    aborted = status > 0
-    if bool(aborted.any()):                          # the first failing sub-block of the first failing row
-        row = int(aborted.any(dim=1).nonzero()[0, 0])
-        raise RowAbort(row, int(status[row, int(aborted[row].nonzero()[0, 0])]))
-    return out
+    first = (status > 0).to(torch.int8).argmax(dim=1, keepdim=True)   # each row's first failing sub-block, or 0
+    return out, status.gather(1, first).squeeze(1).to(torch.int32)
 
 
 def _group_codes(L: torch.Tensor) -> torch.Tensor:
@@ -704,10 +693,7 @@ def _iq2_xxs(x: torch.Tensor, imatrix) -> torch.Tensor:
     status = torch.where(active & ((grid < 0).any(dim=0)), torch.full_like(status, 3), status)     # OFF_GRID
     status = torch.where(active & torch.isnan(scale), torch.full_like(status, 2), status)          # NAN_SCALE
     status = torch.where(active & failed, torch.full_like(status, 1), status)                     # NO_NEIGHBOUR
-    aborted = status.reshape(rows, -1).amax(dim=1)
-    if bool((aborted > 0).any()):
-        row = int((aborted > 0).nonzero()[0, 0])
-        raise RowAbort(row, int(aborted[row]))
+    aborted = status.reshape(rows, -1).amax(dim=1).to(torch.int32)
     negative = scale < 0
     scale = torch.where(negative, -scale, scale)
     signs = torch.where(negative[None, :], ~signs & 127, signs)
@@ -728,7 +714,7 @@ def _iq2_xxs(x: torch.Tensor, imatrix) -> torch.Tensor:
     words = torch.cat([g, sign_bytes], dim=-1).reshape(nb, 64)
     out = torch.cat([f16_bytes(d), words.to(torch.uint8)], dim=1)
     out = torch.where((max_scale == 0)[:, None], torch.zeros_like(out), out)
-    return out.reshape(rows, -1)
+    return out.reshape(rows, -1), aborted
 
 
 # ------------------------------------------------------------------------------------------------ entry points
@@ -741,7 +727,9 @@ ENCODERS = {
     GGMLType.Q2_K: _q2_k,
     GGMLType.IQ2_XXS: _iq2_xxs,
 }
-"""The types with a torch encoder proven byte-identical to ggml (tests/test_gpu_encoders.py)."""
+"""The types with a torch encoder proven byte-identical to ggml (tests/test_gpu_encoders.py).  IQ2_XXS's gives
+(bytes, each row's abort reason: one of iquants' status codes, 0 where the row encodes) without waiting for the
+device; the others cannot fail on finite input and give the bytes."""
 
 #: Weights encoded per device pass.  The eager encoders launch thousands of small kernels per pass, so a pass
 #: must be large to keep the GPU busy; it also bounds device memory: peak ≈ 60 bytes/weight for the K-quants
@@ -778,25 +766,43 @@ def supports(qtype) -> bool:
     return get_format(qtype).qtype in ENCODERS
 
 
-def encode_tensor(x: torch.Tensor, qtype, imatrix: torch.Tensor | None = None, *, first_row: int = 0,
-                  name: str | None = None) -> torch.Tensor:
-    """Encode float32 ``x[rows, n]`` (clean input, as :func:`quantkit.formats.encode` checks it) on its own
-    device: uint8[rows, row_bytes] on that device.  ``imatrix``: float32[n] for every row, or [rows, n], a row of
-    importance per row (pieces with different importance in one pass: rows encode independently, so the bytes are
-    those of one call per piece).  ``first_row`` numbers the rows in error messages."""
-    from ..formats.iquants import _ABORT_REASONS, _abort_error
-
+def encode_rows(x: torch.Tensor, qtype, imatrix: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Queue the encode of float32 ``x[rows, n]`` on its device without waiting for it: (uint8[rows, row_bytes],
+    int32[rows] of the rows' abort reasons (0: encodes), or None for a type that cannot abort), both on the device.
+    ``imatrix``: float32[n] for every row, or [rows, n], a row of importance per row (pieces with different
+    importance in one pass: rows encode independently, so the bytes are those of one call per piece).  The rows
+    must be finite (the input checks of :func:`quantkit.formats.encode` are the caller's)."""
     fmt = get_format(qtype)
     fn = ENCODERS.get(fmt.qtype)
     if fn is None:
         raise UnsupportedError(f"no GPU encoder for {fmt.name}; GPU encoders: "
-                               f"{', '.join(t.name for t in ENCODERS)}", tensor=name)
+                               f"{', '.join(t.name for t in ENCODERS)}")
+    with torch.no_grad():
+        out = fn(x, imatrix)
+    return out if isinstance(out, tuple) else (out, None)
+
+
+def abort_error(qtype, row: int, reason: int, name: str | None) -> EncodeError:
+    """The error of row ``row`` (numbered as the user sees it) that ggml aborts on, for abort ``reason``."""
+    from ..formats.iquants import _ABORT_REASONS, _abort_error
+
+    err = _abort_error(get_format(qtype).qtype, row, _ABORT_REASONS[reason])
+    return EncodeError(err.detail, tensor=name)
+
+
+def encode_tensor(x: torch.Tensor, qtype, imatrix: torch.Tensor | None = None, *, first_row: int = 0,
+                  name: str | None = None) -> torch.Tensor:
+    """:func:`encode_rows`, waiting for the abort reasons: uint8[rows, row_bytes] on ``x``'s device, or the error
+    of the first row ggml aborts on (``first_row`` numbers the rows in error messages)."""
     try:
-        with torch.no_grad():
-            return fn(x, imatrix)
-    except RowAbort as exc:
-        err = _abort_error(fmt.qtype, first_row + exc.row, _ABORT_REASONS[exc.reason])
-        raise type(err)(err.detail, tensor=name) from None
+        out, reasons = encode_rows(x, qtype, imatrix)
+    except UnsupportedError as exc:
+        raise UnsupportedError(exc.detail, tensor=name) from None
+    if reasons is not None and bool((reasons > 0).any()):   # a host sync, only for the types that can abort
+        row = int((reasons > 0).nonzero()[0, 0])
+        raise abort_error(qtype, first_row + row, int(reasons[row]), name)
+    return out
 
 
 def encode(x, qtype, imatrix=None, *, device: str = "cuda", name: str | None = None,
