@@ -24,7 +24,9 @@ for every weight of the blocks, then measures, for each process count N of ``--j
     hashing the source, workers, encoding, writing, verifying, renaming).  Its parts: ``prepare_s`` (planning,
     the CLI's figure), ``executor_s`` (the report's ``wall_seconds``: the device check with torch's import, the
     header, the tensors, the rest of the source hashes and of the read-back, the rename) and what is left:
-    the interpreter, imports, printing and exit.
+    the interpreter, imports, printing and exit.  ``stream_s`` (``-j 1``): the report's seconds per step of the
+    stream, summed over threads (the converting thread's "setup", "queue", "wait_reader", "wait_write_queue";
+    "fill"; the writers' "wait_gpu", "write", "hash"): what bounds the tensors phase.
 
 Fixed costs measured apart, once: ``python -c "import torch"`` plus the first CUDA allocation, and ``quantkit
 convert --dry-run`` (interpreter, imports, planning).  ``--profile PATH``: one more ``-j 1`` convert under
@@ -226,6 +228,7 @@ def run_convert(ckpt: Path, out: Path, recipe: Path, imatrix: Path, jobs: int, d
             "jobs_used": rep["jobs"], "slowest_tensors": sorted(((d["seconds"], d["name"]) for d in rep["produced"]),
                                                                 reverse=True)[:6],
             "tensor_seconds": rep["tensor_seconds"], "file_size": rep["file_size"],
+            "stream_s": rep["stream_seconds"],
             "by_kind": _by_kind(rep["produced"])}
 
 
@@ -365,6 +368,8 @@ def main() -> None:
         print(f"{r['recipe']:<6}{r['jobs']:>5}{r['read_s']:>9.2f}{r['raw_read_s']:>8.2f}{r['encode_s']:>10.2f}"
               f"{r['convert_s']:>11.2f}{r['prepare_s']:>9.2f}{r['executor_s']:>10.2f}"
               f"{r['phases_s']['tensors']:>9.2f}{r['rest_s']:>7.2f}{r['ratio']:>8.2f}  {r['pass']}")
+        if r["stream_s"]:
+            print("    stream steps, s: " + ", ".join(f"{k} {v:.2f}" for k, v in sorted(r["stream_s"].items())))
 
 
 if __name__ == "__main__":

@@ -208,14 +208,18 @@ def test_convert_through_the_stream_writes_the_cpu_file(tiny, tmp_path, monkeypa
     monkeypatch.setattr(gpu_encode, "warm_device", lambda device: None)
     monkeypatch.setattr(gpu_stream, "encode_stream", lambda ctx, job, units, device, **kw: stream(ctx, job, units,
                                                                                                  "cpu", **kw))
-    files = {}
+    files, steps = {}, {}
     for device in ("cpu", "cuda"):
         request = ConvertRequest(str(ckpt), tmp_path / f"{device}.gguf", str(tmp_path / "recipe.toml"),
                                  imatrix=im_path, allow_synthetic_imatrix=True, pre_tokenizer=PRE, progress=False,
                                  device=device)
-        execute.convert(request)
+        steps[device] = execute.convert(request).report()["stream_seconds"]
         files[device] = request.out.read_bytes()
     assert files["cuda"] == files["cpu"]
+    # the report says where the stream's time went (this run's steps only; no download to wait for on the CPU)
+    assert steps["cpu"] == {}
+    assert set(steps["cuda"]) == {"setup", "queue", "wait_reader", "fill", "wait_write_queue", "write", "hash"}
+    assert all(s > 0 for s in steps["cuda"].values())
 
 
 def test_write_behind_keeps_the_order_and_raises_the_first_write_failure(monkeypatch):

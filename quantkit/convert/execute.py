@@ -53,6 +53,7 @@ import os
 import shutil
 import threading
 import time
+from collections import Counter
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Iterable
@@ -68,6 +69,7 @@ from ..io.gguf_writer import PARTIAL_SUFFIX, GGUFWriter, Layout, pwrite_all, pla
 from ..recipes import Recipe, load_recipe
 from ..resources import available_cpus
 from .consistency import check_config_against_tensors
+from .gpu_stream import STEP_SECONDS
 from .journal import Journal, JournalState, journal_path, read_journal
 from .plan import Plan, PlannedTensor, build_plan, inspect_sources
 from .pool import (TensorDone, WorkerPool, WorkerSetup, bound_jobs, out_of_space, partial_gone, partial_identity,
@@ -161,12 +163,14 @@ class ConvertResult:
     """An earlier run had renamed the verified file into place when it was killed: nothing left to do."""
     sha256: str | None = None
     """The whole file's SHA-256, read back while it was written (None when ``finished_earlier``)."""
+    stream_seconds: dict[str, float] = field(default_factory=dict)
+    """On a GPU at ``-j 1``: seconds per step of the stream (:data:`quantkit.convert.gpu_stream.STEP_SECONDS`)."""
 
     def report(self) -> dict:
         busy = sum(d.seconds for d in self.produced)
         return {"path": str(self.path), "file_size": self.file_size, "tensors": self.tensors,
                 "resumed": self.resumed, "jobs": self.jobs, "wall_seconds": self.wall_seconds,
-                "tensor_seconds": busy, "phases": self.phases,
+                "tensor_seconds": busy, "phases": self.phases, "stream_seconds": self.stream_seconds,
                 "produced": [{"name": d.name, "sha256": d.sha256, "nbytes": d.nbytes, "seconds": d.seconds}
                              for d in self.produced]}
 
@@ -407,6 +411,7 @@ def _helper_threads(prepared: Prepared, request: ConvertRequest) -> int:
 def _execute(prepared: Prepared, request: ConvertRequest, out: Path, clock: _Clock, pool, stats: list[FileHash],
              hashing: Hashing) -> ConvertResult:
     helpers = _helper_threads(prepared, request)
+    steps_before = Counter(STEP_SECONDS)
     plan, source, jobs = prepared.plan, prepared.source, prepared.jobs
     partial = out.with_name(out.name + PARTIAL_SUFFIX)
     jpath = journal_path(out)
@@ -507,8 +512,10 @@ def _execute(prepared: Prepared, request: ConvertRequest, out: Path, clock: _Clo
     writer.finish()
     jpath.unlink(missing_ok=True)
     clock.lap("finish")
+    steps = {step: seconds - steps_before[step] for step, seconds in STEP_SECONDS.items()}
     return ConvertResult(out, layout.file_size, len(jobs), len(jobs) - len(todo), produced, clock.total(),
-                         prepared.workers, clock.phases, sha256=sha256)
+                         prepared.workers, clock.phases, sha256=sha256,
+                         stream_seconds={step: seconds for step, seconds in steps.items() if seconds})
 
 
 def convert(request: ConvertRequest) -> ConvertResult:

@@ -28,8 +28,11 @@ in :mod:`quantkit.kernels.gpu_encode`).
 """
 from __future__ import annotations
 
+import collections
+import contextlib
 import queue
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Iterable, Iterator
@@ -45,6 +48,27 @@ FILL_THREADS = 4
 #: Bytes one fill thread copies at a time.
 FILL_SLICE_BYTES = 8 << 20
 _TORCH_DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}
+
+#: Seconds this process's streams spent per step, summed over threads (``convert --report``'s ``stream_seconds``
+#: at ``-j 1``): where the converting thread works ("setup" a tensor, "queue" a batch) or waits ("wait_reader",
+#: "wait_write_queue"), the reader fills ("fill"), the write threads wait for the GPU ("wait_gpu"), write and
+#: hash.  The converting thread's work ("setup" + "queue") near the tensors phase means the host is the bound.
+STEP_SECONDS: collections.Counter = collections.Counter()
+_steps_lock = threading.Lock()
+
+
+def add_step(step: str, seconds: float) -> None:
+    with _steps_lock:
+        STEP_SECONDS[step] += seconds
+
+
+@contextlib.contextmanager
+def timed(step: str):
+    start = time.perf_counter()
+    try:
+        yield
+    finally:
+        add_step(step, time.perf_counter() - start)
 
 
 @dataclass(frozen=True)
@@ -150,7 +174,8 @@ class _Reader:
                         return
                     if uploaded is not None:   # the buffer's last upload must be done before it is refilled
                         uploaded.synchronize()
-                    _fill(buf.numpy(), item.spans)
+                    with timed("fill"):
+                        _fill(buf.numpy(), item.spans)
                     item = (item, buf)
                 self.ready.put(item)
                 if self._stop.is_set():
@@ -180,7 +205,8 @@ class PendingBytes:
 
     def result(self) -> np.ndarray:
         if self._done is not None:
-            self._done.synchronize()
+            with timed("wait_gpu"):
+                self._done.synchronize()
         flags = self._flags.numpy()
         if flags.any():
             raise self._error(flags)
@@ -215,6 +241,7 @@ def encode_stream(ctx, job, pieces, device: str, *, batch_bytes: int = BATCH_BYT
     """``job``'s payload in file order: ``uint8`` arrays and :class:`PendingBytes` (:func:`payload` gives their
     bytes; their concatenation is the payload), encoded on ``device`` ("cuda", "cuda:N", or "cpu" with torch's
     CPU encoders, for tests).  Errors of the source, the imatrix or the encoders come in their place."""
+    setup_start = time.perf_counter()
     import torch
 
     from ..formats.api import _check_imatrix
@@ -284,13 +311,20 @@ def encode_stream(ctx, job, pieces, device: str, *, batch_bytes: int = BATCH_BYT
         done.record(compute)
         return PendingBytes(host_out, host_flags, done, spans, fmt.qtype)
 
+    add_step("setup", time.perf_counter() - setup_start)
     try:
-        while (item := reader.get()) is not _Reader._END:
+        while True:
+            with timed("wait_reader"):
+                item = reader.get()
+            if item is _Reader._END:
+                break
             if isinstance(item, BaseException):
                 raise item
             if isinstance(item, tuple):
                 batch, host = item
-                yield encode(batch, upload(batch, host))
+                with timed("queue"):
+                    pending = encode(batch, upload(batch, host))
+                yield pending
             else:                                   # a piece with host work first, in its place
                 yield item.produce(None)[1].reshape(-1)
     finally:

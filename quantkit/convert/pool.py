@@ -45,7 +45,7 @@ from ..io.atomic import is_out_of_space
 from ..io.gguf_writer import pwrite_all
 from ..resources import available_cpus, available_memory
 from ..formats.warm import encoder_kinds
-from .gpu_stream import payload
+from .gpu_stream import payload, timed
 from .tensors import ROW_CHUNK_BYTES, SourceContext, TensorJob, tensor_bytes
 
 if TYPE_CHECKING:
@@ -192,8 +192,10 @@ class _WriteBehind:
             if self._error is None:
                 try:
                     piece = payload(item[0])   # a GPU batch: waits for its download here, not in the producer
-                    put(piece, item[1])
-                    digest.update(piece)
+                    with timed("write"):
+                        put(piece, item[1])
+                    with timed("hash"):
+                        digest.update(piece)
                 except BaseException as exc:  # noqa: BLE001 - raised in the producing thread
                     self._error = exc
             self.last_write = time.perf_counter()
@@ -202,7 +204,8 @@ class _WriteBehind:
     def submit(self, piece, at: int) -> None:
         if self._error is not None:
             raise self._error
-        self._queue.put((piece, at))
+        with timed("wait_write_queue"):
+            self._queue.put((piece, at))
 
     def finished(self) -> bool:
         """Every piece submitted so far is written (or a write failed)."""
