@@ -3,6 +3,7 @@ reads and the GPU encode, measured in the same run (issue 17: wall <= 1.2 x max(
 
     python bench/convert_gpu.py [--gib 8] [--jobs 1,2,4] [--recipe iq2] [--workdir /tmp] [--check-layers 1]
                                 [--source DIR | --make-source DIR] [--profile PATH]
+                                [--compare TREE ...]
 
 Generates the seeded BF16 qwen3_moe checkpoint of bench/convert.py (at least ``--gib`` GiB, one shard per layer),
 a recipe whose every large tensor has a GPU encoder (``iq2``: routed gate/up IQ2_XXS, routed down Q2_K, the rest
@@ -29,8 +30,10 @@ for every weight of the blocks, then measures, for each process count N of ``--j
     "fill"; the writers' "wait_gpu", "write", "hash"): what bounds the tensors phase.
 
 Fixed costs measured apart, once: ``python -c "import torch"`` plus the first CUDA allocation, and ``quantkit
-convert --dry-run`` (interpreter, imports, planning).  ``--profile PATH``: one more ``-j 1`` convert under
-cProfile (the converting thread), its top functions written to PATH.  ``--make-source DIR`` writes the checkpoint
+convert --dry-run`` (interpreter, imports, planning).  ``--compare TREE`` (repeatable): another checkout's
+convert right after each of this tree's, same source and jobs (its wall ratio to this tree's, measured side by
+side; its output must be equal).  ``--profile PATH``: one more ``-j 1`` convert under cProfile (the converting
+thread), its top functions written to PATH.  ``--make-source DIR`` writes the checkpoint
 and imatrix into DIR and exits; ``--source DIR`` measures one written so (generation can overlap other work).
 
 The ratio is (c) / max(a, b) at the same N.  Every GPU output is compared with the others (same SHA-256), and a
@@ -207,13 +210,20 @@ def time_encode(prepared, imatrix: Path, device: str) -> dict:
 
 # -- (c) convert --------------------------------------------------------------------------------------------------
 
-def run_convert(ckpt: Path, out: Path, recipe: Path, imatrix: Path, jobs: int, device: str) -> dict:
+def run_convert(ckpt: Path, out: Path, recipe: Path, imatrix: Path, jobs: int, device: str,
+                tree: Path | None = None) -> dict:
+    """(c): the whole command, from this checkout or from ``tree`` (another checkout's quantkit first on the
+    path)."""
     report = out.with_suffix(".json")
+    env = None
+    if tree is not None:
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(tree.resolve()),
+                                                                         os.environ.get("PYTHONPATH")]))}
     command = [sys.executable, "-c", "from quantkit.cli import main; main()", "convert", str(ckpt), "-o", str(out),
                "--recipe", str(recipe), "--imatrix", str(imatrix), "--allow-synthetic-imatrix", "--pre-tokenizer",
                PRE_TOKENIZER, "-j", str(jobs), "--device", device, "--no-progress", "--report", str(report),
                "--force"]
-    proc, timing = run_timed(command)
+    proc, timing = run_timed(command, env)
     if proc.returncode != 0:
         raise SystemExit(f"convert failed ({proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
     rep = json.loads(report.read_text())
@@ -304,6 +314,9 @@ def main() -> None:
     parser.add_argument("--make-source", type=Path, help="write the checkpoint and imatrix here, then exit")
     parser.add_argument("--source", type=Path, help="a directory --make-source wrote (kept)")
     parser.add_argument("--profile", type=Path, help="write a cProfile summary of one -j 1 convert here")
+    parser.add_argument("--compare", type=Path, action="append", default=[],
+                        help="another checkout (a directory holding quantkit/): its convert runs right after each "
+                             "of this tree's, same source and jobs; wall ratio to this tree's, equal output")
     args = parser.parse_args()
     if args.make_source:
         args.make_source.mkdir(parents=True)
@@ -344,9 +357,16 @@ def main() -> None:
                           "rest_s": conv["wall_s"] - conv["prepare_s"] - conv["executor_s"], **conv}
                 emit(record)
                 records.append(record)
+                for tree in args.compare:   # side by side in one run: these machines drift between runs
+                    other = run_convert(ckpt, root / f"{key}-j{n}-other.gguf", recipe, imatrix, n, args.device,
+                                        tree)
+                    outputs.add(other.pop("sha256"))
+                    emit({"name": f"convert --device cuda ({key}) -j {n}, {tree}", "tree": str(tree),
+                          "convert_s": other["wall_s"], "vs_this_tree": other["wall_s"] / conv["wall_s"],
+                          "tensors_s": other["phases_s"]["tensors"], "stream_s": other["stream_s"]})
             if args.profile:
                 profile_convert(ckpt, root / f"{key}-profile.gguf", recipe, imatrix, args.device, args.profile)
-            emit({"name": f"GPU outputs equal across --jobs ({key})", "pass": len(outputs) == 1})
+            emit({"name": f"GPU outputs equal across --jobs and trees ({key})", "pass": len(outputs) == 1})
             if args.check_layers:
                 small = root / "small"
                 small.mkdir()
