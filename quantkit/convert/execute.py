@@ -512,10 +512,10 @@ def _execute(prepared: Prepared, request: ConvertRequest, out: Path, clock: _Clo
     writer.finish()
     jpath.unlink(missing_ok=True)
     clock.lap("finish")
-    steps = {step: seconds - steps_before[step] for step, seconds in STEP_SECONDS.items()}
+    steps = {step: seconds - steps_before[step] for step, seconds in STEP_SECONDS.items()
+             if seconds != steps_before[step]}   # this run's steps only
     return ConvertResult(out, layout.file_size, len(jobs), len(jobs) - len(todo), produced, clock.total(),
-                         prepared.workers, clock.phases, sha256=sha256,
-                         stream_seconds={step: seconds for step, seconds in steps.items() if seconds})
+                         prepared.workers, clock.phases, sha256=sha256, stream_seconds=steps)
 
 
 def convert(request: ConvertRequest) -> ConvertResult:

@@ -177,8 +177,8 @@ def start_tensor(context: SourceContext, job: TensorJob, put: Callable[["np.ndar
 class _WriteBehind:
     """Wait for a GPU stream's pieces (:func:`quantkit.convert.gpu_stream.payload`), ``put`` and hash them in a
     thread, in order, while the next batches are queued (on the CPU the encoders are the bound and the workers use
-    every core).  At most :data:`WRITE_BEHIND` pieces wait; the first
-    failure is raised by the next :meth:`submit` or by :meth:`close`."""
+    every core).  At most :data:`WRITE_BEHIND` pieces wait; the first failure is raised by the next :meth:`submit`
+    or by :meth:`close`."""
 
     def __init__(self, put: Callable[["np.ndarray", int], None], digest):
         self._queue: queue.Queue = queue.Queue(maxsize=WRITE_BEHIND)

@@ -584,7 +584,7 @@ def _iq2_xxs_fused_tables(device: str):
     return tuple(torch.from_numpy(np.ascontiguousarray(a)).to(device) for a in (kmap3, grid_codes, nb))
 
 
-def _iq2_xxs_fused(ext, x: torch.Tensor, imatrix) -> torch.Tensor:
+def _iq2_xxs_fused(ext, x: torch.Tensor, imatrix) -> tuple[torch.Tensor, torch.Tensor]:
     qw = imatrix if imatrix is not None else torch.empty(0, dtype=torch.float32, device=x.device)
     out, status = ext.iq2_xxs_encode(x.contiguous(), qw.contiguous(), *_iq2_xxs_fused_tables(str(x.device)))
     first = (status > 0).to(torch.int8).argmax(dim=1, keepdim=True)   # each row's first failing sub-block, or 0
@@ -631,7 +631,7 @@ def _iq2_snap(inv_scale, scale, xval, waux, active):
     return L.reshape(32, K), failed
 
 
-def _iq2_xxs(x: torch.Tensor, imatrix) -> torch.Tensor:
+def _iq2_xxs(x: torch.Tensor, imatrix) -> tuple[torch.Tensor, torch.Tensor]:
     ext = search_extension(x.device.type) if x.device.type in FUSED_SEARCH_ON else None
     if ext is not None:
         return _iq2_xxs_fused(ext, x, imatrix)
