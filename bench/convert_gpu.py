@@ -32,8 +32,8 @@ for every weight of the blocks, then measures, for each process count N of ``--j
 Fixed costs measured apart, once: ``python -c "import torch"`` plus the first CUDA allocation, and ``quantkit
 convert --dry-run`` (interpreter, imports, planning).  ``--compare TREE`` (repeatable): another checkout's
 convert right after each of this tree's, same source and jobs (its wall ratio to this tree's, measured side by
-side; its output must be equal).  ``--profile PATH``: one more ``-j 1`` convert under cProfile (the converting
-thread), its top functions written to PATH.  ``--make-source DIR`` writes the checkpoint
+side; its output must be equal).  ``--profile PATH``: one more ``-j 1`` convert under a stack sampler of every
+thread (bench/_sampler.py), its report written to PATH.  ``--make-source DIR`` writes the checkpoint
 and imatrix into DIR and exits; ``--source DIR`` measures one written so (generation can overlap other work).
 
 The ratio is (c) / max(a, b) at the same N.  Every GPU output is compared with the others (same SHA-256), and a
@@ -273,24 +273,14 @@ def fixed_costs(ckpt: Path, recipe: Path, imatrix: Path, device: str) -> dict:
 
 
 def profile_convert(ckpt: Path, out: Path, recipe: Path, imatrix: Path, device: str, path: Path) -> None:
-    """A ``-j 1`` convert under cProfile: the converting thread's top functions (cumulative, then own time)."""
-    import pstats
-
-    stats = path.with_suffix(".prof")
+    """A ``-j 1`` convert under the stack sampler (bench/_sampler.py): where every thread spends its wall time."""
     args = ["convert", str(ckpt), "-o", str(out), "--recipe", str(recipe), "--imatrix", str(imatrix),
             "--allow-synthetic-imatrix", "--pre-tokenizer", PRE_TOKENIZER, "-j", "1", "--device", device,
             "--no-progress", "--force"]
-    # main(), not run(): run() leaves by os._exit once torch is loaded, before cProfile writes its file
-    command = [sys.executable, "-c", f"import cProfile, sys; sys.argv = ['quantkit', *{args!r}]; "
-               f"cProfile.run('from quantkit.cli import main; main()', {str(stats)!r})"]
-    proc, timing = run_timed(command)
+    proc, timing = run_timed([sys.executable, str(Path(__file__).with_name("_sampler.py")), str(path), "--",
+                              "quantkit", *args])
     if proc.returncode != 0:
-        raise SystemExit(f"profiled convert failed:\n{proc.stderr[-4000:]}")
-    with open(path, "w") as f:
-        f.write(f"wall {timing['wall_s']:.2f} s (profiled)\n")
-        for key in ("cumulative", "tottime"):
-            pstats.Stats(str(stats), stream=f).sort_stats(key).print_stats(45)
-    stats.unlink()
+        raise SystemExit(f"sampled convert failed:\n{proc.stderr[-4000:]}")
     out.unlink()
 
 
@@ -313,7 +303,7 @@ def main() -> None:
     parser.add_argument("--check-layers", type=int, default=1, help="layers of the CPU = GPU check (0: skip it)")
     parser.add_argument("--make-source", type=Path, help="write the checkpoint and imatrix here, then exit")
     parser.add_argument("--source", type=Path, help="a directory --make-source wrote (kept)")
-    parser.add_argument("--profile", type=Path, help="write a cProfile summary of one -j 1 convert here")
+    parser.add_argument("--profile", type=Path, help="write a stack-sampler report of one -j 1 convert here")
     parser.add_argument("--compare", type=Path, action="append", default=[],
                         help="another checkout (a directory holding quantkit/): its convert runs right after each "
                              "of this tree's, same source and jobs; wall ratio to this tree's, equal output")

@@ -2,7 +2,7 @@
 
     python bench/score_vs_llamacpp.py --llama-src LLAMA_CPP_TREE [--build /tmp/llama-build] [--jobs 14]
         [--models 1b,7b] [--tokens 512,2048] [--batch 2048] [--long 16384] [--dtypes float32,bfloat16]
-        [--repeats 3] [--second-half] [--skip-llama] [--overlap-build] [--skip-llama-bench] [--markdown FILE]
+        [--repeats 3] [--second-half] [--scored PASSES] [--skip-llama] [--overlap-build] [--skip-llama-bench] [--markdown FILE]
         [--logs DIR]
 
 1. Starts building llama.cpp's ``llama-perplexity`` and ``llama-bench`` with CUDA for sm_90 from the vendored
@@ -20,7 +20,8 @@
    allocator peak for that load and length.  A pass shape that repeats is captured as a CUDA graph by the runtime
    and replayed (:func:`quantkit.runtime.loader._forward`; up to 4096 tokens, float32): the first timed call or
    two run eagerly (one captures), so give ``--repeats`` 5 for a median of replays, the
-   steady state of chunked scoring that llama-perplexity's steady figure also measures.
+   steady state of chunked scoring that llama-perplexity's steady figure also measures.  ``--scored``: also
+   quantkit score's own host work on those logits (:func:`scored_tokens_per_s`), the "scored" figures.
    Normally after the build has finished (a quiet machine); ``--overlap-build`` times them while it runs
    (to fit a short device lease: give the build fewer ``--jobs`` than the host has cores).
 4. llama.cpp (after the build): ``llama-perplexity -c N`` (flash attention on, all layers on the GPU) over
@@ -150,11 +151,32 @@ def idle_mib() -> int:
     return int(out.split()[0])
 
 
+def scored_tokens_per_s(model, seqs: list[list[int]], passes: int, batch: int) -> float:
+    """quantkit score's own work on the same sequences: each a case whose first token is the prompt and whose
+    other tokens are all targets (NLL, greedy match and first token at every position), ``passes`` passes' worth
+    of cases through :func:`quantkit.scoring.score.run_cases` (forward passes of ``batch`` tokens, each scored on
+    the host while the next runs); tokens/s of the whole run after a warm-up run, its one-token vocabulary probe
+    and its last pass's scoring (not overlapped) included."""
+    from quantkit.scoring.loading import RuntimeSource
+    from quantkit.scoring.score import PreparedCase, run_cases
+    from quantkit.scoring.source import ModelIdentity
+
+    source = RuntimeSource(model, ModelIdentity())
+    cases = [PreparedCase(f"c{k}-{i}", tuple(s[:1]), tuple(s[1:]), None)
+             for k in range(passes) for i, s in enumerate(seqs)]
+    run_cases(source, cases[:2 * len(seqs)], batch_tokens=batch)        # warm-up
+    t0 = time.perf_counter()
+    run_cases(source, cases, batch_tokens=batch)
+    return sum(len(s) for s in seqs) * passes / (time.perf_counter() - t0)
+
+
 def score_quantkit(path: Path, lengths: list[int], repeats: int, dtype: torch.dtype, vocab: int,
-                   batch: int, second_half: bool = False) -> list[dict]:
+                   batch: int, second_half: bool = False, scored: int = 0) -> list[dict]:
     """Sequences of n tokens, ``max(1, batch // n)`` per forward pass (as llama-perplexity's ``-b`` packs chunks
     and ``quantkit score`` packs cases): tokens/s (all n tokens of each sequence, as llama-perplexity counts)
-    over the median call; ``second_half``: logits of positions n/2.. only."""
+    over the median call; ``second_half``: logits of positions n/2.. only; ``scored`` passes (0: none): also
+    :func:`scored_tokens_per_s` (logits and quantkit's scoring of them, as llama-perplexity's figure includes its
+    NLL arithmetic)."""
     records = []
     model = load_model(path, device="cuda", dtype=dtype)
     try:
@@ -176,6 +198,8 @@ def score_quantkit(path: Path, lengths: list[int], repeats: int, dtype: torch.dt
                             "tokens_per_s": n * per_pass / statistics.median(times), "seconds": times,
                             "peak_device_bytes": torch.cuda.max_memory_allocated(),
                             "payload_device_bytes": model.store.device_bytes})
+            if scored:
+                records[-1]["scored_tokens_per_s"] = scored_tokens_per_s(model, seqs, scored, batch)
             emit({"name": f"quantkit {path.stem} {n} {dtype}", **records[-1]})
     finally:
         model.close()
@@ -298,8 +322,12 @@ def markdown(results: dict, dtypes: list[str], second_half: bool = False) -> str
             ours = [next((q for q in r["quantkit"] if q["tokens"] == n and q["dtype"] == d), None) for d in dtypes]
             ref = ppl.get(n, {})
             ref_tps = ref.get("steady_tokens_per_s", ref.get("tokens_per_s"))
-            cells = [f"{q['tokens_per_s']:,.0f}" if q else "-" for q in ours]
-            ratios = [f"{q['tokens_per_s'] / ref_tps:.2f}x" if q and ref_tps else "-" for q in ours]
+            cells = [(f"{q['tokens_per_s']:,.0f}" + (f" (scored {q['scored_tokens_per_s']:,.0f})"
+                                                      if "scored_tokens_per_s" in q else "")) if q else "-"
+                     for q in ours]
+            ratios = [(f"{q['tokens_per_s'] / ref_tps:.2f}x" + (f" (scored {q['scored_tokens_per_s'] / ref_tps:.2f}x)"
+                                                                 if "scored_tokens_per_s" in q else ""))
+                      if q and ref_tps else "-" for q in ours]
             peaks = ", ".join(f"{q['peak_device_bytes'] / 2**30:.2f}" if q else "-" for q in ours)
             ref_peak = f"{ref['peak_device_mib'] / 1024:.2f}" if "peak_device_mib" in ref else ref.get("error", "-")
             ref_cell = f"{ref_tps:,.0f}; {ref['tokens_per_s']:,.0f}" if ref_tps else "-"
@@ -334,6 +362,9 @@ def main() -> None:
     parser.add_argument("--second-half", action="store_true",
                         help="quantkit returns the logits of positions N/2.. only, the ones llama-perplexity asks "
                              "for (default: every position's)")
+    parser.add_argument("--scored", type=int, default=0, metavar="PASSES",
+                        help="also time quantkit's own scoring of the logits (quantkit score's run_cases) over "
+                             "this many passes")
     parser.add_argument("--skip-llama", action="store_true")
     parser.add_argument("--skip-llama-bench", action="store_true")
     parser.add_argument("--overlap-build", action="store_true",
@@ -369,7 +400,7 @@ def main() -> None:
     for name, r in results.items():
         for d in dtypes:
             r["quantkit"] += score_quantkit(r["path"], r["lengths"], args.repeats, getattr(torch, d),
-                                            MODELS[name]["vocab_size"], args.batch, args.second_half)
+                                            MODELS[name]["vocab_size"], args.batch, args.second_half, args.scored)
         if args.markdown:
             args.markdown.write_text(markdown(results, dtypes, args.second_half))
     if build is not None and args.overlap_build:

@@ -14,9 +14,10 @@ from quantkit.errors import FixtureError, FormatError, TruncatedFileError, Valid
 from quantkit.fixtures.directory import Alternative, Case, Position, write_fixture
 from quantkit.fixtures.tokens import Rendering, TextCodec
 from quantkit.scoring import kld
+from quantkit.scoring import logprobs
 from quantkit.scoring.logprobs import log_normalizers, top_ids
 from quantkit.scoring.metrics import ApiCounts, CaseScore, Reference, Totals, case_row, score_case
-from quantkit.scoring.score import PreparedCase, case_batches, prepare_cases, save_logits, score_fixture
+from quantkit.scoring.score import PreparedCase, case_batches, overlapped, prepare_cases, save_logits, score_fixture
 from quantkit.scoring.source import ModelIdentity
 from quantkit.scoring.table import read_table, table_text, write_table
 
@@ -50,6 +51,62 @@ def test_non_finite_logits_raise_naming_the_row(bad, what):
     rows[2, 1] = bad
     with pytest.raises(ValidationError, match=f"row 2 holds {what}"):
         log_normalizers(rows)
+
+
+def test_log_normalizers_split_over_threads_give_the_rows_of_one_thread(monkeypatch):
+    """Each row's float64 sum is the same whatever thread has it; the first bad row is reported, from any thread."""
+    rows = (np.random.default_rng(3).standard_normal((600, 300)) * 4).astype(np.float32)
+    rows[17, :200] = NEG_INF
+    monkeypatch.setattr(logprobs, "available_cpus", lambda: 4)
+    threaded = log_normalizers(rows)
+    monkeypatch.setattr(logprobs, "MAX_THREADS", 1)
+    serial = log_normalizers(rows)
+    monkeypatch.undo()
+    ref = [float(row[-1]) - _logprob(row.tolist(), len(row) - 1) for row in rows[:40]]
+    assert threaded[0][:40] == pytest.approx(ref, abs=1e-12)
+    assert np.array_equal(threaded[0], serial[0]) and np.array_equal(threaded[1], serial[1])
+    monkeypatch.setattr(logprobs, "available_cpus", lambda: 4)
+    rows[590, 3] = np.nan                                      # in the last thread's rows
+    with pytest.raises(ValidationError, match="row 590 holds NaN"):
+        log_normalizers(rows)
+    rows[450, :] = NEG_INF                                     # an earlier bad row, in another thread
+    with pytest.raises(ValidationError, match="row 450 holds only -inf"):
+        log_normalizers(rows)
+
+
+def test_overlapped_scores_a_pass_while_the_next_is_produced():
+    """The work on pass i runs while pass i + 1 is produced (here pass i + 1 cannot be produced before it), results
+    come in order, and a pass's error comes after the result of the pass before it."""
+    import threading
+
+    started = [threading.Event() for _ in range(4)]
+
+    def produce(i):
+        if i > 0:
+            assert started[i - 1].wait(10), "the work on the previous pass did not run beside this one"
+        return i
+
+    def work(i):
+        started[i].set()
+        return i * 10
+
+    assert list(overlapped((produce(i) for i in range(4)), work)) == [0, 10, 20, 30]
+
+    def failing_passes():
+        yield 1
+        raise OSError("pass 2 failed")
+    got = []
+    with pytest.raises(OSError, match="pass 2 failed"):
+        for r in overlapped(failing_passes(), lambda i: i):
+            got.append(r)
+    assert got == [1]
+
+    def failing_work(i):
+        if i == 1:
+            raise FixtureError("work on pass 1 failed")
+        return i
+    with pytest.raises(FixtureError, match="work on pass 1 failed"):
+        list(overlapped(failing_passes(), failing_work))
 
 
 # -- per-case metrics on a hand-computed case ---------------------------------------------------------------

@@ -7,12 +7,23 @@ top-k ids are ordered by logit descending, ties by lower id first, non-finite lo
 """
 from __future__ import annotations
 
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
 import numpy as np
 
 from ..errors import ValidationError
+from ..resources import available_cpus
 
-#: Rows handled per block when converting to float64 (bounds the temporary to ROW_BLOCK x vocab x 8 bytes).
-ROW_BLOCK = 64
+#: Rows handled per block when converting to float64 (bounds each thread's temporary to ROW_BLOCK x vocab x 8 bytes).
+ROW_BLOCK = 16
+#: Threads sharing the rows of one call (numpy releases the GIL in the float64 exp that dominates; per-row results
+#: do not depend on the split).  Rows per thread at least :data:`ROWS_PER_THREAD`: a thread costs ~50 us.
+MAX_THREADS = 8
+ROWS_PER_THREAD = 64
+
+_pool: ThreadPoolExecutor | None = None
+_pool_lock = threading.Lock()
 
 
 class NonFiniteLogits(ValidationError):
@@ -33,24 +44,56 @@ def check_logits(logits: np.ndarray, n_rows: int, what: str) -> np.ndarray:
 
 
 def log_normalizers(logits: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """``(logsum float64 [n], greedy int64 [n])`` per row (module doc)."""
+    """``(logsum float64 [n], greedy int64 [n])`` per row (module doc), rows split over threads."""
+    global _pool
     n = logits.shape[0]
     logsum = np.empty(n, np.float64)
     greedy = np.empty(n, np.int64)
-    for start in range(0, n, ROW_BLOCK):
-        block = logits[start:start + ROW_BLOCK]
-        bad = np.isnan(block) | (block == np.inf)
-        if bad.any():
-            row = int(np.argmax(bad.any(axis=1)))
-            raise NonFiniteLogits(start + row, "NaN" if np.isnan(block[row]).any() else "+inf")
-        some_finite = (block > -np.inf).any(axis=1)
-        if not some_finite.all():
-            raise NonFiniteLogits(start + int(np.argmin(some_finite)), "only -inf")
-        top = block.max(axis=1).astype(np.float64)
-        greedy[start:start + len(block)] = block.argmax(axis=1)
-        shifted = np.exp(block.astype(np.float64) - top[:, None])
-        logsum[start:start + len(block)] = top + np.log(shifted.sum(axis=1))
+    threads = min(MAX_THREADS, available_cpus(), max(1, n // ROWS_PER_THREAD))
+    if threads == 1:
+        bad = _normalize_rows(logits, 0, n, logsum, greedy)
+    else:
+        with _pool_lock:
+            if _pool is None:
+                _pool = ThreadPoolExecutor(MAX_THREADS, thread_name_prefix="quantkit-logsum")
+        bounds = np.linspace(0, n, threads + 1).astype(int)
+        found = list(_pool.map(lambda i: _normalize_rows(logits, bounds[i], bounds[i + 1], logsum, greedy),
+                               range(threads)))
+        bad = min((b for b in found if b is not None), default=None)
+    if bad is not None:
+        raise _non_finite(logits, bad)
     return logsum, greedy
+
+
+def _normalize_rows(logits: np.ndarray, r0: int, r1: int, logsum: np.ndarray, greedy: np.ndarray) -> int | None:
+    """Fill rows ``r0:r1`` of ``logsum`` and ``greedy``; the first row whose largest logit is not finite (NaN or
+    +inf somewhere in it, or nothing above -inf), or None.  ``max`` propagates NaN, so one reduction checks a row."""
+    shifted = np.empty((min(ROW_BLOCK, r1 - r0), logits.shape[1]), np.float64)
+    for start in range(r0, r1, ROW_BLOCK):
+        block = logits[start:min(start + ROW_BLOCK, r1)]
+        top32 = block.max(axis=1)
+        finite = np.isfinite(top32)
+        if not finite.all():
+            return start + int(np.argmin(finite))
+        greedy[start:start + len(block)] = block.argmax(axis=1)
+        top = top32.astype(np.float64)
+        buf = shifted[:len(block)]
+        np.subtract(block, top[:, None], out=buf, dtype=np.float64)    # exact: float32 widens to float64
+        np.exp(buf, out=buf)
+        logsum[start:start + len(block)] = top + np.log(buf.sum(axis=1))
+    return None
+
+
+def _non_finite(logits: np.ndarray, row: int) -> NonFiniteLogits:
+    """The error of the first bad row's block, as a block-by-block check reports it: its first row holding NaN or
+    +inf, else its first row holding nothing above -inf."""
+    start = row - row % ROW_BLOCK
+    block = logits[start:start + ROW_BLOCK]
+    bad = np.isnan(block) | (block == np.inf)
+    if bad.any():
+        first = int(np.argmax(bad.any(axis=1)))
+        return NonFiniteLogits(start + first, "NaN" if np.isnan(block[first]).any() else "+inf")
+    return NonFiniteLogits(row, "only -inf")
 
 
 def top_ids(row: np.ndarray, k: int) -> np.ndarray:

@@ -9,7 +9,8 @@ Order of work (nothing is written until every check has passed):
    then it is left unmapped as ds4 does);
 3. each case is run and scored (:func:`.metrics.score_case`); token ids beyond the model's output width and
    NaN/+inf logits are errors naming the case.  Cases run in groups (:func:`case_batches`): shortest first, as
-   many per forward pass as fit in ``batch_tokens`` once right-padded, each its own sequence;
+   many per forward pass as fit in ``batch_tokens`` once right-padded, each its own sequence; a group is scored
+   on the host while the next group's forward pass runs;
 4. ``save_logits`` / ``kld_base`` (:mod:`.kld`) evaluate the llama-perplexity chunks (``batch_tokens // ctx`` per
    forward pass, as llama-perplexity with ``-b``).
 
@@ -21,8 +22,9 @@ order, cut into ``ctx``-token chunks (a trailing partial chunk is dropped, as ll
 from __future__ import annotations
 
 import os
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Callable, Iterable, Iterator, Sequence, TypeVar
 
 import numpy as np
 
@@ -35,6 +37,9 @@ from .logprobs import NonFiniteLogits, check_logits, log_normalizers
 from .metrics import CaseScore, Reference, Totals, score_case
 from .source import LogitSource, ModelIdentity, check_match
 from .table import TABLE_VERSION, write_table
+
+T = TypeVar("T")
+R = TypeVar("R")
 
 #: Tokens per forward pass of :func:`run_cases` (llama-perplexity's ``-b`` default): short cases run together.
 DEFAULT_BATCH_TOKENS = 2048
@@ -182,23 +187,61 @@ def score_logits(case: PreparedCase, logits: np.ndarray, width: int, first: int 
 def score_group(source: LogitSource, cases: Sequence[PreparedCase], width: int) -> list[CaseScore]:
     """Run ``cases`` (one group of :func:`case_batches`) and score each: the logits from the group's first scored
     position on (a case's prompt positions but its last are not scored)."""
+    return _score_group_logits(_group_logits(source, cases), width)
+
+
+def _group_logits(source: LogitSource, cases: Sequence[PreparedCase]) -> tuple:
     first = min(len(c.prompt_ids) for c in cases) - 1
     logits = sequence_logits(source, [c.prompt_ids + c.target_ids for c in cases], [f"case {c.id}" for c in cases],
                              first)
+    return cases, first, logits
+
+
+def _score_group_logits(ran: tuple, width: int) -> list[CaseScore]:
+    cases, first, logits = ran
     return [score_logits(c, rows, width, first) for c, rows in zip(cases, logits)]
+
+
+def overlapped(passes: Iterable[T], work: Callable[[T], R]) -> Iterator[R]:
+    """``work(p)`` for each of ``passes``, in order, each on a worker thread while the next pass is produced: the
+    host scores one forward pass while the device computes the next (the float64 log-normalizers of 2048 x 32K
+    logits take longer on a CPU than a 7.6B MoE's pass on an H200).  An error comes in its place: a pass's error
+    after the result of the pass before it."""
+    passes = iter(passes)
+    error = None
+    with ThreadPoolExecutor(1, thread_name_prefix="quantkit-score") as worker:
+        pending = None
+        while True:
+            try:
+                item = next(passes)
+            except StopIteration:
+                break
+            except BaseException as exc:  # noqa: BLE001 - raised after the earlier pass's result
+                error = exc
+                break
+            if pending is not None:
+                yield pending.result()
+            pending = worker.submit(work, item)
+        if pending is not None:
+            yield pending.result()
+    if error is not None:
+        raise error
 
 
 def run_cases(source: LogitSource, cases: Sequence[PreparedCase],
               progress: Callable[[CaseScore], None] | None = None,
               batch_tokens: int = DEFAULT_BATCH_TOKENS) -> tuple[list[CaseScore], int]:
-    """Score prepared cases (module doc, step 3) in the groups of :func:`case_batches`; returns the scores in
-    case order and the model's vocabulary width.
+    """Score prepared cases (module doc, step 3) in the groups of :func:`case_batches`, each group scored on the
+    host while the next one's forward pass runs (:func:`overlapped`); returns the scores in case order and the
+    model's vocabulary width.
 
     A one-token probe gives the output width first, so every case's token ids are checked before any runs."""
     width = vocabulary_width(source, cases)
     scores: list[CaseScore | None] = [None] * len(cases)
-    for group in case_batches(cases, batch_tokens):
-        for i, score in zip(group, score_group(source, [cases[i] for i in group], width)):
+    groups = case_batches(cases, batch_tokens)
+    ran = (_group_logits(source, [cases[i] for i in group]) for group in groups)
+    for group, group_scores in zip(groups, overlapped(ran, lambda r: _score_group_logits(r, width))):
+        for i, score in zip(group, group_scores):
             scores[i] = score
             if progress is not None:
                 progress(score)
@@ -212,19 +255,30 @@ def kld_stream(cases: Sequence[PreparedCase]) -> np.ndarray:
 
 def _chunk_rows(source: LogitSource, tokens: np.ndarray, n_ctx: int, n_chunk: int, bos_id: int | None,
                 batch_tokens: int):
-    """(scored rows, targets) of each llama-perplexity chunk, ``batch_tokens // n_ctx`` chunks per forward pass."""
+    """(scored rows, targets) of each llama-perplexity chunk, ``batch_tokens // n_ctx`` chunks per forward pass
+    (a pass's rows checked on the host while the next pass runs)."""
     first, per_pass = n_ctx // 2, max(1, batch_tokens // n_ctx)
-    for start in range(0, n_chunk, per_pass):
+
+    def run(start: int) -> tuple:
         chunks = range(start, min(start + per_pass, n_chunk))
         inputs = [chunk_inputs(tokens, n_ctx, chunk, bos_id) for chunk in chunks]
         logits = sequence_logits(source, [ids for ids, _ in inputs], [f"chunk {chunk}" for chunk in chunks], first)
+        return chunks, inputs, logits
+
+    def check(ran: tuple) -> list:
+        chunks, inputs, logits = ran
+        checked = []
         for chunk, chunk_logits, (_, targets) in zip(chunks, logits, inputs):
             rows = chunk_logits[:n_ctx - 1 - first]
             try:
                 log_normalizers(rows)
             except NonFiniteLogits as exc:
                 raise ValidationError(f"chunk {chunk}: the model's logits hold NaN or +inf ({exc.detail})") from None
-            yield rows, targets
+            checked.append((rows, targets))
+        return checked
+
+    for checked in overlapped((run(start) for start in range(0, n_chunk, per_pass)), check):
+        yield from checked
 
 
 def save_logits(source: LogitSource, codec: TextCodec, cases: Sequence[PreparedCase], n_ctx: int,
