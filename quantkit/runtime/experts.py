@@ -148,17 +148,19 @@ def grouped_experts_forward(self, hidden_states: torch.Tensor, top_k_index: torc
 def sorted_experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                            top_k_weights: torch.Tensor) -> torch.Tensor:
     """A transformers experts module's forward as the eager loop's per-expert products over rows sorted by expert
-    (see the module doc): each expert's tokens multiplied by its weights, scaled by their routing weights, and each
-    token's results summed in expert order, as the eager loop computes them."""
+    (see the module doc): each expert's rows, in the eager loop's order, multiplied by its weights and scaled by
+    their routing weights, and each token's results summed in expert order: the eager loop's arithmetic."""
     if self.has_bias or self.has_post_expert_norm or not self.is_concatenated or self._is_expert_parallel \
             or self.is_transposed:
         return _eager(self)(self, hidden_states, top_k_index, top_k_weights)
     tokens, top_k = top_k_index.shape
-    pairs = top_k_index.reshape(-1)
-    order = torch.argsort(pairs, stable=True)      # pair t * top_k + k; stable: an expert's tokens in order
+    # pair k * tokens + t (slot-major); stable: an expert's rows in the eager loop's order (slot, then token), so
+    # its product is the eager loop's product, row for row
+    pairs = top_k_index.t().reshape(-1)
+    order = torch.argsort(pairs, stable=True)
     counts = torch.bincount(pairs, minlength=self.num_experts).tolist()
-    x = hidden_states.index_select(0, order // top_k)
-    weights = top_k_weights.reshape(-1).index_select(0, order)[:, None]
+    x = hidden_states.index_select(0, order % tokens)
+    weights = top_k_weights.t().reshape(-1).index_select(0, order)[:, None]
     up = self.gate_up_proj if self.has_gate else self.up_proj
     out = torch.empty(pairs.numel(), hidden_states.shape[-1], dtype=torch.promote_types(hidden_states.dtype,
                       weights.dtype))
@@ -175,7 +177,7 @@ def sorted_experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch
     # (embedding_bag: 4x faster here than a gather and a sum, and than index_add_)
     position = torch.empty_like(order)
     position[order] = torch.arange(order.numel())
-    bags = position.view(tokens, top_k).sort(dim=1).values
+    bags = position.view(top_k, tokens).t().sort(dim=1).values
     return F.embedding_bag(bags, out, mode="sum").to(hidden_states.dtype)
 
 
