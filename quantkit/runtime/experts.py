@@ -31,8 +31,8 @@ post-expert norm, interleaved gate/up rows, transposed weights or expert paralle
 
 On the CPU (float32 arithmetic) :func:`sorted_experts_forward` (:data:`SORTED`) runs the eager loop's products, one
 routed expert's weights at a time (so a model larger than memory still streams), over rows sorted by expert once:
-no one-hot mask, per-expert searches or index_add_ (on the example model the eager loop's bookkeeping took more time
-than its products' Python calls).
+no one-hot mask, per-expert searches or index_add_, ~6% of a 4 x 512-token pass of the example GGUF
+(bench/results/score-cpu-vs-llamacpp-2026-12-03.md), and in float32 the eager loop's arithmetic bit for bit.
 """
 from __future__ import annotations
 
@@ -149,7 +149,8 @@ def sorted_experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch
                            top_k_weights: torch.Tensor) -> torch.Tensor:
     """A transformers experts module's forward as the eager loop's per-expert products over rows sorted by expert
     (see the module doc): each expert's rows, in the eager loop's order, multiplied by its weights and scaled by
-    their routing weights, and each token's results summed in expert order: the eager loop's arithmetic."""
+    their routing weights, and each token's results summed in expert order: in float32, the eager loop's
+    arithmetic."""
     if self.has_bias or self.has_post_expert_norm or not self.is_concatenated or self._is_expert_parallel \
             or self.is_transposed:
         return _eager(self)(self, hidden_states, top_k_index, top_k_weights)
@@ -162,8 +163,8 @@ def sorted_experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch
     x = hidden_states.index_select(0, order % tokens)
     weights = top_k_weights.t().reshape(-1).index_select(0, order)[:, None]
     up = self.gate_up_proj if self.has_gate else self.up_proj
-    out = torch.empty(pairs.numel(), hidden_states.shape[-1], dtype=torch.promote_types(hidden_states.dtype,
-                      weights.dtype))
+    out = torch.empty(pairs.numel(), hidden_states.shape[-1], device=hidden_states.device,
+                      dtype=torch.promote_types(hidden_states.dtype, weights.dtype))
     start = 0
     for expert, n in enumerate(counts):
         if n:
@@ -176,7 +177,7 @@ def sorted_experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch
     # each token's rows, ascending (so in expert order, the eager loop's order of summation), summed in one pass
     # (embedding_bag: 4x faster here than a gather and a sum, and than index_add_)
     position = torch.empty_like(order)
-    position[order] = torch.arange(order.numel())
+    position[order] = torch.arange(order.numel(), device=order.device)
     bags = position.view(top_k, tokens).t().sort(dim=1).values
     return F.embedding_bag(bags, out, mode="sum").to(hidden_states.dtype)
 
