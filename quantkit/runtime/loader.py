@@ -7,8 +7,9 @@
 2. constructs the model with every parameter on the meta device (no memory, no random init) and buffers real, so
    values the model computes at construction (rotary frequencies, n-gram hash constants) are transformers' own;
    routed experts run as grouped products on CUDA (:mod:`.experts`: tokens sorted by expert, a layer's experts
-   decoded together) and as transformers' eager per-expert loop on the CPU (``experts_implementation="eager"``,
-   the one that reads one expert at a time, so a model larger than memory streams); ``experts=`` overrides;
+   decoded together) and, on the CPU, as per-expert products over rows sorted by expert once (one expert's
+   weights read at a time, so a model larger than memory streams; with ``ggml-cpu`` arithmetic transformers'
+   eager per-expert loop, whose products ggml runs); ``experts=`` overrides;
    attention is transformers' SDPA (``attn_implementation="sdpa"``) wherever the model's code supports it (all
    but DeepSeek V4 among the seed architectures), kept off the O(n^2) math kernel in float32 (:mod:`.attention`);
 3. resolves every parameter and persistent buffer through the architecture map (:meth:`quantkit.arch.ArchMap.resolve`)
@@ -44,7 +45,7 @@ from ..arch.dialects import relaid_mappings
 from ..errors import FixtureError, FormatError, UnsupportedError, ValidationError
 from ..io.gguf import KV
 from .attention import install as install_sdpa, one_sequence_per_row
-from .experts import EXPERTS_MODES, GROUPED, register as register_grouped
+from .experts import EXPERTS_MODES, GROUPED, SORTED, register as register_experts
 from .inverse import TensorPlan, plan_tensor
 from .packed import FUSED_DTYPES, Assembler, PackedTensor, WeightStore, finite_flag, scale_companion
 from .weights import SOURCE_CONFIG_KEY, open_weights
@@ -122,8 +123,8 @@ def model_skeleton(config: Mapping[str, Any], dtype: torch.dtype = torch.float32
         raise UnsupportedError(f"transformers {transformers.__version__} has no model type {model_type!r}",
                                field="model_type")
     hf_config = CONFIG_MAPPING[model_type].from_dict(dict(config))
-    if experts_implementation == GROUPED:
-        register_grouped()
+    if experts_implementation in (GROUPED, SORTED):
+        register_experts()
     install_sdpa()
     hf_config._experts_implementation = experts_implementation
     names = list(config.get("architectures") or []) or [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type)]
@@ -211,8 +212,8 @@ def load_model(path: str | os.PathLike, device: str | torch.device = "cpu", *,
     device.  ``cache_bytes`` and ``replace`` apply to a checkpoint (:class:`.weights.CheckpointWeights`).
     ``keep_bytes``: packed weights decoded on use are kept, up to this many bytes (:class:`.packed.Assembler`),
     for a model run many times (a calibration run).  ``arithmetic``: ``float32`` or ``ggml-cpu`` (module doc).
-    ``experts``: ``grouped`` (:mod:`.experts`), ``eager`` (transformers' per-expert loop) or ``auto`` (grouped on
-    CUDA with float32 arithmetic, eager otherwise).
+    ``experts``: ``grouped`` or ``sorted`` (:mod:`.experts`), ``eager`` (transformers' per-expert loop) or ``auto``
+    (with float32 arithmetic grouped on CUDA and sorted on the CPU; eager otherwise).
     """
     if arithmetic not in ARITHMETICS:
         raise UnsupportedError(f"unknown arithmetic {arithmetic!r} (one of {', '.join(ARITHMETICS)})")
@@ -220,12 +221,13 @@ def load_model(path: str | os.PathLike, device: str | torch.device = "cpu", *,
         raise UnsupportedError(f"unknown experts mode {experts!r} (one of {', '.join(EXPERTS_MODES)})")
     device = torch.device(device)
     if experts == "auto":
-        experts = "grouped" if device.type == "cuda" and arithmetic == "float32" else "eager"
+        experts = "eager" if arithmetic != "float32" else "grouped" if device.type == "cuda" else "sorted"
     if device.type == "cuda" and not torch.cuda.is_available():
         raise UnsupportedError("device cuda requested but torch sees no CUDA device")
     weights = open_weights(path, config, cache_bytes=cache_bytes, replace=replace)
     try:
-        model = _load(weights, device, dtype, stream, keep_bytes, GROUPED if experts == "grouped" else "eager")
+        implementation = {"grouped": GROUPED, "sorted": SORTED}.get(experts, "eager")
+        model = _load(weights, device, dtype, stream, keep_bytes, implementation)
     except BaseException:
         weights.close()
         raise

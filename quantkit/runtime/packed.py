@@ -441,13 +441,34 @@ class PackedTensor(torch.Tensor):
             found = self.__dict__["_activation_type"] = kinds.pop()
         return found
 
+    def expert(self, index) -> torch.Tensor:
+        """``self[index]`` of a sliced (experts) weight: that expert's matrix alone, marked with the packed weight
+        and the index for :mod:`.ggml_arithmetic`."""
+        index = _index(index, self.shape[0])
+        matrix = self.assembler.weight(self.plan, self.dtype, index)
+        setattr(matrix, ACTIVATION_ATTR, self)
+        setattr(matrix, SLICE_ATTR, index)
+        return matrix
+
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        # The two uses every forward pass makes of a packed weight, answered here rather than through
+        # __torch_dispatch__ (F.linear there is aten::t, then a product, each a trip through Python and tree_map):
+        # on the CPU ~30 us a product, 2 of the ~10 ms a pass of the example model costs beyond its arithmetic.
         if func is F.linear:
             out = _fused_linear(*args, **kwargs)
             if out is not None:
                 return out
+            if isinstance(args[1], PackedTensor) and not isinstance(args[0], PackedTensor):
+                args = (args[0], args[1].materialize(), *args[2:])
+                with torch._C.DisableTorchFunctionSubclass():
+                    return F.linear(*args, **kwargs)
+        elif func is torch.Tensor.__getitem__ and isinstance(args[0], PackedTensor) and args[0].plan.sliced \
+                and isinstance(args[1], (int, torch.Tensor)) and not isinstance(args[1], bool) \
+                and (not isinstance(args[1], torch.Tensor) or (args[1].dim() == 0 and not args[1].is_floating_point()
+                                                                and args[1].dtype != torch.bool)):
+            return args[0].expert(args[1])
         return torch._C._disabled_torch_function_impl(func, types, args, kwargs)
 
     @classmethod
@@ -455,11 +476,7 @@ class PackedTensor(torch.Tensor):
         kwargs = kwargs or {}
         if func is _aten.select.int and isinstance(args[0], PackedTensor) and args[1] == 0 \
                     and args[0].plan.sliced:
-            index = _index(args[2], args[0].shape[0])
-            matrix = args[0].assembler.weight(args[0].plan, args[0].dtype, index)
-            setattr(matrix, ACTIVATION_ATTR, args[0])
-            setattr(matrix, SLICE_ATTR, index)
-            return matrix
+            return args[0].expert(args[2])
         if func is _aten.embedding.default and isinstance(args[0], PackedTensor):
             picked = args[0].assembler.rows(args[0].plan, args[1], args[0].dtype)
             if picked is not None:
