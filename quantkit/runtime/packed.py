@@ -376,6 +376,13 @@ def fused_parts(assembler: Assembler, plan: TensorPlan) -> tuple[FusedPart, ...]
     return tuple(found)
 
 
+def _is_single_index(index) -> bool:
+    """An integer, or a 0-d integer tensor: ``weight[index]`` picks one expert's matrix."""
+    if isinstance(index, torch.Tensor):
+        return index.dim() == 0 and not index.is_floating_point() and index.dtype != torch.bool
+    return isinstance(index, int) and not isinstance(index, bool)
+
+
 class PackedTensor(torch.Tensor):
     """A weight that exists only as GGUF payloads; operations on it decode what they need (see module doc)."""
 
@@ -465,9 +472,7 @@ class PackedTensor(torch.Tensor):
                 with torch._C.DisableTorchFunctionSubclass():
                     return F.linear(*args, **kwargs)
         elif func is torch.Tensor.__getitem__ and isinstance(args[0], PackedTensor) and args[0].plan.sliced \
-                and isinstance(args[1], (int, torch.Tensor)) and not isinstance(args[1], bool) \
-                and (not isinstance(args[1], torch.Tensor) or (args[1].dim() == 0 and not args[1].is_floating_point()
-                                                                and args[1].dtype != torch.bool)):
+                and _is_single_index(args[1]):
             return args[0].expert(args[1])
         return torch._C._disabled_torch_function_impl(func, types, args, kwargs)
 

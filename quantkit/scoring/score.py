@@ -187,18 +187,21 @@ def score_logits(case: PreparedCase, logits: np.ndarray, width: int, first: int 
 def score_group(source: LogitSource, cases: Sequence[PreparedCase], width: int) -> list[CaseScore]:
     """Run ``cases`` (one group of :func:`case_batches`) and score each: the logits from the group's first scored
     position on (a case's prompt positions but its last are not scored)."""
-    return _score_group_logits(_group_logits(source, cases), width)
+    return _score_group_logits(cases, _group_logits(source, cases), width)
 
 
-def _group_logits(source: LogitSource, cases: Sequence[PreparedCase]) -> tuple:
-    first = min(len(c.prompt_ids) for c in cases) - 1
-    logits = sequence_logits(source, [c.prompt_ids + c.target_ids for c in cases], [f"case {c.id}" for c in cases],
-                             first)
-    return cases, first, logits
+def _first_scored(cases: Sequence[PreparedCase]) -> int:
+    """The first position whose logits a group needs: its shortest prompt's last."""
+    return min(len(c.prompt_ids) for c in cases) - 1
 
 
-def _score_group_logits(ran: tuple, width: int) -> list[CaseScore]:
-    cases, first, logits = ran
+def _group_logits(source: LogitSource, cases: Sequence[PreparedCase]) -> list[np.ndarray]:
+    return sequence_logits(source, [c.prompt_ids + c.target_ids for c in cases], [f"case {c.id}" for c in cases],
+                           _first_scored(cases))
+
+
+def _score_group_logits(cases: Sequence[PreparedCase], logits: list[np.ndarray], width: int) -> list[CaseScore]:
+    first = _first_scored(cases)
     return [score_logits(c, rows, width, first) for c, rows in zip(cases, logits)]
 
 
@@ -239,9 +242,9 @@ def run_cases(source: LogitSource, cases: Sequence[PreparedCase],
     width = vocabulary_width(source, cases)
     scores: list[CaseScore | None] = [None] * len(cases)
     groups = case_batches(cases, batch_tokens)
-    ran = (_group_logits(source, [cases[i] for i in group]) for group in groups)
-    for group, group_scores in zip(groups, overlapped(ran, lambda r: _score_group_logits(r, width))):
-        for i, score in zip(group, group_scores):
+    ran = ((group, _group_logits(source, group)) for group in ([cases[i] for i in g] for g in groups))
+    for indices, group_scores in zip(groups, overlapped(ran, lambda r: _score_group_logits(*r, width))):
+        for i, score in zip(indices, group_scores):
             scores[i] = score
             if progress is not None:
                 progress(score)
