@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from _common import emit
-from runtime_gpu import write_synthetic
+from synthetic_gguf import write_synthetic
 from score_vs_llamacpp import MODELS
 
 from quantkit.kernels import triton_matmul

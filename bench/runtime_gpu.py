@@ -18,7 +18,6 @@ Prints one JSON object per measurement, then a markdown table (also written to `
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import tempfile
 import time
@@ -26,29 +25,18 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from gguf.constants import GGML_QUANT_SIZES, GGUFValueType
+from gguf.constants import GGML_QUANT_SIZES
 
 from _common import emit
+from synthetic_gguf import SYNTHETIC, write_synthetic
 
-from quantkit.arch import get_arch
 from quantkit.formats.registry import GGMLType
-from quantkit.io.gguf import KV
-from quantkit.io.gguf_writer import GGUFWriter, TensorSpec, plan_layout
 from quantkit.kernels.dequant import FAST_DECODERS
 from quantkit.kernels.triton_dequant import TRITON_TYPES, dequantize
-from quantkit.runtime import SOURCE_CONFIG_KEY, load_model, logits
-from quantkit.runtime.loader import model_skeleton
+from quantkit.runtime import load_model, logits
 
 BAR = 0.70
 CHECK_BLOCKS = 8192
-#: f16 scale fields (byte offset, value) giving weights of ~0.02 from random quants (synthetic model only).
-SCALE_FIELDS = {GGMLType.Q4_K: ((0, 1e-4), (2, 1e-4)), GGMLType.Q8_0: ((0, 3e-4),)}
-SYNTHETIC = {"model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"], "vocab_size": 32000,
-             "hidden_size": 2048, "intermediate_size": 5632, "num_hidden_layers": 8, "num_attention_heads": 16,
-             "num_key_value_heads": 4, "head_dim": 128, "num_experts": 16, "num_experts_per_tok": 4,
-             "moe_intermediate_size": 1024, "norm_topk_prob": True, "max_position_embeddings": 4096,
-             "rms_norm_eps": 1e-6, "rope_parameters": {"rope_type": "default", "rope_theta": 1e6},
-             "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2}
 
 
 def cuda_median(fn, repeats: int) -> list[float]:
@@ -93,38 +81,6 @@ def bench_type(name: str, values: int, repeats: int) -> dict:
            "bit_identical_sample": identical, "bar": BAR}
     emit(rec)
     return rec
-
-
-def _random_payload(qtype: GGMLType, shape: tuple[int, ...], rng) -> np.ndarray:
-    if qtype is GGMLType.F32:
-        return np.ones(shape, np.float32)
-    block, size = GGML_QUANT_SIZES[qtype]
-    n_blocks = int(np.prod(shape)) // block
-    raw = rng.integers(0, 256, size=(n_blocks, size), dtype=np.uint8)
-    for offset, value in SCALE_FIELDS[qtype]:
-        raw[:, offset:offset + 2] = np.frombuffer(np.float16(value).tobytes(), np.uint8)
-    return raw
-
-
-def write_synthetic(path: Path, config: dict, extra_metadata: tuple = ()) -> int:
-    """A qwen3moe GGUF of random blocks for ``config`` (plus ``extra_metadata`` keys: a tokenizer); returns the
-    parameter count."""
-    amap = get_arch("qwen3_moe").bind(config)
-    skeleton = model_skeleton(config)
-    shapes = {name: tuple(t.shape) for name, t in skeleton.state_dict().items()}
-    outputs = amap.outputs(shapes)
-    kind = {o.gguf_name: (GGMLType.F32 if len(o.shape) < 2 else
-                          GGMLType.Q4_K if o.tensor_class.startswith("routed_") else GGMLType.Q8_0) for o in outputs}
-    meta = amap.metadata(None) + [(SOURCE_CONFIG_KEY, KV(json.dumps(config), GGUFValueType.STRING)),
-                                  *extra_metadata]
-    layout = plan_layout(meta, [TensorSpec(o.gguf_name, o.shape, kind[o.gguf_name]) for o in outputs])
-    rng = np.random.default_rng(0)
-    with GGUFWriter(path, layout, overwrite=True) as writer:
-        writer.write_header()
-        for o in outputs:
-            writer.write_tensor(o.gguf_name, _random_payload(kind[o.gguf_name], o.shape, rng))
-        writer.finish()
-    return sum(int(np.prod(o.shape)) for o in outputs)
 
 
 def _score(path: Path, tokens: int, repeats: int, stream: bool) -> dict:

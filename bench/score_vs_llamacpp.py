@@ -1,17 +1,28 @@
 """All-position scoring on one GPU: quantkit's CUDA runtime vs llama.cpp's CUDA build, same synthetic GGUFs, one run.
 
     python bench/score_vs_llamacpp.py --llama-src LLAMA_CPP_TREE [--build /tmp/llama-build] [--jobs 14]
-        [--models 1b,7b] [--tokens 512,2048] [--batch 2048] [--long 16384] [--dtypes float32,bfloat16]
+        [--models 1b,7b,v4,glm5,qwen4] [--tokens 512,2048] [--batch 2048] [--long 16384] [--dtypes float32,bfloat16]
         [--repeats 3] [--second-half] [--scored PASSES] [--skip-llama] [--overlap-build] [--skip-llama-bench] [--markdown FILE]
         [--logs DIR]
 
 1. Starts building llama.cpp's ``llama-perplexity`` and ``llama-bench`` with CUDA for sm_90 from the vendored
    source tree (``python -m quantkit.testing.llama_src`` prints where it is) in the background (about 5 minutes
    on 16 cores).
-2. Writes synthetic Qwen3-MoE GGUFs (random Q4_K routed experts, Q8_0 other matrices, F32 vectors: the builder
-   of bench/runtime_gpu.py) with a small SentencePiece vocabulary so llama-perplexity can tokenize a text:
-   ``1b`` (1.02B, 16 experts top-4, 8 layers) and ``7b`` (7.6B, 64 experts top-8, 24 layers), and a text of
-   random words (one token each).
+2. Writes synthetic GGUFs (random Q4_K routed experts, Q8_0 other matrices, F32 vectors and small sensitive
+   tensors: the builder of bench/synthetic_gguf.py) with a small SentencePiece vocabulary so llama-perplexity can
+   tokenize a text, and a text of random words (one token each).  ``--models`` picks them (default ``1b,7b``):
+
+   * ``1b``: Qwen3-MoE, 1.02B, 16 experts top-4, 8 layers; ``7b``: Qwen3-MoE, 7.6B, 64 experts top-8, 24 layers;
+   * one per seed architecture, each its tiny test model (:mod:`quantkit.testing.tiny_models`, every layer type)
+     scaled to hidden 2048 within llama.cpp's constraints (../shared/INTEROP.md), about 2B parameters:
+     ``v4``: DeepSeek V4, 2.02B, 32 experts (width 1024) top-6, 8 layers: 2 sliding-window and 3 compressed
+     sparse (ratio 4, indexer top-64) and 3 heavily compressed (ratio 128), the first 3 hash-routed;
+     ``glm5``: GLM-5 Next, 1.97B, 32 experts (width 1024) top-8, 9 layers: 3 x (KDA linear attention, MLA running
+     its indexer, MLA reusing that selection), the first MLP dense;
+     ``qwen4``: Qwen4-Exp, 2.03B, 32 experts (width 512) top-8, 12 layers: 3 x (3 gated-delta-net layers, one QSA
+     sparse attention layer, indexer budget 256), the PLE n-gram embedding on the first.  Once its sparse
+     attention engages, quantkit (transformers) selects blocks and llama.cpp single tokens (INTEROP.md): the
+     logits differ, the work compared is the same.
 3. quantkit: :func:`quantkit.runtime.logits_batch` (every position's logits, copied to the host; with
    ``--second-half`` those of positions N/2.. only, what llama-perplexity asks for) on random
    tokens of each ``--tokens`` length N (and ``--long`` for the first model), ``max(1, --batch // N)`` sequences
@@ -54,15 +65,64 @@ import torch
 from gguf.constants import GGUFValueType
 
 from _common import commit, emit
-from runtime_gpu import SYNTHETIC, write_synthetic
+from synthetic_gguf import SYNTHETIC, write_synthetic
 
 from quantkit.io.gguf import KV, ArrayOf
 from quantkit.runtime import load_model, logits_batch
+from quantkit.testing import tiny_models
+
+def seed_config(arch: str, text: dict) -> dict:
+    """The ``config.json`` of a seed architecture's model: its tiny test model
+    (:func:`quantkit.testing.tiny_models.tiny_config`, every layer type) with the text model's ``text`` values over
+    it, the bench vocabulary's size and special ids, and the keys llama.cpp's converter reads (INTEROP.md)."""
+    spec = tiny_models.get_arch(arch)
+    tiny = tiny_models.tiny_config(arch)
+    values = tiny.to_dict()
+    body = values["text_config"] if spec.nested else values
+    body.update(vocab_size=SYNTHETIC["vocab_size"], bos_token_id=1, eos_token_id=2, pad_token_id=0, **text)
+    config = type(tiny).from_dict(values)      # transformers fills in what the values imply (layer schedules)
+    values = {**config.to_dict(), **spec.converter_keys(config), "architectures": [spec.model_class]}
+    values.pop("transformers_version", None)
+    return values
+
+
+def vocab_size(config: dict) -> int:
+    """A config's vocabulary size (a vision-language config holds it in its text model's)."""
+    return config.get("text_config", config)["vocab_size"]
+
 
 MODELS = {
     "1b": SYNTHETIC,
     "7b": {**SYNTHETIC, "num_hidden_layers": 24, "num_experts": 64, "num_experts_per_tok": 8,
            "moe_intermediate_size": 768},
+    # sliding (ratio 0) and hash-routed layers first, then compressed sparse (4) and heavily compressed (128);
+    # the rope rebuilt from the legacy keys, as the tiny config's carries the rotary fraction of its head_dim
+    "v4": seed_config("deepseek_v4", dict(
+        hidden_size=2048, num_hidden_layers=8, num_attention_heads=16, head_dim=512, q_lora_rank=1024,
+        qk_rope_head_dim=64, partial_rotary_factor=None, rope_parameters=None,
+        rope_scaling=dict(tiny_models.V4_ROPE_SCALING), o_groups=8, o_lora_rank=512, n_routed_experts=32,
+        num_experts_per_tok=6, moe_intermediate_size=1024, index_n_heads=32, index_head_dim=128, index_topk=64,
+        sliding_window=128,
+        layer_types=["sliding_attention"] * 2 + ["compressed_sparse_attention", "heavily_compressed_attention"] * 3,
+        mlp_layer_types=["hash_moe"] * 3 + ["moe"] * 5)),
+    # KDA linear attention, MLA running its indexer, MLA reusing that selection; the first MLP dense
+    "glm5": seed_config("glm5_next", dict(
+        hidden_size=2048, intermediate_size=5632, num_hidden_layers=9, num_attention_heads=16,
+        num_key_value_heads=16, q_lora_rank=1024, kv_lora_rank=512, qk_nope_head_dim=128, v_head_dim=128,
+        n_routed_experts=32, num_experts_per_tok=8, moe_intermediate_size=1024, index_n_heads=32,
+        index_head_dim=128, index_topk=256, linear_head_dim=128, linear_num_heads=16,
+        layer_types=["linear_attention", "indexed_attention", "indexed_attention"] * 3,
+        indexer_types=["full", "full", "shared"] * 3, mlp_layer_types=["dense"] + ["sparse"] * 8)),
+    # three gated-delta-net layers per QSA sparse attention layer; the PLE n-gram embedding on layer 0
+    "qwen4": seed_config("qwen4_exp", dict(
+        hidden_size=2048, num_hidden_layers=12, num_attention_heads=16, num_key_value_heads=2, head_dim=256,
+        linear_key_head_dim=128, linear_value_head_dim=128, linear_num_key_heads=16, linear_num_value_heads=32,
+        num_experts=32, num_experts_per_tok=8, moe_intermediate_size=512, shared_expert_intermediate_size=512,
+        layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 3, hc_lowrank=320, ple_layer_ids=[1],
+        ple_embed_dim=2048, heads_per_ngram=8, ngram_vocab_size_base=50_000, split_ngram_parts=16,
+        indexer_n_heads=16, indexer_head_dim=128, indexer_budget=256,
+        rope_parameters={"rope_type": "default", "rope_theta": 10_000_000.0, "partial_rotary_factor": 0.25,
+                         "mrope_section": [11, 11, 10], "mrope_interleaved": True})),
 }
 #: Tokens llama-perplexity scores per context length: enough chunks for a steady figure.
 PERPLEXITY_TOKENS = 16384
@@ -352,7 +412,7 @@ def main() -> None:
     parser.add_argument("--llama-src", type=Path)
     parser.add_argument("--build", type=Path, default=Path("/tmp/llama-build"))
     parser.add_argument("--jobs", type=int, default=14)
-    parser.add_argument("--models", default="1b,7b")
+    parser.add_argument("--models", default="1b,7b", help=f"comma-separated, of {','.join(MODELS)}")
     parser.add_argument("--tokens", default="512,2048")
     parser.add_argument("--long", default="", help="extra lengths scored on the first model only")
     parser.add_argument("--dtypes", default="float32,bfloat16")
@@ -389,7 +449,7 @@ def main() -> None:
         config = MODELS[name]
         path = args.workdir / f"synthetic-{name}.gguf"
         t0 = time.perf_counter()
-        params = write_synthetic(path, config, tokenizer_metadata(config["vocab_size"]))
+        params = write_synthetic(path, config, tokenizer_metadata(vocab_size(config)))
         emit({"name": f"wrote {path.name}", "parameters": params, "seconds": time.perf_counter() - t0})
         results[name] = {"path": path, "parameters": params, "file_bytes": path.stat().st_size,
                          "lengths": lengths + (long if number == 0 else []),
@@ -400,7 +460,7 @@ def main() -> None:
     for name, r in results.items():
         for d in dtypes:
             r["quantkit"] += score_quantkit(r["path"], r["lengths"], args.repeats, getattr(torch, d),
-                                            MODELS[name]["vocab_size"], args.batch, args.second_half, args.scored)
+                                            vocab_size(MODELS[name]), args.batch, args.second_half, args.scored)
         if args.markdown:
             args.markdown.write_text(markdown(results, dtypes, args.second_half))
     if build is not None and args.overlap_build:
