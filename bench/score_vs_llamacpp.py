@@ -459,8 +459,13 @@ def main() -> None:
         wait_for(build, args.logs)
     for name, r in results.items():
         for d in dtypes:
-            r["quantkit"] += score_quantkit(r["path"], r["lengths"], args.repeats, getattr(torch, d),
-                                            vocab_size(MODELS[name]), args.batch, args.second_half, args.scored)
+            try:
+                r["quantkit"] += score_quantkit(r["path"], r["lengths"], args.repeats, getattr(torch, d),
+                                                vocab_size(MODELS[name]), args.batch, args.second_half, args.scored)
+            except Exception as exc:  # noqa: BLE001 - one model's failure is reported; the others are measured
+                emit({"name": f"quantkit {name} {d}", "error": f"{type(exc).__name__}: {exc}".splitlines()[0]})
+                gc.collect()
+                torch.cuda.empty_cache()
         if args.markdown:
             args.markdown.write_text(markdown(results, dtypes, args.second_half))
     if build is not None and args.overlap_build:

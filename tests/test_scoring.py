@@ -17,7 +17,8 @@ from quantkit.scoring import kld
 from quantkit.scoring import logprobs
 from quantkit.scoring.logprobs import log_normalizers, top_ids
 from quantkit.scoring.metrics import ApiCounts, CaseScore, Reference, Totals, case_row, score_case
-from quantkit.scoring.score import PreparedCase, case_batches, overlapped, prepare_cases, save_logits, score_fixture
+from quantkit.scoring.score import (PreparedCase, case_batches, one_ahead, overlapped, prepare_cases, run_cases,
+                                   save_logits, score_fixture)
 from quantkit.scoring.source import ModelIdentity
 from quantkit.scoring.table import read_table, table_text, write_table
 
@@ -107,6 +108,29 @@ def test_overlapped_scores_a_pass_while_the_next_is_produced():
         return i
     with pytest.raises(FixtureError, match="work on pass 1 failed"):
         list(overlapped(failing_passes(), failing_work))
+
+
+def test_one_ahead_gives_an_item_once_the_next_is_produced():
+    """Item i comes out only after item i + 1 was produced (the next pass queued before this one's logits are
+    collected); the last comes at the end; an error producing item i + 1 comes after item i."""
+    log = []
+
+    def produce(n, fail_at=None):
+        for i in range(n):
+            if i == fail_at:
+                raise OSError(f"item {i} failed")
+            log.append(f"made {i}")
+            yield i
+
+    for i in one_ahead(produce(3)):
+        log.append(f"got {i}")
+    assert log == ["made 0", "made 1", "got 0", "made 2", "got 1", "got 2"]
+    got = []
+    with pytest.raises(OSError, match="item 2 failed"):
+        for i in one_ahead(produce(4, fail_at=2)):
+            got.append(i)
+    assert got == [0, 1]
+    assert list(one_ahead(iter([]))) == []
 
 
 # -- per-case metrics on a hand-computed case ---------------------------------------------------------------
@@ -330,6 +354,46 @@ def test_logits_files_written_in_groups_equal_chunks_one_at_a_time(tmp_path, cod
         n_chunk = save_logits(many, codec, cases, 6, files[batch], 512, batch_tokens=batch)
         assert n_chunk >= 3 and max(map(len, many.calls), default=1) == (1 if batch == 6 else n_chunk)
     assert files[6].read_bytes() == files[2048].read_bytes()
+
+
+class StartingSource(ManySource):
+    """:class:`ManySource` whose passes are started, then collected (as the runtime on CUDA), logging both."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.log = []
+
+    def start_logits_many(self, sequences, first=0):
+        n = sum(entry.startswith("start") for entry in self.log)
+        self.log.append(f"start {n}")
+        logits = self.logits_many(sequences, first)
+
+        def collect():
+            self.log.append(f"collect {n}")
+            return logits
+        return collect
+
+    def started_before_collected(self) -> bool:
+        """Pass i + 1 started before pass i was collected, for every pass; every pass collected once."""
+        n = sum(entry.startswith("start") for entry in self.log)
+        return sorted(self.log) == sorted([f"start {i}" for i in range(n)] + [f"collect {i}" for i in range(n)]) \
+            and all(self.log.index(f"start {i + 1}") < self.log.index(f"collect {i}") for i in range(n - 1))
+
+
+def test_a_pass_is_started_before_the_previous_one_is_collected(tmp_path, codec):
+    """quantkit score and the saved-logits chunks queue pass i + 1 before collecting pass i's logits, with the
+    scores and files of one pass at a time."""
+    cases = prepare_cases(_fixture(tmp_path, codec), codec, ctx=64)
+    alone, _ = run_cases(FakeSource(512), cases, batch_tokens=1)
+    starting = StartingSource(512)
+    assert run_cases(starting, cases, batch_tokens=1)[0] == alone
+    assert len(starting.log) >= 4 and starting.started_before_collected()
+    one, pipelined = tmp_path / "one.bin", tmp_path / "pipelined.bin"
+    save_logits(FakeSource(512), codec, cases, 6, one, 512, batch_tokens=12)
+    starting = StartingSource(512)
+    save_logits(starting, codec, cases, 6, pipelined, 512, batch_tokens=12)
+    assert one.read_bytes() == pipelined.read_bytes()
+    assert len(starting.log) >= 4 and starting.started_before_collected()
 
 
 class RaisingMany(ManySource, RaisingSource):

@@ -191,14 +191,17 @@ class WeightStore:
 
     def check(self) -> None:
         """Raise FormatError naming the first decoded tensor that held NaN or infinity since the last check."""
-        pending, self._pending = self._pending, []
-        self._pending_keys.clear()
-        if not pending:
-            return
-        flags = torch.stack([flag for _, _, flag in pending]).cpu()
-        self._finite.update(key for (_, key, _), ok in zip(pending, flags.tolist()) if ok and key is not None)
+        pending = self.take_checks(0)
+        if pending:
+            self.settle(pending, torch.stack([flag for _, _, flag in pending]).cpu())
+
+    def settle(self, checks: list, flags: torch.Tensor) -> None:
+        """:meth:`check` for ``checks`` taken from the queue (:meth:`take_checks`), ``flags`` their values on the
+        host."""
+        self._pending_keys.difference_update(key for _, key, _ in checks)
+        self._finite.update(key for (_, key, _), ok in zip(checks, flags.tolist()) if ok and key is not None)
         if not bool(flags.all()):
-            name = pending[int((~flags).nonzero()[0])][0]
+            name = checks[int((~flags).nonzero()[0])][0]
             stored = self.weights.tensors[name]
             raise FormatError(f"{stored.qtype.name} payload decodes to NaN or infinity (a corrupt block or scale)",
                               path=getattr(self.weights, "path", None), tensor=name)

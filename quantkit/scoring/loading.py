@@ -61,15 +61,17 @@ class RuntimeSource:
 
         return logits(self.model, np.asarray(token_ids, np.int64))
 
-    def logits_many(self, sequences: Sequence[Sequence[int]], first: int = 0) -> list[np.ndarray]:
-        """Several sequences in one forward pass (:func:`quantkit.runtime.logits_batch`), the logits of positions
-        ``first``.. of each (the output head multiplies only those); one at a time with the ggml-cpu arithmetic,
-        which follows llama.cpp's graph of one sequence."""
-        from ..runtime import logits_batch
+    def start_logits_many(self, sequences: Sequence[Sequence[int]], first: int = 0
+                          ) -> Callable[[], list[np.ndarray]]:
+        """Several sequences in one forward pass, queued now (:func:`quantkit.runtime.loader.start_logits_batch`),
+        the logits of positions ``first``.. of each (the output head multiplies only those) given by the returned
+        function; one at a time with the ggml-cpu arithmetic, which follows llama.cpp's graph of one sequence."""
+        from ..runtime.loader import start_logits_batch
 
         if self.arithmetic == "ggml-cpu":
-            return [self.logits(s)[first:] for s in sequences]
-        return logits_batch(self.model, [np.asarray(s, np.int64) for s in sequences], first=first)
+            logits = [self.logits(s)[first:] for s in sequences]
+            return lambda: logits
+        return start_logits_batch(self.model, [np.asarray(s, np.int64) for s in sequences], first=first).result
 
     def generate(self, prompt_ids: Sequence[int], max_new_tokens: int, stop: Callable[[int], bool],
                  choose: Callable[[np.ndarray], int] | None = None) -> list[int]:

@@ -155,20 +155,49 @@ def case_batches(cases: Sequence[PreparedCase], batch_tokens: int) -> list[list[
     return groups
 
 
-def sequence_logits(source: LogitSource, sequences: Sequence[Sequence[int]], names: Sequence[str],
-                    first: int = 0) -> list[np.ndarray]:
-    """Each sequence's logits of positions ``first``.., all in one forward pass where the source runs several
-    (``logits_many``: its output head then multiplies those positions only; a 32K-token prompt's logits would
-    be 32K x vocabulary floats); errors name the sequence (``names``, e.g. ``case X``)."""
+def start_sequence_logits(source: LogitSource, sequences: Sequence[Sequence[int]], names: Sequence[str],
+                          first: int = 0) -> Callable[[], list[np.ndarray]]:
+    """A function giving each sequence's logits of positions ``first``.., checked; errors name the sequence
+    (``names``, e.g. ``case X``).  All sequences run in one forward pass where the source runs several (its output
+    head then multiplies positions ``first``.. only; a 32K-token prompt's logits would be 32K x vocabulary floats):
+    ``start_logits_many`` queues the pass now (the runtime: on CUDA nothing waits for the device) and the
+    function collects it, so the next pass can be queued before this one's logits are collected
+    (:func:`one_ahead`); ``logits_many`` runs when the function is called."""
     sequences = [[int(i) for i in ids] for ids in sequences]
+    start = getattr(source, "start_logits_many", None)
     many = getattr(source, "logits_many", None)
-    if many is not None:
+    pending = start(sequences, first=first) if start is not None else \
+        (lambda: many(sequences, first=first)) if many is not None else None
+
+    def collect() -> list[np.ndarray]:
+        if pending is not None:
+            try:
+                return [check_logits(rows, len(ids) - first, name)
+                        for rows, ids, name in zip(pending(), sequences, names)]
+            except ValidationError:     # one at a time, to name the sequence that fails
+                pass
+        return [_checked_logits(source, ids, name)[first:] for ids, name in zip(sequences, names)]
+
+    return collect
+
+
+def one_ahead(items: Iterable[T]) -> Iterator[T]:
+    """Each of ``items``, given once the next one has been produced: with items that queue a forward pass
+    (:func:`start_sequence_logits`), a pass's logits are collected while the device computes the next.  An error
+    producing the next item comes after the item before it."""
+    items = iter(items)
+    held: list[T] = []
+    while True:
         try:
-            return [check_logits(rows, len(ids) - first, name)
-                    for rows, ids, name in zip(many(sequences, first=first), sequences, names)]
-        except ValidationError:     # one at a time, to name the sequence that fails
-            pass
-    return [_checked_logits(source, ids, name)[first:] for ids, name in zip(sequences, names)]
+            item = next(items)
+        except StopIteration:
+            break
+        except BaseException:  # noqa: BLE001 - re-raised after the earlier item
+            yield from held
+            raise
+        yield from held
+        held = [item]
+    yield from held
 
 
 def score_logits(case: PreparedCase, logits: np.ndarray, width: int, first: int = 0) -> CaseScore:
@@ -187,7 +216,7 @@ def score_logits(case: PreparedCase, logits: np.ndarray, width: int, first: int 
 def score_group(source: LogitSource, cases: Sequence[PreparedCase], width: int) -> list[CaseScore]:
     """Run ``cases`` (one group of :func:`case_batches`) and score each: the logits from the group's first scored
     position on (a case's prompt positions but its last are not scored)."""
-    return _score_group_logits(cases, _group_logits(source, cases), width)
+    return _score_group_logits(cases, _start_group_logits(source, cases)(), width)
 
 
 def _first_scored(cases: Sequence[PreparedCase]) -> int:
@@ -195,9 +224,9 @@ def _first_scored(cases: Sequence[PreparedCase]) -> int:
     return min(len(c.prompt_ids) for c in cases) - 1
 
 
-def _group_logits(source: LogitSource, cases: Sequence[PreparedCase]) -> list[np.ndarray]:
-    return sequence_logits(source, [c.prompt_ids + c.target_ids for c in cases], [f"case {c.id}" for c in cases],
-                           _first_scored(cases))
+def _start_group_logits(source: LogitSource, cases: Sequence[PreparedCase]) -> Callable[[], list[np.ndarray]]:
+    return start_sequence_logits(source, [c.prompt_ids + c.target_ids for c in cases],
+                                 [f"case {c.id}" for c in cases], _first_scored(cases))
 
 
 def _score_group_logits(cases: Sequence[PreparedCase], logits: list[np.ndarray], width: int) -> list[CaseScore]:
@@ -242,7 +271,8 @@ def run_cases(source: LogitSource, cases: Sequence[PreparedCase],
     width = vocabulary_width(source, cases)
     scores: list[CaseScore | None] = [None] * len(cases)
     groups = case_batches(cases, batch_tokens)
-    ran = ((group, _group_logits(source, group)) for group in ([cases[i] for i in g] for g in groups))
+    started = ((group, _start_group_logits(source, group)) for group in ([cases[i] for i in g] for g in groups))
+    ran = ((group, collect()) for group, collect in one_ahead(started))
     for indices, group_scores in zip(groups, overlapped(ran, lambda r: _score_group_logits(*r, width))):
         for i, score in zip(indices, group_scores):
             scores[i] = score
@@ -262,11 +292,11 @@ def _chunk_rows(source: LogitSource, tokens: np.ndarray, n_ctx: int, n_chunk: in
     (a pass's rows checked on the host while the next pass runs)."""
     first, per_pass = n_ctx // 2, max(1, batch_tokens // n_ctx)
 
-    def run(start: int) -> tuple:
-        chunks = range(start, min(start + per_pass, n_chunk))
+    def start(begin: int) -> tuple:
+        chunks = range(begin, min(begin + per_pass, n_chunk))
         inputs = [chunk_inputs(tokens, n_ctx, chunk, bos_id) for chunk in chunks]
-        logits = sequence_logits(source, [ids for ids, _ in inputs], [f"chunk {chunk}" for chunk in chunks], first)
-        return chunks, inputs, logits
+        return chunks, inputs, start_sequence_logits(source, [ids for ids, _ in inputs],
+                                                     [f"chunk {chunk}" for chunk in chunks], first)
 
     def check(ran: tuple) -> list:
         chunks, inputs, logits = ran
@@ -280,7 +310,8 @@ def _chunk_rows(source: LogitSource, tokens: np.ndarray, n_ctx: int, n_chunk: in
             checked.append((rows, targets))
         return checked
 
-    for checked in overlapped((run(start) for start in range(0, n_chunk, per_pass)), check):
+    started = one_ahead(start(begin) for begin in range(0, n_chunk, per_pass))
+    for checked in overlapped(((chunks, inputs, collect()) for chunks, inputs, collect in started), check):
         yield from checked
 
 
