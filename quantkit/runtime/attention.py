@@ -35,6 +35,11 @@ def one_sequence_per_row():
         _ONE_SEQUENCE.reset(token)
 
 
+def in_one_sequence_per_row() -> bool:
+    """Whether the forward pass running is inside :func:`one_sequence_per_row`."""
+    return _ONE_SEQUENCE.get()
+
+
 class _OneGroup:
     """An attention module as transformers' SDPA function sees it, with key/value heads already repeated."""
 

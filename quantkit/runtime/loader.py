@@ -46,6 +46,7 @@ from ..errors import FixtureError, FormatError, UnsupportedError, ValidationErro
 from ..io.gguf import KV
 from .attention import install as install_sdpa, one_sequence_per_row
 from .experts import EXPERTS_MODES, GROUPED, SORTED, register as register_experts
+from .indexer import install as install_indexers
 from .inverse import TensorPlan, plan_tensor
 from .packed import FUSED_DTYPES, Assembler, PackedTensor, WeightStore, finite_flag, scale_companion
 from .weights import SOURCE_CONFIG_KEY, open_weights
@@ -134,6 +135,7 @@ def model_skeleton(config: Mapping[str, Any], dtype: torch.dtype = torch.float32
                                field="architectures")
     with _meta_parameters():
         model = cls._from_config(hf_config, dtype=dtype)
+    install_indexers(model)
     return model.eval()
 
 

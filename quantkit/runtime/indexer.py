@@ -1,0 +1,84 @@
+"""Qwen3.8 Flash Next's sparse-attention indexer (transformers' ``Qwen4ExpTextQSAIndexer``) for all queries at once.
+
+transformers selects each query's key blocks in a Python loop over the queries, with a ``nonzero`` (a wait for the
+device) per query: a 2048-token pass of the bench's 2B synthetic model scored at 463 tok/s on an H200
+(bench/results/score-vs-llamacpp-2026-12-03b.md).  In the runtime's scoring passes the mask is the plain causal
+one (one sequence per row from position 0, no cache; :func:`.attention.one_sequence_per_row`), so every query sees
+the same key blocks, the first ``(query + 1) // ratio`` of them complete: :func:`causal_selection_mask` pools the
+blocks once, scores every query against every block in one product, keeps each query's ``budget // ratio``
+best complete blocks (``topk``) and its incomplete tail, as the loop does.  Each block's pooled key and each
+(query, block) score are computed with transformers' operations in its order; only the products are batched
+(the scores may round differently in the last bit, which can matter only at an exact tie for the last block a
+query keeps).  Memory: scores of :data:`QUERY_CHUNK` queries at a time.
+
+Other passes (a cache, a mask with padding) keep transformers' loop.
+"""
+from __future__ import annotations
+
+import math
+import sys
+
+import torch
+
+from .attention import in_one_sequence_per_row
+
+#: transformers classes :func:`install` replaces the forward of.
+INDEXERS = ("Qwen4ExpTextQSAIndexer",)
+#: Queries scored against every block at once (scores: queries x heads x blocks float32).
+QUERY_CHUNK = 2048
+
+
+def causal_selection_mask(indexer, hidden_states: torch.Tensor, position_embeddings: tuple) -> torch.Tensor:
+    """The indexer's ``[batch, 1, n, n]`` boolean selection mask for ``hidden_states [batch, n, hidden]`` under a
+    plain causal mask (query i sees keys 0..i)."""
+    rotate = sys.modules[type(indexer).__module__].apply_rotary_pos_emb
+    batch, n, _ = hidden_states.shape
+    ratio, dim = indexer.compress_ratio, indexer.index_head_dim
+    cos, sin = position_embeddings
+    q, keys = torch.split(indexer.index_qk_proj(hidden_states),
+                          [indexer.index_n_heads * dim, indexer.index_kv_heads * dim], dim=-1)
+    q = rotate(indexer.q_layernorm(q.reshape(batch, n, -1, dim)), cos=cos[:, -n:], sin=sin[:, -n:], unsqueeze_dim=2)
+    keys = keys.reshape(batch, n, dim)            # one key head (the config requires it)
+    blocks = n // ratio
+    mask = torch.ones(n, n, dtype=torch.bool, device=hidden_states.device).tril().repeat(batch, 1, 1)
+    if blocks == 0:
+        return mask[:, None]
+    starts = torch.arange(blocks, device=hidden_states.device) * ratio
+    queries = torch.arange(n, device=hidden_states.device)
+    complete = (queries + 1) // ratio                          # complete blocks each query sees
+    keep = min(indexer.block_topk, blocks)
+    for b in range(batch):
+        pooled = indexer.k_layernorm(keys[b, :blocks * ratio].view(blocks, ratio, dim).float().mean(dim=1)
+                                     .to(keys.dtype))
+        block_keys = rotate(pooled.unsqueeze(1), cos=cos[b].index_select(0, starts),
+                            sin=sin[b].index_select(0, starts)).squeeze(1).float()
+        for first in range(0, n, QUERY_CHUNK):
+            rows = slice(first, min(first + QUERY_CHUNK, n))
+            scores = torch.matmul(q[b, rows].float(), block_keys.transpose(-1, -2)).transpose(-1, -2)
+            scores = torch.relu(scores).sum(dim=-1) / math.sqrt(dim)          # [queries, blocks]
+            seen = torch.arange(blocks, device=scores.device)[None, :] < complete[rows, None]
+            best = scores.masked_fill(~seen, float("-inf")).topk(keep, dim=-1).indices
+            chosen = torch.zeros_like(seen).scatter_(-1, best, True) & seen
+            # a query keeps the tokens of its chosen blocks and those past its last complete block
+            tokens = chosen.repeat_interleave(ratio, dim=-1)
+            tail = queries[None, :] >= (complete[rows, None] * ratio)
+            mask[b, rows, :blocks * ratio] &= tokens | tail[:, :blocks * ratio]
+    return mask[:, None]
+
+
+def install(model) -> None:
+    """Give each indexer of ``model`` (:data:`INDEXERS`) the all-queries selection for plain causal passes."""
+    for module in model.modules():
+        if type(module).__name__ in INDEXERS:
+            module.forward = _causal_or_loop(module, module.forward)
+
+
+def _causal_or_loop(indexer, loop):
+    def forward(hidden_states, position_embeddings, attention_mask, past_key_values=None):
+        n = hidden_states.shape[1]
+        if (past_key_values is None and in_one_sequence_per_row() and attention_mask is not None
+                and attention_mask.dtype == torch.bool and tuple(attention_mask.shape[-2:]) == (n, n)):
+            return causal_selection_mask(indexer, hidden_states, position_embeddings)
+        return loop(hidden_states, position_embeddings, attention_mask, past_key_values)
+
+    return forward
