@@ -396,6 +396,20 @@ def test_a_pass_is_started_before_the_previous_one_is_collected(tmp_path, codec)
     assert len(starting.log) >= 4 and starting.started_before_collected()
 
 
+def test_runtime_source_ggml_cpu_errors_name_the_case(tmp_path, codec, monkeypatch):
+    """The runtime's ggml-cpu arithmetic runs a group one sequence at a time when it is collected, so a non-finite
+    pass is reported with its case's name, as a failing group is."""
+    from types import SimpleNamespace
+
+    from quantkit.scoring.loading import RuntimeSource
+
+    source = RuntimeSource(SimpleNamespace(arithmetic="ggml-cpu"), ModelIdentity())
+    monkeypatch.setattr(source, "logits", RaisingSource(512).logits)
+    cases = prepare_cases(_fixture(tmp_path, codec), codec, ctx=64)
+    with pytest.raises(ValidationError, match=r"^case case_\d+: non-finite logits at position 3"):
+        run_cases(source, cases)
+
+
 class RaisingMany(ManySource, RaisingSource):
     """Fails in a group, and alone on every case longer than one token."""
 

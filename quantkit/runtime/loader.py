@@ -458,10 +458,8 @@ def start_logits_batch(model: RuntimeModel, sequences: Sequence[Sequence[int]], 
     lengths = [n - first for n in lengths]
     # one reduction per sequence where the logits are, all flags fetched at once (not a host pass over the logits)
     flags = torch.stack([flag for _, _, flag in checks] + [finite_flag(out[row, :n]) for row, n in enumerate(lengths)])
-    pending = PendingLogits(model, input_ids, first, lengths, out, flags, checks)
     if out.device.type != "cuda":
-        pending.host, pending.flags = out.float(), flags.cpu()
-        return pending
+        return PendingLogits(model, input_ids, first, lengths, out.float(), flags.cpu(), checks)
     stream = _copy_streams.setdefault(out.device, torch.cuda.Stream(out.device))
     values = out.float()
     if model._graph is not None and out is model._graph.logits:
@@ -470,15 +468,15 @@ def start_logits_batch(model: RuntimeModel, sequences: Sequence[Sequence[int]], 
     with torch.cuda.stream(stream):
         # page-locked: torch caches freed pinned blocks, and the copy runs at the link's speed, not the several
         # times slower staged copy into fresh pageable memory
-        pending.host = torch.empty(values.shape, dtype=torch.float32, pin_memory=True)
-        pending.host.copy_(values, non_blocking=True)
-        pending.flags = torch.empty(flags.shape, dtype=flags.dtype, pin_memory=True)
-        pending.flags.copy_(flags, non_blocking=True)
-        pending.done = torch.cuda.Event()
-        pending.done.record(stream)
+        host = torch.empty(values.shape, dtype=torch.float32, pin_memory=True)
+        host.copy_(values, non_blocking=True)
+        host_flags = torch.empty(flags.shape, dtype=flags.dtype, pin_memory=True)
+        host_flags.copy_(flags, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record(stream)
     values.record_stream(stream)
     flags.record_stream(stream)
-    return pending
+    return PendingLogits(model, input_ids, first, lengths, host, host_flags, checks, done)
 
 
 #: The most tokens (sequences x padded length) of a forward pass replayed as a CUDA graph: the graph keeps its

@@ -68,9 +68,8 @@ class RuntimeSource:
         function; one at a time with the ggml-cpu arithmetic, which follows llama.cpp's graph of one sequence."""
         from ..runtime.loader import start_logits_batch
 
-        if self.arithmetic == "ggml-cpu":
-            logits = [self.logits(s)[first:] for s in sequences]
-            return lambda: logits
+        if self.arithmetic == "ggml-cpu":      # run when collected, where an error is named by its sequence
+            return lambda: [self.logits(s)[first:] for s in sequences]
         return start_logits_batch(self.model, [np.asarray(s, np.int64) for s in sequences], first=first).result
 
     def generate(self, prompt_ids: Sequence[int], max_new_tokens: int, stop: Callable[[int], bool],
