@@ -3,7 +3,7 @@
     python bench/score_vs_llamacpp.py --llama-src LLAMA_CPP_TREE [--build /tmp/llama-build] [--jobs 14]
         [--models 1b,7b,v4,glm5,qwen4] [--tokens 512,2048] [--batch 2048] [--long 16384] [--dtypes float32,bfloat16]
         [--repeats 3] [--second-half] [--scored PASSES] [--skip-llama] [--overlap-build] [--skip-llama-bench] [--markdown FILE]
-        [--logs DIR]
+        [--logs DIR] [--float32-products tf32x3]
 
 1. Starts building llama.cpp's ``llama-perplexity`` and ``llama-bench`` with CUDA for sm_90 from the vendored
    source tree (``python -m quantkit.testing.llama_src`` prints where it is) in the background (about 5 minutes
@@ -416,6 +416,9 @@ def main() -> None:
     parser.add_argument("--tokens", default="512,2048")
     parser.add_argument("--long", default="", help="extra lengths scored on the first model only")
     parser.add_argument("--dtypes", default="float32,bfloat16")
+    parser.add_argument("--float32-products", metavar="PRECISION",
+                        help="Triton input_precision of the fused products for float32 activations (an A/B of "
+                             "quantkit.kernels.triton_matmul.FLOAT32_PRECISION, e.g. tf32x3)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--batch", type=int, default=2048,
                         help="tokens per forward pass for quantkit (llama-perplexity's -b default, which it uses)")
@@ -437,6 +440,9 @@ def main() -> None:
     args.workdir.mkdir(parents=True, exist_ok=True)
     lengths = [int(n) for n in args.tokens.split(",")]
     dtypes = args.dtypes.split(",")
+    if args.float32_products:
+        from quantkit.kernels import triton_matmul
+        triton_matmul.FLOAT32_PRECISION = args.float32_products
     build = None
     if not args.skip_llama:
         if args.llama_src is None or shutil.which("cmake") is None:

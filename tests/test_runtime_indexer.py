@@ -9,7 +9,7 @@ import copy
 import pytest
 import torch
 
-from quantkit.runtime.indexer import INDEXERS, causal_selection_mask
+from quantkit.runtime.indexer import INDEXERS, POOLING_INDEXERS, causal_selection_mask, every_pool
 from quantkit.testing.tiny_models import build_tiny_model
 
 
@@ -38,3 +38,43 @@ def test_selection_equals_transformers_loop(qwen4, n, device):
     assert torch.equal(got, want & causal)
     if n // indexer.compress_ratio > indexer.block_topk:         # the budget left blocks out: a real selection
         assert not torch.equal(got, causal)
+
+
+@pytest.fixture(scope="module")
+def glm5():
+    model, _ = build_tiny_model("glm5_next", dtype="f32")
+    return next(m for m in model.modules() if type(m).__name__ in POOLING_INDEXERS)
+
+
+def _selected(topk_indices: torch.Tensor, n: int) -> torch.Tensor:
+    """The tokens each query attends to, as a ``[batch, queries, n]`` boolean (what the attention builds)."""
+    counts = torch.zeros(*topk_indices.shape[:2], n, dtype=torch.int32, device=topk_indices.device)
+    counts.scatter_add_(-1, topk_indices.clamp(0, n - 1).long(), topk_indices.ge(0).to(torch.int32))
+    return counts.ne(0)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA device"))])
+@pytest.mark.parametrize("n", [5, 47, 300, 700])
+def test_every_pool_selects_what_transformers_selects(glm5, n, device):
+    """GLM-5.3-Flash's indexer with every key pool kept (no boolean index, so a CUDA graph can hold it) selects the
+    same tokens for every query as transformers' pooling, which drops the pools no row completes: a full row, a
+    right-padded one (a scoring pass's shorter case) and a left-padded one."""
+    indexer = copy.deepcopy(glm5).to(device)
+    gen = torch.Generator().manual_seed(n)
+    hidden = torch.randn(3, n, indexer.hidden_size, generator=gen).to(device)
+    q_resid = torch.randn(3, n, indexer.q_lora_rank, generator=gen).to(device)
+    mask = torch.ones(3, n, dtype=torch.bool, device=device)
+    mask[1, n - n // 3:] = False
+    mask[2, : n // 4] = False
+    with torch.no_grad():
+        want = indexer(hidden, q_resid, mask, None)
+        indexer.get_pooled_states = lambda packed_states: every_pool(indexer, packed_states)
+        got = indexer(hidden, q_resid, mask, None)
+    assert got.shape == want.shape
+    selected = _selected(got, n)
+    assert torch.equal(selected, _selected(want, n))
+    causal = torch.ones(n, n, dtype=torch.bool, device=device).tril() & mask[:, None, :] & mask[:, :, None]
+    assert not (selected & ~causal).any()
+    if n // indexer.index_kpool > indexer.index_topk // indexer.index_kpool:    # a real selection
+        assert not torch.equal(selected, causal)

@@ -7,11 +7,14 @@ written to global memory: each program decodes a ``[BN, BK]`` tile of weight row
 of :mod:`.triton_dequant` (the same ``*_values`` functions its dequantization kernels store, so the values the
 product sees are bit for bit the numba decoders') and multiplies it on the tensor cores.
 
-Arithmetic: products accumulate in float32.  float32 activations multiply with ``tf32x3`` (three TF32 products
-per tile: the operands split into a high and a low TF32 part, about float32's accuracy at a TF32 rate; plain
-float32 has no tensor-core path), bfloat16 activations with the decoded weight rounded to bfloat16 (what
+Arithmetic: products accumulate in float32.  float32 activations multiply with ``bf16x3`` (plain float32 has no
+tensor-core path): each operand splits into a high and a low bfloat16 part and three bfloat16 products are summed,
+the low x low one dropped, so each product is within about 3 x 2^-18 of float32's (``tf32x3``, three TF32
+products, is within about 2^-21 at half the rate: a 2,048-token pass of the bench's 2B Qwen3.8 Flash Next took
+161 ms against 187 ms, its logits 5.6e-5 of the largest apart; bench/results/score-vs-llamacpp-2026-12-03c.md),
+bfloat16 activations with the decoded weight rounded to bfloat16 (what
 decoding, then converting the weight to bfloat16, then multiplying gives).  Results therefore equal
-dequantize-then-matmul up to summation order (and TF32 splitting): tests/test_runtime_gpu.py states the bounds.
+dequantize-then-matmul up to summation order (and bfloat16 splitting): tests/test_runtime_gpu.py states the bounds.
 (Multiplying K-quant / Q8_0 integer codes exactly, two TF32 or three bfloat16 products, and scaling per 32-value
 sub-block was measured 1.06-1.5x slower on the H200, across runs: a product per sub-block breaks the accumulator
 chain; bench/results/score-vs-llamacpp-2026-12-02c.md.)
@@ -75,7 +78,7 @@ NARROW_N = 64
 #: (format, float32 activations, precision, device, asked config) -> the config that fit the device's shared memory.
 _fitting: dict[tuple, Config] = {}
 #: Triton's ``input_precision`` for float32 activations (see the module doc).
-FLOAT32_PRECISION = "tf32x3"
+FLOAT32_PRECISION = "bf16x3"
 
 
 def block_shape(qtype: GGMLType) -> tuple[int, int]:
@@ -370,12 +373,13 @@ def _output(x: torch.Tensor, n: int, out: torch.Tensor | None) -> torch.Tensor:
 
 def linear(x: torch.Tensor, payload: torch.Tensor, qtype: "GGMLType | int", n: int, *,
            out: torch.Tensor | None = None, out_col: int = 0, scale: torch.Tensor | None = None,
-           precision: str = FLOAT32_PRECISION, config: Config | None = None) -> torch.Tensor:
+           precision: str | None = None, config: Config | None = None) -> torch.Tensor:
     """``x @ W.T`` (``x [m, k]``; ``W [n, k]`` as its packed payload), into ``out[:, out_col:out_col + n]``
     (a new ``[m, n]`` tensor by default); ``scale``: an NVFP4 global scale (one value); ``precision``: Triton's
-    ``input_precision`` for float32 activations (``ieee``: plain float32 products, no tensor cores); ``config``:
-    the launch (by default :data:`DENSE`, or :data:`NARROW`)."""
-    return _launch(x, payload.reshape(-1), qtype, n, _output(x, n, out), out_col, None, scale, precision, config)
+    ``input_precision`` for float32 activations (by default :data:`FLOAT32_PRECISION`; ``ieee``: plain float32
+    products, no tensor cores); ``config``: the launch (by default :data:`DENSE`, or :data:`NARROW`)."""
+    return _launch(x, payload.reshape(-1), qtype, n, _output(x, n, out), out_col, None, scale,
+                   precision or FLOAT32_PRECISION, config)
 
 
 def grouped_linear(x: torch.Tensor, payload: torch.Tensor, qtype: "GGMLType | int", n: int, counts: torch.Tensor,

@@ -1,4 +1,6 @@
-"""Qwen3.8 Flash Next's sparse-attention indexer (transformers' ``Qwen4ExpTextQSAIndexer``) for all queries at once.
+"""The sparse-attention indexers of the seed architectures, made fit for the runtime's scoring passes.
+
+**Qwen3.8 Flash Next** (transformers' ``Qwen4ExpTextQSAIndexer``): the selection for all queries at once.
 
 transformers selects each query's key blocks in a Python loop over the queries, with a ``nonzero`` (a wait for the
 device) per query: a 2048-token pass of the bench's 2B synthetic model scored at 463 tok/s on an H200
@@ -12,6 +14,13 @@ best complete blocks (``topk``) and its incomplete tail, as the loop does.  Each
 query keeps).  Memory: scores of :data:`QUERY_CHUNK` queries at a time.
 
 Other passes (a cache, a mask with padding) keep transformers' loop.
+
+**GLM-5.3-Flash** (``Glm5NextTextIndexer``): transformers drops the key pools that no row completes with a boolean
+index (``pool_keys[:, keep]``), whose size the host must read from the device: a wait that made CUDA graph capture
+fail, so every glm5 pass ran eagerly (bench/results/score-vs-llamacpp-2026-12-03b.md).  In the scoring passes
+:func:`every_pool` keeps every pool, complete or not, so the shapes follow the input's alone.  A pool no row
+completes is never a candidate (its ``pool_valid`` is false), so the selected tokens are the same; they come in
+another order in ``topk_indices``, which the attention turns into a mask (order-free).
 """
 from __future__ import annotations
 
@@ -24,6 +33,8 @@ from .attention import in_one_sequence_per_row
 
 #: transformers classes :func:`install` replaces the forward of.
 INDEXERS = ("Qwen4ExpTextQSAIndexer",)
+#: transformers classes :func:`install` replaces the pooling (``get_pooled_states``) of.
+POOLING_INDEXERS = ("Glm5NextTextIndexer",)
 #: Queries scored against every block at once (scores: queries x heads x blocks float32).
 QUERY_CHUNK = 2048
 
@@ -66,11 +77,43 @@ def causal_selection_mask(indexer, hidden_states: torch.Tensor, position_embeddi
     return mask[:, None]
 
 
+def every_pool(indexer, packed_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A ``Glm5NextTextIndexer``'s key pools (``packed_states [batch, n, keys | gate scores | valid]``) as its
+    ``get_pooled_states`` forms them, every pool kept: pooled keys ``[batch, pools, dim]``, each pool's token
+    indices (-1 where a token is missing or padding) and whether the pool is complete."""
+    dim, size = indexer.head_dim, indexer.index_kpool
+    keys, gate_scores, valid = packed_states.split([dim, dim, 1], dim=-1)
+    valid = valid.squeeze(-1).bool()
+    batch, n = valid.shape
+    device = valid.device
+    pools = -(-n // size)
+    # pools start at each row's first real token (left padding shifts them)
+    first = torch.where(valid.any(-1), valid.long().argmax(-1), torch.full((batch,), n, device=device))
+    indices = first[:, None, None] + torch.arange(pools * size, device=device).view(1, pools, size)
+    rows = torch.arange(batch, device=device)[:, None, None]
+    inside = indices.clamp(0, n - 1)
+    present = valid[rows, inside] & (indices < n)
+    logits = gate_scores[rows, inside].float() + indexer.index_kpool_compress_ape.float()[None, None]
+    weights = torch.nan_to_num(logits.masked_fill(~present[..., None], float("-inf")).softmax(dim=2))
+    pooled = (weights.to(keys.dtype) * keys[rows, inside]).sum(dim=2)
+    return pooled, indices.masked_fill(~present, -1), present.all(-1)
+
+
 def install(model) -> None:
-    """Give each indexer of ``model`` (:data:`INDEXERS`) the all-queries selection for plain causal passes."""
+    """Give each indexer of ``model`` its scoring-pass form: the all-queries selection (:data:`INDEXERS`) for plain
+    causal passes, every pool kept (:data:`POOLING_INDEXERS`) inside :func:`.attention.one_sequence_per_row`."""
     for module in model.modules():
         if type(module).__name__ in INDEXERS:
             module.forward = _causal_or_loop(module, module.forward)
+        elif type(module).__name__ in POOLING_INDEXERS:
+            module.get_pooled_states = _every_pool_or_theirs(module, module.get_pooled_states)
+
+
+def _every_pool_or_theirs(indexer, theirs):
+    def get_pooled_states(packed_states):
+        return every_pool(indexer, packed_states) if in_one_sequence_per_row() else theirs(packed_states)
+
+    return get_pooled_states
 
 
 def _causal_or_loop(indexer, loop):
