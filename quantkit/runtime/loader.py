@@ -49,6 +49,7 @@ from .experts import EXPERTS_MODES, GROUPED, SORTED, register as register_expert
 from .indexer import install as install_indexers
 from .inverse import TensorPlan, plan_tensor
 from .packed import FUSED_DTYPES, Assembler, PackedTensor, WeightStore, finite_flag, scale_companion
+from .sliding import install as install_sliding_attention
 from .weights import SOURCE_CONFIG_KEY, open_weights
 
 #: Metadata prefixes the consistency check skips: the writer's own keys and the tokenizer (not the forward pass).
@@ -136,6 +137,7 @@ def model_skeleton(config: Mapping[str, Any], dtype: torch.dtype = torch.float32
     with _meta_parameters():
         model = cls._from_config(hf_config, dtype=dtype)
     install_indexers(model)
+    install_sliding_attention(model)
     return model.eval()
 
 

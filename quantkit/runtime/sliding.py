@@ -1,0 +1,95 @@
+"""DeepSeek V4's attention in the runtime's scoring passes: the sliding window computed as a band.
+
+transformers runs V4's attention eagerly (learned per-head sinks; no SDPA path): every query is scored against
+every raw key and every compressed entry, ``[heads, n, n + compressed]`` float32 scores per layer, then masked to
+a sliding window of ``W`` raw keys (128 in the released models) plus the compressed entries the compressor's
+block bias leaves.  At 2,048 tokens that is 16x the work of the band, and the eager layer's products were 26% of
+the bench's 2B V4 pass on an H200 (bench/results/score-vs-llamacpp-2026-12-03c.md).
+
+:func:`banded_sink_attention` gives the same attention from the band alone.  Queries go in blocks of ``W``; a block
+starting at ``s`` sees raw keys ``s - W .. s + W - 1`` at most (a query ``q`` sees ``q - W + 1 .. q``), so each
+block is scored against that window of ``2W`` keys (one batched product over blocks, no copy of the keys), its mask
+read from the model's own mask at those positions.  The compressed entries (a few hundred at most) are scored in
+full with their block bias, as before.  The softmax runs over the window, the compressed entries and the sink, in
+transformers' order (scale, mask, sink appended, max subtracted, softmax, sink dropped); the keys it leaves out are
+masked in the full computation (weight exactly 0), so only summation order differs.
+
+Used inside :func:`.attention.one_sequence_per_row` only (the mask is then transformers' sliding causal one, no
+cache); elsewhere transformers' eager function runs.
+"""
+from __future__ import annotations
+
+import sys
+
+import torch
+import torch.nn.functional as F
+
+from .attention import in_one_sequence_per_row
+
+#: transformers attention classes whose module's ``eager_attention_forward`` :func:`install` wraps.
+ATTENTIONS = ("DeepseekV4Attention",)
+_WRAPPED = "_quantkit_banded"
+
+
+def banded_sink_attention(module, query: torch.Tensor, key: torch.Tensor, mask: torch.Tensor,
+                          scaling: float) -> torch.Tensor:
+    """V4 attention for ``query [batch, heads, n, dim]``, one key/value head ``key [batch, 1, n + c, dim]`` (n raw
+    keys, then c compressed entries; keys are the values) and the additive ``mask [batch, 1, n, n + c]``, whose raw
+    part is zero only within ``module.sliding_window`` keys of the query: ``[batch, n, heads, dim]``."""
+    batch, heads, n, dim = query.shape
+    width = module.sliding_window
+    blocks = -(-n // width)
+    if mask.dtype == torch.bool:
+        mask = torch.zeros((), dtype=query.dtype, device=mask.device).masked_fill(~mask, float("-inf")).expand(
+            mask.shape)
+    raw, compressed = key[:, 0, :n], key[:, 0, n:]
+    # windows[b, k] = raw keys k*W - W .. k*W + W - 1 (zeros outside 0..n-1, masked below)
+    padded = F.pad(raw, (0, 0, width, blocks * width - n))
+    windows = padded.unfold(1, 2 * width, width)                                  # [batch, blocks, dim, 2W]
+    queries = F.pad(query, (0, 0, 0, blocks * width - n)).view(batch, heads, blocks, width, dim)
+    queries = queries.permute(0, 2, 1, 3, 4).reshape(batch, blocks, heads * width, dim)
+    band = torch.matmul(queries, windows).view(batch, blocks, heads, width, 2 * width) * scaling
+    band = band.permute(0, 2, 1, 3, 4).reshape(batch, heads, blocks * width, 2 * width)[:, :, :n]
+    positions = torch.arange(n, device=query.device)
+    keys = (positions // width * width - width)[:, None] + torch.arange(2 * width, device=query.device)
+    inside = (keys >= 0) & (keys < n)
+    band_mask = mask[:, :, :, :n].gather(-1, keys.clamp(0, n - 1).expand(*mask.shape[:2], n, 2 * width))
+    band = band + band_mask.masked_fill(~inside, float("-inf"))
+    parts = [band]
+    if compressed.shape[1]:
+        scores = torch.matmul(query, compressed.transpose(-1, -2).unsqueeze(1)) * scaling
+        parts.append(scores + mask[:, :, :, n:])
+    parts.append(module.sinks.reshape(1, -1, 1, 1).expand(batch, -1, n, -1))
+    logits = torch.cat(parts, dim=-1)
+    logits = logits - logits.max(dim=-1, keepdim=True).values
+    probs = F.softmax(logits, dim=-1, dtype=logits.dtype)[..., :-1].to(key.dtype)
+    weights = F.pad(probs[..., :2 * width], (0, 0, 0, blocks * width - n))
+    weights = weights.view(batch, heads, blocks, width, 2 * width).permute(0, 2, 1, 3, 4)
+    out = torch.matmul(weights.reshape(batch, blocks, heads * width, 2 * width), windows.transpose(-1, -2))
+    out = out.view(batch, blocks, heads, width, dim).permute(0, 2, 1, 3, 4).reshape(batch, heads, -1, dim)[:, :, :n]
+    if compressed.shape[1]:
+        out = out + torch.matmul(probs[..., 2 * width:], compressed.unsqueeze(1))
+    return out.transpose(1, 2).contiguous()
+
+
+def install(model) -> None:
+    """Wrap the eager attention function of each :data:`ATTENTIONS` class's transformers module in ``model`` with
+    :func:`banded_sink_attention` for the scoring passes (idempotent; outside them the function is unchanged)."""
+    for module in model.modules():
+        if type(module).__name__ in ATTENTIONS:
+            code = sys.modules[type(module).__module__]
+            if not getattr(code.eager_attention_forward, _WRAPPED, False):
+                code.eager_attention_forward = _banded_or_theirs(code.eager_attention_forward)
+
+
+def _banded_or_theirs(theirs):
+    def eager_attention_forward(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
+        n = query.shape[2]
+        if (in_one_sequence_per_row() and isinstance(attention_mask, torch.Tensor) and value is key
+                and key.shape[1] == 1 and attention_mask.shape[-2] == n and attention_mask.shape[-1] == key.shape[2]
+                and key.shape[2] >= n and getattr(module, "sliding_window", None) and not dropout):
+            return banded_sink_attention(module, query, key, attention_mask, scaling), None
+        return theirs(module, query, key, value, attention_mask, scaling, dropout, **kwargs)
+
+    setattr(eager_attention_forward, _WRAPPED, True)
+    return eager_attention_forward
