@@ -3,8 +3,9 @@
 transformers runs V4's attention eagerly (learned per-head sinks; no SDPA path): every query is scored against
 every raw key and every compressed entry, ``[heads, n, n + compressed]`` float32 scores per layer, then masked to
 a sliding window of ``W`` raw keys (128 in the released models) plus the compressed entries the compressor's
-block bias leaves.  At 2,048 tokens that is 16x the work of the band, and the eager layer's products were 26% of
-the bench's 2B V4 pass on an H200 (bench/results/score-vs-llamacpp-2026-12-03c.md).
+block bias leaves.  At 2,048 tokens each query's raw keys are 8x the band's 2W, and the eager layers' products
+were 26% of the bench's 2B V4 pass on an H200 (bench/results/score-vs-llamacpp-2026-12-03c.md); on two CPU cores
+the band is 2.35-3.5x faster a layer at 2K tokens, 3.5-8.1x at 4K (bench/results/sliding-attention-2026-12-03.md).
 
 :func:`banded_sink_attention` gives the same attention from the band alone.  Queries go in blocks of ``W``; a block
 starting at ``s`` sees raw keys ``s - W .. s + W - 1`` at most (a query ``q`` sees ``q - W + 1 .. q``), so each
