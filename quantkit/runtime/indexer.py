@@ -19,7 +19,8 @@ Other passes (a cache, a mask with padding) keep transformers' loop.
 index (``pool_keys[:, keep]``), whose size the host must read from the device: a wait that made CUDA graph capture
 fail, so every glm5 pass ran eagerly (bench/results/score-vs-llamacpp-2026-12-03b.md).  In the scoring passes
 :func:`every_pool` keeps every pool, complete or not, so the shapes follow the input's alone.  A pool no row
-completes is never a candidate (its ``pool_valid`` is false), so the selected tokens are the same; they come in
+completes is never a candidate (its ``pool_valid`` is false), so the selected tokens are the same (a product one
+pool wider may round a score differently in the last bit, which can matter only at an exact tie); they come in
 another order in ``topk_indices``, which the attention turns into a mask (order-free).
 """
 from __future__ import annotations
