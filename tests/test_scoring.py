@@ -311,12 +311,15 @@ class ManySource(FakeSource):
         super().__init__(*args, **kwargs)
         self.calls, self.firsts, self.fail = [], [], fail
 
-    def logits_many(self, sequences, first=0):
+    def start_logits_many(self, sequences, first=0):
         self.calls.append([len(s) for s in sequences])
         self.firsts.append(first)
-        if self.fail:
-            raise ValidationError("non-finite logits at position 3; first non-finite output: module 'lm_head'")
-        return [self.logits(s)[first:] for s in sequences]
+
+        def collect():
+            if self.fail:
+                raise ValidationError("non-finite logits at position 3; first non-finite output: module 'lm_head'")
+            return [self.logits(s)[first:] for s in sequences]
+        return collect
 
 
 def test_case_batches_run_shortest_first_within_the_token_budget():
@@ -366,12 +369,12 @@ class StartingSource(ManySource):
     def start_logits_many(self, sequences, first=0):
         n = sum(entry.startswith("start") for entry in self.log)
         self.log.append(f"start {n}")
-        logits = self.logits_many(sequences, first)
+        collect = super().start_logits_many(sequences, first)
 
-        def collect():
+        def logged():
             self.log.append(f"collect {n}")
-            return logits
-        return collect
+            return collect()
+        return logged
 
     def started_before_collected(self) -> bool:
         """Pass i + 1 started before pass i was collected, for every pass; every pass collected once."""

@@ -51,10 +51,9 @@ from .weights import PayloadCache
 #: 2048 x 2048 weight 0.16-0.19 ms vs 0.12 ms; the 32000-row head 1.4-2.0 ms vs 0.64 ms), and the 1B MoE scored
 #: 25,553 tok/s fused against 58,588 decoded (bench/results/score-vs-llamacpp-2026-12-02b.md).  float32 runs
 #: fused (measured with tf32x3 products; bf16x3 since, see triton_matmul): against cuBLAS's float32 products
-#: (Q8_0 2048 x 2048: 0.50 vs 0.74 ms at 2048 rows), the 7.6B
-#: MoE 5,121 tok/s against 2,873 decoded (15,796 at 2048 tokens with the tuned launches and CUDA graph replays,
-#: 0.88x llama-perplexity in the same run: bench/results/score-vs-llamacpp-2026-12-02c.md), and no transient
-#: decoded weights (peak 4.92 vs 7.01 GiB).
+#: (Q8_0 2048 x 2048: 0.50 vs 0.74 ms at 2048 rows), the 7.6B MoE 5,121 tok/s against 2,873 decoded (15,796 at
+#: 2048 tokens with the tuned launches and CUDA graph replays, 0.88x llama-perplexity in the same run:
+#: bench/results/score-vs-llamacpp-2026-12-02c.md), and no transient decoded weights (peak 4.92 vs 7.01 GiB).
 FUSED_DTYPES = (torch.float32,)
 #: Decoded tensors whose finiteness is awaited before the store synchronizes and checks them.
 MAX_PENDING_CHECKS = 4096

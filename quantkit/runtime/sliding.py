@@ -40,9 +40,6 @@ def banded_sink_attention(module, query: torch.Tensor, key: torch.Tensor, mask: 
     batch, heads, n, dim = query.shape
     width = module.sliding_window
     blocks = -(-n // width)
-    if mask.dtype == torch.bool:
-        mask = torch.zeros((), dtype=query.dtype, device=mask.device).masked_fill(~mask, float("-inf")).expand(
-            mask.shape)
     raw, compressed = key[:, 0, :n], key[:, 0, n:]
     # windows[b, k] = raw keys k*W - W .. k*W + W - 1 (zeros outside 0..n-1, masked below)
     padded = F.pad(raw, (0, 0, width, blocks * width - n))
@@ -86,7 +83,8 @@ def install(model) -> None:
 def _banded_or_theirs(theirs):
     def eager_attention_forward(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
         n = query.shape[2]
-        if (in_one_sequence_per_row() and isinstance(attention_mask, torch.Tensor) and value is key
+        if (in_one_sequence_per_row() and isinstance(attention_mask, torch.Tensor)
+                and attention_mask.is_floating_point() and value is key
                 and key.shape[1] == 1 and attention_mask.shape[-2] == n and attention_mask.shape[-1] == key.shape[2]
                 and key.shape[2] >= n and getattr(module, "sliding_window", None) and not dropout):
             return banded_sink_attention(module, query, key, attention_mask, scaling), None

@@ -162,12 +162,10 @@ def start_sequence_logits(source: LogitSource, sequences: Sequence[Sequence[int]
     head then multiplies positions ``first``.. only; a 32K-token prompt's logits would be 32K x vocabulary floats):
     ``start_logits_many`` queues the pass now (the runtime: on CUDA nothing waits for the device) and the
     function collects it, so the next pass can be queued before this one's logits are collected
-    (:func:`one_ahead`); ``logits_many`` runs when the function is called."""
+    (:func:`one_ahead`)."""
     sequences = [[int(i) for i in ids] for ids in sequences]
     start = getattr(source, "start_logits_many", None)
-    many = getattr(source, "logits_many", None)
-    pending = start(sequences, first=first) if start is not None else \
-        (lambda: many(sequences, first=first)) if many is not None else None
+    pending = start(sequences, first=first) if start is not None else None
 
     def collect() -> list[np.ndarray]:
         if pending is not None:
