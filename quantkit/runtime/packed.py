@@ -343,7 +343,9 @@ class Strided:
 @dataclass(frozen=True)
 class FusedPart:
     """One GGUF tensor of a weight as the fused products read it: output rows ``first``..``first + rows`` (of
-    each expert) are ``x @ payload.T``."""
+    each expert) are ``x @ payload.T``; in a dense weight whose GGUF rows or columns were reordered (Qwen3.8 Flash
+    Next's gated-delta-net projections: llama.cpp groups the value heads by key head), output row
+    ``out_rows[i]`` is GGUF row ``i`` and GGUF column ``c`` multiplies activation column ``in_cols[c]``."""
 
     gguf_name: str
     payload: torch.Tensor
@@ -351,12 +353,14 @@ class FusedPart:
     first: int
     rows: int
     scale: torch.Tensor | None
+    out_rows: torch.Tensor | None = None
+    in_cols: torch.Tensor | None = None
 
 
 def fused_parts(assembler: Assembler, plan: TensorPlan) -> tuple[FusedPart, ...] | None:
-    """How the fused products multiply by ``plan``'s weight without decoding it: each GGUF tensor a run of whole
-    rows of the model tensor (of each expert, for a sliced plan), with no value step; None if any is not (or the
-    store cannot multiply packed)."""
+    """How the fused products multiply by ``plan``'s weight without decoding it: each GGUF tensor whole rows of
+    the model tensor with no value step (a run of rows, of each expert, for a sliced plan; in any order, their
+    columns too, for a dense one); None if any is not (or the store cannot multiply packed)."""
     store = assembler.store
     if len(plan.shape) != (3 if plan.sliced else 2):
         return None
@@ -366,16 +370,26 @@ def fused_parts(assembler: Assembler, plan: TensorPlan) -> tuple[FusedPart, ...]
         payload = store.fusable(part.gguf_name)
         if payload is None or part.values:
             return None
+        out_rows = in_cols = None
         if part.rows is None:
             first, rows = 0, n
         else:
-            first, rows = int(part.rows[0]) // k, part.rows.size
-            if (part.cols.size != k or not np.array_equal(part.cols, np.arange(k))
-                    or not np.array_equal(part.rows, (first + np.arange(rows, dtype=np.int64)) * k)):
+            if (part.cols.size != k or (part.rows % k).any()
+                    or not np.array_equal(np.sort(part.cols), np.arange(k))):
+                return None             # a GGUF row is not one whole model row
+            model_rows, rows = part.rows // k, part.rows.size
+            first = int(model_rows[0])
+            reordered = not np.array_equal(model_rows, first + np.arange(rows, dtype=np.int64))
+            permuted = not np.array_equal(part.cols, np.arange(k))
+            if (reordered or permuted) and plan.sliced:
                 return None
+            if reordered:
+                out_rows = torch.from_numpy(model_rows).to(payload.device)
+            if permuted:
+                in_cols = torch.from_numpy(part.cols).to(payload.device)
         qtype = store.weights.tensors[part.gguf_name].qtype
         found.append(FusedPart(part.gguf_name, payload.reshape(-1), qtype, first, rows,
-                               store._scales.get(part.gguf_name)))
+                               store._scales.get(part.gguf_name), out_rows, in_cols))
     return tuple(found)
 
 
@@ -430,7 +444,13 @@ class PackedTensor(torch.Tensor):
         for part in parts:
             store.expect_finite_payload(part.gguf_name)
             if counts is None:
-                matmul.linear(x, part.payload, part.qtype, part.rows, out=out, out_col=part.first, scale=part.scale)
+                xs = x if part.in_cols is None else x.index_select(1, part.in_cols)
+                if part.out_rows is None:
+                    matmul.linear(xs, part.payload, part.qtype, part.rows, out=out, out_col=part.first,
+                                  scale=part.scale)
+                else:
+                    out.index_copy_(1, part.out_rows, matmul.linear(xs, part.payload, part.qtype, part.rows,
+                                                                    scale=part.scale))
             else:
                 matmul.grouped_linear(x, part.payload, part.qtype, part.rows, counts, out=out, out_col=part.first,
                                       scale=part.scale, tiles=tiles, routed=routed)
