@@ -354,6 +354,33 @@ def test_cuda_long_sequence_memory_grows_linearly(ggufs, arch):
     assert added[8192] < model.module.config.num_attention_heads * 8192 * 8192 * 4 / 2
 
 
+@pytest.mark.parametrize("arch", ["glm5_next", "qwen4_exp"])     # not deepseek_v4: loader.CHUNKED_ON_CPU_ONLY
+def test_cuda_long_seed_sequences_run_in_chunks_with_linear_memory(ggufs, arch, monkeypatch):
+    """A long seed-architecture sequence on CUDA runs in chunks through the cache (512 tokens here): the device
+    memory a pass adds grows linearly (4096 -> 8192 tokens: at most 2.5x), and its logits equal the CPU
+    runtime's."""
+    from quantkit.runtime import load_model, loader, logits
+    from test_runtime import RELATIVE_TOLERANCE, token_ids
+
+    monkeypatch.setattr(loader, "LONG_PASS_TOKENS", 512)
+    monkeypatch.setattr(loader, "LONG_CHUNK", 512)
+    model = load_model(ggufs(arch, "mixed"), device="cuda")
+    ids = token_ids(arch, 8192)
+    logits(model, ids[:64])
+    added = {}
+    for n in (4096, 8192):
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        assert np.isfinite(logits(model, ids[:n])).all()
+        added[n] = torch.cuda.max_memory_allocated() - base
+    print(arch, added)
+    assert added[8192] <= 2.5 * added[4096]
+    cuda = logits(model, ids[:1536])
+    cpu = logits(load_model(ggufs(arch, "mixed")), ids[:1536])
+    assert float(np.abs(cuda - cpu).max()) <= RELATIVE_TOLERANCE * float(np.abs(cpu).max())
+
+
 def test_cuda_nan_payload_raises_naming_the_tensor(ggufs, tmp_path):
     import shutil
 

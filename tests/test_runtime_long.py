@@ -7,7 +7,12 @@ decodes them in the reference, and bounds the pass's device memory."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from quantkit.runtime import loader
 
 from test_runtime import ggufs  # noqa: F401  (the GGUF fixture of the CPU tests)
 
@@ -53,3 +58,85 @@ def test_16k_token_nll_equals_the_chunked_reference(ggufs):
     got, want = token_nll(full, ids), token_nll(ref, ids)
     print("16K NLL", float(got.mean()), float(want.mean()), "max token diff", float((got - want).abs().max()))
     assert_same_nll(got, want)
+
+
+# -- seed architectures: long sequences in chunks through the cache --------------------------------------------
+
+class LargestTensor(TorchDispatchMode):
+    """Records, over the tensors operations return while active, the most elements of one and the longest second
+    dimension of one (sizes sorted: a ``[heads, n, n]`` score tensor's is n)."""
+
+    def __init__(self):
+        super().__init__()
+        self.elements = 0
+        self.second_dimension = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for value in tree_flatten(out)[0]:
+            if isinstance(value, torch.Tensor):
+                self.elements = max(self.elements, value.numel())
+                if value.dim() >= 2:
+                    self.second_dimension = max(self.second_dimension, sorted(value.shape)[-2])
+        return out
+
+
+def _forward_calls(model) -> list[int]:
+    """Wraps ``model.module.forward`` to record each call's input length."""
+    lengths = []
+    forward = model.module.forward
+
+    def counted(*args, **kwargs):
+        lengths.append(kwargs["input_ids"].shape[1])
+        return forward(*args, **kwargs)
+
+    model.module.forward = counted
+    return lengths
+
+
+@pytest.mark.parametrize("arch", sorted(loader.CHUNKED_ARCHITECTURES))
+def test_long_sequences_of_seed_architectures_run_in_chunks(ggufs, arch, monkeypatch):
+    """Past LONG_PASS_TOKENS (made small here) a seed architecture's sequence runs in LONG_CHUNK-token chunks
+    through transformers' cache: every position's logits, and those from a first position on, equal
+    transformers' one pass."""
+    from quantkit.runtime import load_model, logits, logits_batch
+    from test_runtime import RELATIVE_TOLERANCE, reference_logits, token_ids
+
+    monkeypatch.setattr(loader, "LONG_PASS_TOKENS", 96)
+    monkeypatch.setattr(loader, "LONG_CHUNK", 40)
+    ids = token_ids(arch, 200)
+    expected = reference_logits(arch, ids)
+    model = load_model(ggufs(arch, "f32"))
+    calls = _forward_calls(model)
+    got = logits(model, ids)
+    assert calls == [40] * 5
+    bound = RELATIVE_TOLERANCE * float(np.abs(expected).max())
+    assert float(np.abs(got - expected).max()) <= bound
+    tail = logits_batch(model, [ids], first=130)[0]
+    assert tail.shape == (70, expected.shape[1])
+    assert float(np.abs(tail - expected[130:]).max()) <= bound
+
+
+@pytest.mark.parametrize("arch", sorted(loader.CHUNKED_ARCHITECTURES))
+def test_chunked_passes_hold_memory_linear_in_the_sequence(ggufs, arch, monkeypatch):
+    """The memory bound of a long seed-architecture sequence (128-token chunks here): no intermediate has two
+    dimensions of n (one pass has: scores or masks of every query against every key), and the largest grows
+    linearly with n (512 -> 1024 tokens: at most 2.5x)."""
+    from quantkit.runtime import load_model, logits
+    from test_runtime import token_ids
+
+    model = load_model(ggufs(arch, "f32"))
+    n = 1024
+    ids = token_ids(arch, n)
+    monkeypatch.setattr(loader, "LONG_CHUNK", 128)
+    seen = {}
+    for threshold, length in ((1 << 20, n), (64, n // 2), (64, n)):      # one pass; chunked
+        monkeypatch.setattr(loader, "LONG_PASS_TOKENS", threshold)
+        with LargestTensor() as seen[threshold, length]:
+            logits(model, ids[:length])
+    one_pass, half, chunked = seen[1 << 20, n], seen[64, n // 2], seen[64, n]
+    print(arch, "second dimension", one_pass.second_dimension, chunked.second_dimension, "largest",
+          half.elements, chunked.elements)
+    assert one_pass.second_dimension >= n
+    assert chunked.second_dimension < 3 * n // 4
+    assert chunked.elements <= 2.5 * half.elements

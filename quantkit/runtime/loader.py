@@ -384,14 +384,15 @@ def check_token_ids(model: RuntimeModel, token_ids: Sequence[int]) -> np.ndarray
 
 
 def logits(model: RuntimeModel, token_ids: Sequence[int]) -> np.ndarray:
-    """float32 logits ``[len(token_ids), vocab]`` of one sequence (no cache; the whole sequence in one pass)."""
+    """float32 logits ``[len(token_ids), vocab]`` of one sequence (the whole sequence in one pass, no cache; past
+    :data:`LONG_PASS_TOKENS`, a :data:`CHUNKED_ARCHITECTURES` model's in chunks through the cache)."""
     return logits_batch(model, [token_ids])[0]
 
 
 def logits_batch(model: RuntimeModel, sequences: Sequence[Sequence[int]], first: int = 0) -> list[np.ndarray]:
     """float32 logits ``[len(s) - first, vocab]`` of each sequence (positions ``first``.. only: the output head
     multiplies those rows only, as llama-perplexity asks for the second half of each chunk), all in one forward
-    pass (no cache).
+    pass (no cache; or in chunks, as :func:`logits`).
 
     The sequences are right-padded to the longest: in a causal model no position sees a later one, so the padding
     changes no real position's inputs, only the shapes of the products (hence the float32 rounding, within the
@@ -481,6 +482,21 @@ def start_logits_batch(model: RuntimeModel, sequences: Sequence[Sequence[int]], 
     return PendingLogits(model, input_ids, first, lengths, host, host_flags, checks, done)
 
 
+#: Architectures whose attention in one pass holds a score for every (query, key) pair: DeepSeek V4's eager
+#: attention over its compressed entries, the sparse-attention indexers' scores and masks (GLM-5.3-Flash,
+#: Qwen3.8 Flash Next), ``[heads, n, n]``-sized.  Their sequences longer than :data:`LONG_PASS_TOKENS` run in
+#: chunks of :data:`LONG_CHUNK` tokens through transformers' cache (:func:`_chunked`), so attention holds
+#: ``[heads, LONG_CHUNK, n]`` at most: memory linear in n.  qwen3_moe and deepseek_v3 attend with SDPA's
+#: memory-efficient kernel, linear in one pass (:mod:`.attention`).
+CHUNKED_ARCHITECTURES = frozenset({"deepseek_v4", "glm5_next", "qwen4_exp"})
+#: Of those, the ones chunked on the CPU only: DeepSeek V4's chunked logits on CUDA were 9.4% of the largest logit
+#: away from the CPU runtime's (tiny model, 1536 tokens in 512-token chunks, H200, 2026-12-03; GLM-5.3 and Qwen3.8
+#: matched), cause not yet found, so on CUDA it keeps one pass.
+CHUNKED_ON_CPU_ONLY = frozenset({"deepseek_v4"})
+LONG_PASS_TOKENS = 4096
+#: llama.cpp's default batch (``-b``) too.
+LONG_CHUNK = 2048
+
 #: The most tokens (sequences x padded length) of a forward pass replayed as a CUDA graph: the graph keeps its
 #: activations allocated between calls, and past a few thousand tokens the device, not the launches, bounds a pass.
 GRAPH_MAX_TOKENS = 4096
@@ -509,6 +525,26 @@ def _eager(model: RuntimeModel, input_ids: torch.Tensor, keep: int = 0) -> torch
         return model.module(input_ids=input_ids, use_cache=False).logits
 
 
+def _chunked(model: RuntimeModel, input_ids: torch.Tensor, keep: int = 0) -> torch.Tensor:
+    """The logits of one forward pass computed :data:`LONG_CHUNK` tokens at a time, each chunk's queries against
+    the cached keys before them (the same logits as one pass: tests/test_runtime_long.py); the output head
+    multiplies the last ``keep`` positions only, if not 0.  The scoring passes' own paths (CUDA graphs, the band
+    and batched indexers of :func:`one_sequence_per_row`) need no cache, so transformers' run here."""
+    n = input_ids.shape[1]
+    first = n - keep if keep else 0
+    pieces, cache = [], None
+    with torch.no_grad(), model.forward_mode():
+        for start in range(0, n, LONG_CHUNK):
+            end = min(start + LONG_CHUNK, n)
+            wanted = end - max(start, first)        # positions of this chunk whose logits are asked for
+            out = model.module(input_ids=input_ids[:, start:end], past_key_values=cache, use_cache=True,
+                               logits_to_keep=max(wanted, 1))
+            cache = out.past_key_values
+            if wanted > 0:
+                pieces.append(out.logits[:, -wanted:])
+    return torch.cat(pieces, 1)
+
+
 def _forward(model: RuntimeModel, input_ids: torch.Tensor, keep: int = 0) -> torch.Tensor:
     """The logits of one forward pass (of the last ``keep`` positions only, if not 0).  With
     :attr:`RuntimeModel.graphs`, a shape of at most :data:`GRAPH_MAX_TOKENS` whose eager pass decoded nothing for
@@ -516,7 +552,12 @@ def _forward(model: RuntimeModel, input_ids: torch.Tensor, keep: int = 0) -> tor
     pass has the same shape, then replayed while it repeats (chunked scoring, cases sorted by length: the
     512-token 7.6B MoE pass is ~2,250 launches, host-bound when each goes through Python).  Shapes that alternate
     stay eager: a capture costs about a pass.  The checks a pass queues each time (the embedding rows it decodes)
-    are queued again after every replay.  One graph is kept per model."""
+    are queued again after every replay.  One graph is kept per model.  A long sequence of a
+    :data:`CHUNKED_ARCHITECTURES` model runs in chunks (:func:`_chunked`)."""
+    model_type = model.config.get("model_type")
+    if (input_ids.shape[1] > LONG_PASS_TOKENS and model_type in CHUNKED_ARCHITECTURES
+            and not (input_ids.is_cuda and model_type in CHUNKED_ON_CPU_ONLY)):
+        return _chunked(model, input_ids, keep)
     if not model.graphs or input_ids.numel() > GRAPH_MAX_TOKENS:
         return _eager(model, input_ids, keep)
     shape = (tuple(input_ids.shape), keep)
