@@ -4,6 +4,7 @@ plain causal mask of a scoring pass (lengths where no block is complete, where e
 the budget leaves most out; two sequences per pass)."""
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import pytest
@@ -78,3 +79,49 @@ def test_every_pool_selects_what_transformers_selects(glm5, n, device):
     assert not (selected & ~causal).any()
     if n // indexer.index_kpool > indexer.index_topk // indexer.index_kpool:    # a real selection
         assert not torch.equal(selected, causal)
+
+
+def test_selection_of_chunks_through_the_cache_equals_transformers_loop(monkeypatch):
+    """A long sequence's chunks through the cache (:func:`quantkit.runtime.attention.causal_chunks`): each chunk's
+    selection, its queries against every key cached so far, equals transformers' loop over the queries bit for
+    bit (two sequences, 300 tokens in chunks of 100: blocks left out by the budget; queries scored in groups), and
+    the cache then holds the same index keys."""
+    from quantkit.runtime import indexer as runtime_indexer
+    from quantkit.runtime.attention import causal_chunks
+
+    model, _ = build_tiny_model("qwen4_exp", dtype="f32")
+    model.eval()
+    runtime_indexer.install(model)
+    seen = {"ours": [], "theirs": []}
+    batched = []
+    mask = runtime_indexer.causal_selection_mask
+    monkeypatch.setattr(runtime_indexer, "SCORE_VALUES", 1000)     # queries in several groups
+    monkeypatch.setattr(runtime_indexer, "causal_selection_mask", lambda *a, **k: batched.append(1) or mask(*a, **k))
+    for module in model.modules():
+        if type(module).__name__ in INDEXERS:
+            def recorded(*args, _forward=module.forward, **kwargs):
+                out = _forward(*args, **kwargs)
+                seen[side].append(out)
+                return out
+            module.forward = recorded
+    ids = torch.randint(3, model.config.get_text_config().vocab_size, (2, 300), generator=torch.Generator().manual_seed(3))
+    caches = {}
+    for side in ("theirs", "ours"):
+        cache = None
+        with torch.no_grad(), (causal_chunks() if side == "ours" else contextlib.nullcontext()):
+            for start in range(0, 300, 100):
+                cache = model(input_ids=ids[:, start:start + 100], past_key_values=cache, use_cache=True).past_key_values
+        caches[side] = cache
+        if side == "theirs":
+            assert not batched
+    assert batched and len(seen["ours"]) == len(seen["theirs"]) > 0
+    real_selection = False
+    for got, want in zip(seen["ours"], seen["theirs"]):
+        n, kv = got.shape[-2:]
+        causal = torch.arange(kv)[None, :] <= torch.arange(kv - n, kv)[:, None]
+        assert torch.equal(got, want & causal)
+        real_selection |= not torch.equal(got, causal.expand_as(got))
+    assert real_selection
+    keys = [(layer.indexer_keys, theirs.indexer_keys) for layer, theirs in zip(caches["ours"].layers,
+            caches["theirs"].layers) if getattr(theirs, "indexer_keys", None) is not None]
+    assert keys and all(ours.shape[1] == 300 and torch.equal(ours, theirs) for ours, theirs in keys)

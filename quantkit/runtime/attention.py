@@ -23,6 +23,7 @@ import torch
 
 _WRAPPED = "_quantkit_sdpa"
 _ONE_SEQUENCE = contextvars.ContextVar("quantkit_one_sequence_per_row", default=False)
+_CAUSAL_CHUNKS = contextvars.ContextVar("quantkit_causal_chunks", default=False)
 
 
 @contextlib.contextmanager
@@ -38,6 +39,23 @@ def one_sequence_per_row():
 def in_one_sequence_per_row() -> bool:
     """Whether the forward pass running is inside :func:`one_sequence_per_row`."""
     return _ONE_SEQUENCE.get()
+
+
+@contextlib.contextmanager
+def causal_chunks():
+    """Forward passes inside are consecutive chunks of sequences through transformers' dynamic cache, one
+    sequence per row from position 0, right-padded: each chunk's queries see the keys before them, a plain causal
+    mask."""
+    token = _CAUSAL_CHUNKS.set(True)
+    try:
+        yield
+    finally:
+        _CAUSAL_CHUNKS.reset(token)
+
+
+def in_causal_chunks() -> bool:
+    """Whether the forward pass running is inside :func:`causal_chunks`."""
+    return _CAUSAL_CHUNKS.get()
 
 
 class _OneGroup:

@@ -11,9 +11,11 @@ blocks once, scores every query against every block in one product, keeps each q
 best complete blocks (``topk``) and its incomplete tail, as the loop does.  Each block's pooled key and each
 (query, block) score are computed with transformers' operations in its order; only the products are batched
 (the scores may round differently in the last bit, which can matter only at an exact tie for the last block a
-query keeps).  Memory: scores of :data:`QUERY_CHUNK` queries at a time.
+query keeps).  Memory: at most :data:`SCORE_VALUES` per-head scores at a time.
 
-Other passes (a cache, a mask with padding) keep transformers' loop.
+The same selection serves the chunks of a long sequence through the cache (:func:`.attention.causal_chunks`):
+the queries are then the chunk's, the keys every position cached so far.  Other passes (a cache otherwise, a mask
+with padding) keep transformers' loop.
 
 **GLM-5.3-Flash** (``Glm5NextTextIndexer``): transformers drops the key pools that no row completes with a boolean
 index (``pool_keys[:, keep]``), whose size the host must read from the device: a wait that made CUDA graph capture
@@ -30,33 +32,42 @@ import sys
 
 import torch
 
-from .attention import in_one_sequence_per_row
+from .attention import in_causal_chunks, in_one_sequence_per_row
 
 #: transformers classes :func:`install` replaces the forward of.
 INDEXERS = ("Qwen4ExpTextQSAIndexer",)
 #: transformers classes :func:`install` replaces the pooling (``get_pooled_states``) of.
 POOLING_INDEXERS = ("Glm5NextTextIndexer",)
-#: Queries scored against every block at once (scores: queries x heads x blocks float32).
-QUERY_CHUNK = 2048
+#: Per-head (query, block) scores computed at once, float32 (128 MiB): queries go in groups that fit (a 2,048-token
+#: pass of the bench's Qwen3.8 synthetic, 16 heads x 512 blocks, in one).
+SCORE_VALUES = 1 << 25
 
 
-def causal_selection_mask(indexer, hidden_states: torch.Tensor, position_embeddings: tuple) -> torch.Tensor:
-    """The indexer's ``[batch, 1, n, n]`` boolean selection mask for ``hidden_states [batch, n, hidden]`` under a
-    plain causal mask (query i sees keys 0..i)."""
+def causal_selection_mask(indexer, hidden_states: torch.Tensor, position_embeddings: tuple,
+                          cache=None) -> torch.Tensor:
+    """The indexer's ``[batch, 1, n, kv]`` boolean selection mask for the queries ``hidden_states [batch, n,
+    hidden]``, the last n of kv positions, under a plain causal mask (the query at position p sees keys 0..p):
+    kv = n, or with ``cache`` (transformers' cache of a chunked pass, updated here as transformers' indexer
+    does) the positions cached so far."""
     rotate = sys.modules[type(indexer).__module__].apply_rotary_pos_emb
     batch, n, _ = hidden_states.shape
     ratio, dim = indexer.compress_ratio, indexer.index_head_dim
     cos, sin = position_embeddings
-    q, keys = torch.split(indexer.index_qk_proj(hidden_states),
-                          [indexer.index_n_heads * dim, indexer.index_kv_heads * dim], dim=-1)
+    q, own_keys = torch.split(indexer.index_qk_proj(hidden_states),
+                              [indexer.index_n_heads * dim, indexer.index_kv_heads * dim], dim=-1)
     q = rotate(indexer.q_layernorm(q.reshape(batch, n, -1, dim)), cos=cos[:, -n:], sin=sin[:, -n:], unsqueeze_dim=2)
-    keys = keys.reshape(batch, n, dim)            # one key head (the config requires it)
-    blocks = n // ratio
-    mask = torch.ones(n, n, dtype=torch.bool, device=hidden_states.device).tril().repeat(batch, 1, 1)
+    keys = own_keys.reshape(batch, n, dim)              # one key head (the config requires it)
+    if cache is not None:
+        keys = cache.update_indexer(keys, indexer.layer_idx)
+    kv = keys.shape[1]
+    blocks = kv // ratio
+    device = hidden_states.device
+    key_positions = torch.arange(kv, device=device)
+    queries = key_positions[kv - n:]                            # the queries' positions
+    mask = (key_positions[None, :] <= queries[:, None]).repeat(batch, 1, 1)
     if blocks == 0:
         return mask[:, None]
-    starts = torch.arange(blocks, device=hidden_states.device) * ratio
-    queries = torch.arange(n, device=hidden_states.device)
+    starts = torch.arange(blocks, device=device) * ratio
     complete = (queries + 1) // ratio                          # complete blocks each query sees
     keep = min(indexer.block_topk, blocks)
     for b in range(batch):
@@ -64,17 +75,18 @@ def causal_selection_mask(indexer, hidden_states: torch.Tensor, position_embeddi
                                      .to(keys.dtype))
         block_keys = rotate(pooled.unsqueeze(1), cos=cos[b].index_select(0, starts),
                             sin=sin[b].index_select(0, starts)).squeeze(1).float()
-        for first in range(0, n, QUERY_CHUNK):
-            rows = slice(first, min(first + QUERY_CHUNK, n))
+        step = max(1, SCORE_VALUES // (q.shape[2] * blocks))
+        for first in range(0, n, step):
+            rows = slice(first, min(first + step, n))
             scores = torch.matmul(q[b, rows].float(), block_keys.transpose(-1, -2)).transpose(-1, -2)
             scores = torch.relu(scores).sum(dim=-1) / math.sqrt(dim)          # [queries, blocks]
-            seen = torch.arange(blocks, device=scores.device)[None, :] < complete[rows, None]
+            seen = torch.arange(blocks, device=device)[None, :] < complete[rows, None]
             best = scores.masked_fill(~seen, float("-inf")).topk(keep, dim=-1).indices
             chosen = torch.zeros_like(seen).scatter_(-1, best, True) & seen
             # a query keeps the tokens of its chosen blocks and those past its last complete block
             tokens = chosen.repeat_interleave(ratio, dim=-1)
-            tail = queries[None, :] >= (complete[rows, None] * ratio)
-            mask[b, rows, :blocks * ratio] &= tokens | tail[:, :blocks * ratio]
+            tail = key_positions[None, :blocks * ratio] >= (complete[rows, None] * ratio)
+            mask[b, rows, :blocks * ratio] &= tokens | tail
     return mask[:, None]
 
 
@@ -120,9 +132,16 @@ def _every_pool_or_theirs(indexer, theirs):
 def _causal_or_loop(indexer, loop):
     def forward(hidden_states, position_embeddings, attention_mask, past_key_values=None):
         n = hidden_states.shape[1]
-        if (past_key_values is None and in_one_sequence_per_row() and attention_mask is not None
-                and attention_mask.dtype == torch.bool and tuple(attention_mask.shape[-2:]) == (n, n)):
+        plain = attention_mask is not None and attention_mask.dtype == torch.bool
+        if past_key_values is None and in_one_sequence_per_row() and plain and \
+                tuple(attention_mask.shape[-2:]) == (n, n):
             return causal_selection_mask(indexer, hidden_states, position_embeddings)
+        if past_key_values is not None and in_causal_chunks() and plain:
+            mask = causal_selection_mask(indexer, hidden_states, position_embeddings, past_key_values)
+            if mask.shape[-2:] != attention_mask.shape[-2:]:
+                raise RuntimeError(f"a {tuple(attention_mask.shape)} attention mask for a {tuple(mask.shape)} "
+                                   f"selection")
+            return mask
         return loop(hidden_states, position_embeddings, attention_mask, past_key_values)
 
     return forward

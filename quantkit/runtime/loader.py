@@ -44,7 +44,7 @@ from ..arch import ArchMap, get_arch
 from ..arch.dialects import relaid_mappings
 from ..errors import FixtureError, FormatError, UnsupportedError, ValidationError
 from ..io.gguf import KV
-from .attention import install as install_sdpa, one_sequence_per_row
+from .attention import causal_chunks, install as install_sdpa, one_sequence_per_row
 from .experts import EXPERTS_MODES, GROUPED, SORTED, register as register_experts
 from .indexer import install as install_indexers
 from .inverse import TensorPlan, plan_tensor
@@ -528,12 +528,12 @@ def _eager(model: RuntimeModel, input_ids: torch.Tensor, keep: int = 0) -> torch
 def _chunked(model: RuntimeModel, input_ids: torch.Tensor, keep: int = 0) -> torch.Tensor:
     """The logits of one forward pass computed :data:`LONG_CHUNK` tokens at a time, each chunk's queries against
     the cached keys before them (the same logits as one pass: tests/test_runtime_long.py); the output head
-    multiplies the last ``keep`` positions only, if not 0.  The scoring passes' own paths (CUDA graphs, the band
-    and batched indexers of :func:`one_sequence_per_row`) need no cache, so transformers' run here."""
+    multiplies the last ``keep`` positions only, if not 0.  The scoring passes' own paths that need no cache (CUDA
+    graphs, V4's band, GLM's pools) give way to transformers'; Qwen3.8's batched indexer serves the chunks too."""
     n = input_ids.shape[1]
     first = n - keep if keep else 0
     pieces, cache = [], None
-    with torch.no_grad(), model.forward_mode():
+    with torch.no_grad(), model.forward_mode(), causal_chunks():
         for start in range(0, n, LONG_CHUNK):
             end = min(start + LONG_CHUNK, n)
             wanted = end - max(start, first)        # positions of this chunk whose logits are asked for
