@@ -47,6 +47,7 @@ from ..io.gguf import KV
 from .attention import causal_chunks, install as install_sdpa, one_sequence_per_row
 from .experts import EXPERTS_MODES, GROUPED, SORTED, register as register_experts
 from .indexer import install as install_indexers
+from .kda import install as install_kda
 from .inverse import TensorPlan, plan_tensor
 from .packed import FUSED_DTYPES, Assembler, PackedTensor, WeightStore, finite_flag, scale_companion
 from .sliding import install as install_sliding_attention
@@ -138,6 +139,7 @@ def model_skeleton(config: Mapping[str, Any], dtype: torch.dtype = torch.float32
         model = cls._from_config(hf_config, dtype=dtype)
     install_indexers(model)
     install_sliding_attention(model)
+    install_kda()
     return model.eval()
 
 

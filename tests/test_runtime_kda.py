@@ -1,0 +1,80 @@
+"""GLM-5.3-Flash's KDA in chunks (quantkit.runtime.kda) against transformers' torch reference,
+``chunk_kimi_delta_attention``: outputs and final states within 1e-5 of the largest, with and without an initial
+state, lengths off the 64-token chunk, decays strong enough that a product split anywhere but inside the pair
+would overflow; and the runtime's scoring passes use it."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import transformers.models.glm5_next.modeling_glm5_next as glm5
+from quantkit.runtime import kda
+
+BOUND = 1e-5
+
+
+def transformers_kda():
+    function = glm5.chunk_kimi_delta_attention
+    return getattr(function, "theirs", function)
+
+
+def inputs(batch, n, heads, dim, decay, seed):
+    gen = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(batch, n, heads, dim, generator=gen) for _ in range(3))
+    g = -torch.rand(batch, n, heads, dim, generator=gen) * decay
+    return q, k, v, g, torch.rand(batch, n, heads, generator=gen)
+
+
+@pytest.mark.parametrize("n, decay, initial", [(100, 0.3, False), (64, 0.3, True), (200, 8.0, False),
+                                               (130, 8.0, True), (7, 0.3, False)])
+def test_chunk_kda_equals_transformers(n, decay, initial):
+    q, k, v, g, beta = inputs(2, n, 3, 32, decay, seed=n)
+    state = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(1)) if initial else None
+    want, want_state = transformers_kda()(q, k, v, g=g, beta=beta, initial_state=state, output_final_state=True,
+                                          use_qk_l2norm_in_kernel=True)
+    got, got_state = kda.chunk_kda(q, k, v, g=g, beta=beta, initial_state=state, output_final_state=True,
+                                   use_qk_l2norm_in_kernel=True)
+    assert got.shape == want.shape and got.dtype == want.dtype
+    assert float((got - want).abs().max()) <= BOUND * float(want.abs().max())
+    assert float((got_state - want_state).abs().max()) <= BOUND * float(want_state.abs().max())
+    assert kda.chunk_kda(q, k, v, g=g, beta=beta, initial_state=state)[1] is None
+
+
+@pytest.mark.parametrize("diagonal", [False, True])
+def test_decayed_products_equal_the_pairwise_sum(diagonal):
+    """Against float64 pair by pair, with steps of decay up to 20 per token (exp(20 x 16) overflows float32: the
+    split at the query sub-chunk's first token keeps both factors at most 1)."""
+    gen = torch.Generator().manual_seed(5)
+    a, b = (torch.randn(2, kda.CHUNK, 8, generator=gen) for _ in range(2))
+    g = (-torch.rand(2, kda.CHUNK, 8, generator=gen) * 20).cumsum(1)
+    got = kda.decayed_products(a, b, g, diagonal)
+    a64, b64, g64 = a.double(), b.double(), g.double()
+    want = (a64[:, :, None] * b64[:, None] * (g64[:, :, None] - g64[:, None]).clamp(max=0).exp()).sum(-1)
+    keep = torch.ones(kda.CHUNK, kda.CHUNK, dtype=torch.bool).tril(0 if diagonal else -1)
+    want = want * keep
+    assert torch.isfinite(got).all()
+    assert float((got.double() - want).abs().max()) <= 1e-6 * float(want.abs().max())
+
+
+def test_scoring_passes_use_it(ggufs, monkeypatch):
+    """A GLM-5.3 scoring pass runs its KDA layers through :func:`kda.chunk_kda` (its logits against transformers':
+    tests/test_runtime.py), a transformers model outside the runtime's passes through transformers' function."""
+    from quantkit.runtime import load_model, logits
+    from test_runtime import token_ids
+
+    calls = []
+    ours = kda.chunk_kda
+    monkeypatch.setattr(kda, "chunk_kda", lambda *a, **k: calls.append(1) or ours(*a, **k))
+    model = load_model(ggufs("glm5_next", "f32"))
+    ids = token_ids("glm5_next", 70)
+    logits(model, ids)
+    layers = sum(type(m).__name__ == "Glm5NextTextLinearAttention" for m in model.module.modules())
+    assert layers and len(calls) == layers
+    with torch.no_grad():
+        model.module(input_ids=torch.tensor([ids]), use_cache=False)
+    assert len(calls) == layers
+    assert np.isfinite(logits(model, ids)).all()
+
+
+from test_runtime import ggufs  # noqa: E402,F401  (the GGUF fixture of the CPU tests)
