@@ -26,11 +26,13 @@ def inputs(batch, n, heads, dim, decay, seed):
     return q, k, v, g, torch.rand(batch, n, heads, generator=gen)
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA device"))])
 @pytest.mark.parametrize("n, decay, initial", [(100, 0.3, False), (64, 0.3, True), (200, 8.0, False),
                                                (130, 8.0, True), (7, 0.3, False)])
-def test_chunk_kda_equals_transformers(n, decay, initial):
-    q, k, v, g, beta = inputs(2, n, 3, 32, decay, seed=n)
-    state = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(1)) if initial else None
+def test_chunk_kda_equals_transformers(n, decay, initial, device):
+    q, k, v, g, beta = (x.to(device) for x in inputs(2, n, 3, 32, decay, seed=n))
+    state = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(1)).to(device) if initial else None
     want, want_state = transformers_kda()(q, k, v, g=g, beta=beta, initial_state=state, output_final_state=True,
                                           use_qk_l2norm_in_kernel=True)
     got, got_state = kda.chunk_kda(q, k, v, g=g, beta=beta, initial_state=state, output_final_state=True,

@@ -38,6 +38,9 @@ SUB = 16
 #: transformers modules whose ``chunk_kimi_delta_attention`` :func:`install` replaces.
 MODULES = ("transformers.models.glm5_next.modeling_glm5_next",)
 _REPLACED = "_quantkit_kda"
+#: Whether CUDA tensors take :func:`chunk_kda` too: not until its GPU tests and timing have run on a device
+#: (written and tested on the CPU, 2026-12-03).
+ON_CUDA = False
 
 
 def _l2norm(x: torch.Tensor) -> torch.Tensor:
@@ -111,7 +114,8 @@ def chunk_kda(query, key, value, g, beta, chunk_size=CHUNK, initial_state=None, 
 
 def install() -> None:
     """Use :func:`chunk_kda` for transformers' KDA layers inside the runtime's passes
-    (:func:`.attention.one_sequence_per_row`, :func:`.attention.causal_chunks`); elsewhere (a transformers model
+    (:func:`.attention.one_sequence_per_row`, :func:`.attention.causal_chunks`; CUDA tensors only with
+    :data:`ON_CUDA`); elsewhere (a transformers model
     of the tests' references, a generation step) transformers' function runs.  Idempotent; for the modules of
     :data:`MODULES` already imported."""
     for name in MODULES:
@@ -121,7 +125,8 @@ def install() -> None:
         theirs = module.chunk_kimi_delta_attention
 
         def chunk_kimi_delta_attention(*args, _theirs=theirs, **kwargs):
-            if in_one_sequence_per_row() or in_causal_chunks():
+            query = args[0] if args else kwargs["query"]
+            if (in_one_sequence_per_row() or in_causal_chunks()) and (ON_CUDA or not query.is_cuda):
                 return chunk_kda(*args, **kwargs)
             return _theirs(*args, **kwargs)
 
