@@ -47,8 +47,8 @@ from ..io.gguf import KV
 from .attention import causal_chunks, install as install_sdpa, one_sequence_per_row
 from .experts import EXPERTS_MODES, GROUPED, SORTED, register as register_experts
 from .indexer import install as install_indexers
-from .kda import install as install_kda
 from .inverse import TensorPlan, plan_tensor
+from .kda import install as install_kda
 from .packed import FUSED_DTYPES, Assembler, PackedTensor, WeightStore, finite_flag, scale_companion
 from .sliding import install as install_sliding_attention
 from .weights import SOURCE_CONFIG_KEY, open_weights
