@@ -97,8 +97,8 @@ def _forward_calls(model) -> list[int]:
 @pytest.mark.parametrize("arch", sorted(loader.CHUNKED_ARCHITECTURES))
 def test_long_sequences_of_seed_architectures_run_in_chunks(ggufs, arch, monkeypatch):
     """Past LONG_PASS_TOKENS (made small here) a seed architecture's sequence runs in LONG_CHUNK-token chunks
-    through transformers' cache: every position's logits, and those from a first position on, equal
-    transformers' one pass."""
+    through transformers' cache: every position's logits, those from a first position on, and those of two rows of
+    different lengths in one pass, equal transformers' one pass."""
     from quantkit.runtime import load_model, logits, logits_batch
     from test_runtime import RELATIVE_TOLERANCE, reference_logits, token_ids
 
@@ -115,6 +115,9 @@ def test_long_sequences_of_seed_architectures_run_in_chunks(ggufs, arch, monkeyp
     tail = logits_batch(model, [ids], first=130)[0]
     assert tail.shape == (70, expected.shape[1])
     assert float(np.abs(tail - expected[130:]).max()) <= bound
+    full, short = logits_batch(model, [ids, ids[:150]])         # the shorter row right-padded through the chunks
+    assert float(np.abs(full - expected).max()) <= bound
+    assert float(np.abs(short - expected[:150]).max()) <= bound
 
 
 @pytest.mark.parametrize("arch", sorted(loader.CHUNKED_ARCHITECTURES))
