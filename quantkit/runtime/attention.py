@@ -27,13 +27,17 @@ _CAUSAL_CHUNKS = contextvars.ContextVar("quantkit_causal_chunks", default=False)
 
 
 @contextlib.contextmanager
-def one_sequence_per_row():
-    """Forward passes inside have one sequence per row, positions from 0 (see the module doc)."""
-    token = _ONE_SEQUENCE.set(True)
+def _raised(flag: contextvars.ContextVar):
+    token = flag.set(True)
     try:
         yield
     finally:
-        _ONE_SEQUENCE.reset(token)
+        flag.reset(token)
+
+
+def one_sequence_per_row():
+    """Forward passes inside have one sequence per row, positions from 0 (see the module doc)."""
+    return _raised(_ONE_SEQUENCE)
 
 
 def in_one_sequence_per_row() -> bool:
@@ -41,16 +45,11 @@ def in_one_sequence_per_row() -> bool:
     return _ONE_SEQUENCE.get()
 
 
-@contextlib.contextmanager
 def causal_chunks():
     """Forward passes inside are consecutive chunks of sequences through transformers' dynamic cache, one
     sequence per row from position 0, right-padded: each chunk's queries see the keys before them, a plain causal
     mask."""
-    token = _CAUSAL_CHUNKS.set(True)
-    try:
-        yield
-    finally:
-        _CAUSAL_CHUNKS.reset(token)
+    return _raised(_CAUSAL_CHUNKS)
 
 
 def in_causal_chunks() -> bool:
