@@ -1,9 +1,9 @@
 """All-position scoring on one GPU: quantkit's CUDA runtime vs llama.cpp's CUDA build, same synthetic GGUFs, one run.
 
     python bench/score_vs_llamacpp.py --llama-src LLAMA_CPP_TREE [--build /tmp/llama-build] [--jobs 14]
-        [--models 1b,7b,v4,glm5,qwen4] [--tokens 512,2048] [--batch 2048] [--long 16384] [--dtypes float32,bfloat16]
-        [--repeats 3] [--second-half] [--scored PASSES] [--skip-llama] [--overlap-build] [--skip-llama-bench] [--markdown FILE]
-        [--logs DIR] [--float32-products tf32x3]
+        [--models 1b,7b,v4,glm5,qwen4] [--tokens 512,2048] [--batch 2048] [--long 16384] [--long-models glm5,qwen4]
+        [--dtypes float32,bfloat16] [--repeats 3] [--second-half] [--scored PASSES] [--skip-llama] [--overlap-build]
+        [--skip-llama-bench] [--markdown FILE] [--logs DIR] [--float32-products tf32x3]
 
 1. Starts building llama.cpp's ``llama-perplexity`` and ``llama-bench`` with CUDA for sm_90 from the vendored
    source tree (``python -m quantkit.testing.llama_src`` prints where it is) in the background (about 5 minutes
@@ -25,8 +25,9 @@
      logits differ, the work compared is the same.
 3. quantkit: :func:`quantkit.runtime.logits_batch` (every position's logits, copied to the host; with
    ``--second-half`` those of positions N/2.. only, what llama-perplexity asks for) on random
-   tokens of each ``--tokens`` length N (and ``--long`` for the first model), ``max(1, --batch // N)`` sequences
-   per forward pass as llama-perplexity packs ``--batch // N`` chunks per pass (its ``n_seq``), per compute
+   tokens of each ``--tokens`` length N (and ``--long`` for the ``--long-models``, by default the first),
+   ``max(1, --batch // N)`` sequences per forward pass as llama-perplexity packs ``--batch // N`` chunks per pass
+   (its ``n_seq``), per compute
    dtype; tokens/s from the median of ``--repeats`` calls after a warm-up; peak device memory is torch's
    allocator peak for that load and length.  A pass shape that repeats is captured as a CUDA graph by the runtime
    and replayed (:func:`quantkit.runtime.loader._forward`; up to 4096 tokens, float32): the first timed call or
@@ -414,7 +415,9 @@ def main() -> None:
     parser.add_argument("--jobs", type=int, default=14)
     parser.add_argument("--models", default="1b,7b", help=f"comma-separated, of {','.join(MODELS)}")
     parser.add_argument("--tokens", default="512,2048")
-    parser.add_argument("--long", default="", help="extra lengths scored on the first model only")
+    parser.add_argument("--long", default="", help="extra lengths scored on the --long-models only")
+    parser.add_argument("--long-models", default="", help="comma-separated models the --long lengths run on "
+                                                          "(default: the first of --models)")
     parser.add_argument("--dtypes", default="float32,bfloat16")
     parser.add_argument("--float32-products", metavar="PRECISION",
                         help="Triton input_precision of the fused products for float32 activations (an A/B of "
@@ -451,14 +454,15 @@ def main() -> None:
     results = {}
     text = args.workdir / "text.txt"
     long = [int(n) for n in args.long.split(",") if n]
-    for number, name in enumerate(args.models.split(",")):
+    long_models = args.long_models.split(",") if args.long_models else args.models.split(",")[:1]
+    for name in args.models.split(","):
         config = MODELS[name]
         path = args.workdir / f"synthetic-{name}.gguf"
         t0 = time.perf_counter()
         params = write_synthetic(path, config, tokenizer_metadata(vocab_size(config)))
         emit({"name": f"wrote {path.name}", "parameters": params, "seconds": time.perf_counter() - t0})
         results[name] = {"path": path, "parameters": params, "file_bytes": path.stat().st_size,
-                         "lengths": lengths + (long if number == 0 else []),
+                         "lengths": lengths + (long if name in long_models else []),
                          "quantkit": []}
     write_text(text, 2 * PERPLEXITY_TOKENS + 2 * max(lengths + long) + 1000, SYNTHETIC["vocab_size"])
     if build is not None and not args.overlap_build:     # quiet machine for the timings: the build finishes first

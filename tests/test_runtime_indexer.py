@@ -96,7 +96,8 @@ def test_selection_of_chunks_through_the_cache_equals_transformers_loop(monkeypa
     batched = []
     mask = runtime_indexer.causal_selection_mask
     monkeypatch.setattr(runtime_indexer, "SCORE_VALUES", 1000)     # queries in several groups
-    monkeypatch.setattr(runtime_indexer, "causal_selection_mask", lambda *a, **k: batched.append(1) or mask(*a, **k))
+    monkeypatch.setattr(runtime_indexer, "causal_selection_mask",
+                        lambda *a, **k: batched.append(1) or mask(*a, **k))
     for module in model.modules():
         if type(module).__name__ in INDEXERS:
             def recorded(*args, _forward=module.forward, **kwargs):
@@ -104,13 +105,15 @@ def test_selection_of_chunks_through_the_cache_equals_transformers_loop(monkeypa
                 seen[side].append(out)
                 return out
             module.forward = recorded
-    ids = torch.randint(3, model.config.get_text_config().vocab_size, (2, 300), generator=torch.Generator().manual_seed(3))
+    vocab = model.config.get_text_config().vocab_size
+    ids = torch.randint(3, vocab, (2, 300), generator=torch.Generator().manual_seed(3))
     caches = {}
     for side in ("theirs", "ours"):
         cache = None
         with torch.no_grad(), (causal_chunks() if side == "ours" else contextlib.nullcontext()):
             for start in range(0, 300, 100):
-                cache = model(input_ids=ids[:, start:start + 100], past_key_values=cache, use_cache=True).past_key_values
+                cache = model(input_ids=ids[:, start:start + 100], past_key_values=cache,
+                              use_cache=True).past_key_values
         caches[side] = cache
         if side == "theirs":
             assert not batched
