@@ -115,9 +115,8 @@ def chunk_kda(query, key, value, g, beta, chunk_size=CHUNK, initial_state=None, 
 def install() -> None:
     """Use :func:`chunk_kda` for transformers' KDA layers inside the runtime's passes
     (:func:`.attention.one_sequence_per_row`, :func:`.attention.causal_chunks`; CUDA tensors only with
-    :data:`ON_CUDA`); elsewhere (a transformers model
-    of the tests' references, a generation step) transformers' function runs.  Idempotent; for the modules of
-    :data:`MODULES` already imported."""
+    :data:`ON_CUDA`); elsewhere (the tests' transformers references, a generation step) transformers' function
+    runs.  Idempotent; for the modules of :data:`MODULES` already imported."""
     for name in MODULES:
         module = sys.modules.get(name)
         if module is None or getattr(module.chunk_kimi_delta_attention, _REPLACED, False):
