@@ -107,8 +107,8 @@ def test_fused_products_decode_bit_for_bit(name):
 def test_fused_products_equal_dequantize_then_matmul(name, dtype):
     """The fused products (dense, and grouped over experts with a per-expert scale) against the weights decoded by
     the bit-exact Triton decoder and multiplied in float64.  Bound per output: 2^-16 (float32 activations, bf16x3:
-    each product within ~3 x 2^-18; plain TF32 products would err ~2^-11) or 2^-8 (bfloat16: the weight rounded to bfloat16, as the decoded path
-    converts it, and the output rounded) times sum_k |x_k w_k|.  Shapes no tile divides; one expert routed no rows,
+    each product within ~3 x 2^-18; plain TF32 products would err ~2^-11) or 2^-8 (bfloat16: the weight rounded
+    to bfloat16, as the decoded path converts it, and the output rounded) times sum_k |x_k w_k|.  Shapes no tile divides; one expert routed no rows,
     one more rows than a tile."""
     from quantkit.kernels.triton_dequant import dequantize
     from quantkit.kernels.triton_matmul import grouped_linear, linear

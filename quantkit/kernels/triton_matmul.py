@@ -10,9 +10,9 @@ product sees are bit for bit the numba decoders') and multiplies it on the tenso
 Arithmetic: products accumulate in float32.  float32 activations multiply with ``bf16x3`` (plain float32 has no
 tensor-core path): each operand splits into a high and a low bfloat16 part and three bfloat16 products are summed,
 the low x low one dropped, so each product is within about 3 x 2^-18 of float32's (``tf32x3``, three TF32
-products, is within about 2^-21 at half the rate: a 2,048-token pass of the bench's 2B Qwen3.8 Flash Next took
-161 ms against 187 ms, its logits 5.6e-5 of the largest apart; bench/results/score-vs-llamacpp-2026-12-03c.md),
-bfloat16 activations with the decoded weight rounded to bfloat16 (what
+products, is within about 2^-21 at half the rate: the bench's 7.6B MoE took 101.6 ms a 2,048-token pass against
+115.7 ms, and the 2B Qwen3.8 Flash Next's logits moved 5.6e-5 of the largest; bench/results/
+score-vs-llamacpp-2026-12-03c.md); bfloat16 activations with the decoded weight rounded to bfloat16 (what
 decoding, then converting the weight to bfloat16, then multiplying gives).  Results therefore equal
 dequantize-then-matmul up to summation order (and bfloat16 splitting): tests/test_runtime_gpu.py states the bounds.
 (Multiplying K-quant / Q8_0 integer codes exactly, two TF32 or three bfloat16 products, and scaling per 32-value

@@ -133,8 +133,8 @@ def _causal_or_loop(indexer, loop):
     def forward(hidden_states, position_embeddings, attention_mask, past_key_values=None):
         n = hidden_states.shape[1]
         plain = attention_mask is not None and attention_mask.dtype == torch.bool
-        if past_key_values is None and in_one_sequence_per_row() and plain and \
-                tuple(attention_mask.shape[-2:]) == (n, n):
+        if (past_key_values is None and in_one_sequence_per_row() and plain
+                and tuple(attention_mask.shape[-2:]) == (n, n)):
             return causal_selection_mask(indexer, hidden_states, position_embeddings)
         if past_key_values is not None and in_causal_chunks() and plain:
             mask = causal_selection_mask(indexer, hidden_states, position_embeddings, past_key_values)
