@@ -354,13 +354,18 @@ def test_cuda_long_sequence_memory_grows_linearly(ggufs, arch):
     assert added[8192] < model.module.config.num_attention_heads * 8192 * 8192 * 4 / 2
 
 
-@pytest.mark.parametrize("arch", ["glm5_next", "qwen4_exp"])     # not deepseek_v4: loader.CHUNKED_ON_CPU_ONLY
+@pytest.mark.parametrize("arch", ["deepseek_v4", "glm5_next", "qwen4_exp"])
 def test_cuda_long_seed_sequences_run_in_chunks_with_linear_memory(ggufs, arch, monkeypatch):
     """A long seed-architecture sequence on CUDA runs in chunks through the cache (512 tokens here): the device
     memory a pass adds grows linearly (4096 -> 8192 tokens: at most 2.5x), and its logits equal the CPU
-    runtime's."""
+    runtime's.  DeepSeek V4's with the packed products in plain float32 (``ieee``); with the default bf16x3
+    products its logits move by up to 9.4e-2 of the largest at one position past ~1K tokens, in one pass as in
+    chunks (H200, 2026-12-03; cause not found: bench/results/seed-cuda-2026-12-03.md), so those are held to
+    the CPU's by their NLL and top-1."""
+    from quantkit.kernels import triton_matmul
     from quantkit.runtime import load_model, loader, logits
     from test_runtime import RELATIVE_TOLERANCE, token_ids
+    from test_runtime_long import token_nll
 
     monkeypatch.setattr(loader, "LONG_PASS_TOKENS", 512)
     monkeypatch.setattr(loader, "LONG_CHUNK", 512)
@@ -378,7 +383,17 @@ def test_cuda_long_seed_sequences_run_in_chunks_with_linear_memory(ggufs, arch, 
     assert added[8192] <= 2.5 * added[4096]
     cuda = logits(model, ids[:1536])
     cpu = logits(load_model(ggufs(arch, "mixed")), ids[:1536])
-    assert float(np.abs(cuda - cpu).max()) <= RELATIVE_TOLERANCE * float(np.abs(cpu).max())
+    if arch == "deepseek_v4":
+        monkeypatch.setattr(triton_matmul, "FLOAT32_PRECISION", "ieee")
+        exact = logits(load_model(ggufs(arch, "mixed"), device="cuda"), ids[:1536])
+        assert float(np.abs(exact - cpu).max()) <= RELATIVE_TOLERANCE * float(np.abs(cpu).max())
+    else:
+        assert float(np.abs(cuda - cpu).max()) <= RELATIVE_TOLERANCE * float(np.abs(cpu).max())
+    got, want = (token_nll(torch.from_numpy(x), np.asarray(ids[:1536])) for x in (cuda, cpu))
+    print(arch, "mean NLL", float(got.mean()), float(want.mean()), "top-1 agreement",
+          float((cuda.argmax(-1) == cpu.argmax(-1)).mean()))
+    assert abs(float(got.mean()) - float(want.mean())) <= 1e-4 * abs(float(want.mean()))
+    assert float((cuda.argmax(-1) == cpu.argmax(-1)).mean()) >= 0.99
 
 
 def test_cuda_nan_payload_raises_naming_the_tensor(ggufs, tmp_path):

@@ -491,10 +491,6 @@ def start_logits_batch(model: RuntimeModel, sequences: Sequence[Sequence[int]], 
 #: ``[heads, LONG_CHUNK, n]`` at most: memory linear in n.  qwen3_moe and deepseek_v3 attend with SDPA's
 #: memory-efficient kernel, linear in one pass (:mod:`.attention`).
 CHUNKED_ARCHITECTURES = frozenset({"deepseek_v4", "glm5_next", "qwen4_exp"})
-#: Of those, the ones chunked on the CPU only: DeepSeek V4's chunked logits on CUDA were 9.4% of the largest logit
-#: away from the CPU runtime's (tiny model, 1536 tokens in 512-token chunks, H200, 2026-12-03; GLM-5.3 and Qwen3.8
-#: matched), cause not yet found, so on CUDA it keeps one pass.
-CHUNKED_ON_CPU_ONLY = frozenset({"deepseek_v4"})
 LONG_PASS_TOKENS = 4096
 #: llama.cpp's default batch (``-b``) too.
 LONG_CHUNK = 2048
@@ -557,8 +553,7 @@ def _forward(model: RuntimeModel, input_ids: torch.Tensor, keep: int = 0) -> tor
     are queued again after every replay.  One graph is kept per model.  A long sequence of a
     :data:`CHUNKED_ARCHITECTURES` model runs in chunks (:func:`_chunked`)."""
     model_type = model.config.get("model_type")
-    if (input_ids.shape[1] > LONG_PASS_TOKENS and model_type in CHUNKED_ARCHITECTURES
-            and not (input_ids.is_cuda and model_type in CHUNKED_ON_CPU_ONLY)):
+    if input_ids.shape[1] > LONG_PASS_TOKENS and model_type in CHUNKED_ARCHITECTURES:
         return _chunked(model, input_ids, keep)
     if not model.graphs or input_ids.numel() > GRAPH_MAX_TOKENS:
         return _eager(model, input_ids, keep)
