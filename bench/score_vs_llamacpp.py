@@ -43,7 +43,7 @@
    counted) from its log's timestamps (:func:`perplexity_speed`: its own ``--log-file``, else its output; the
    arrival times of its output lines if both lost the last lines); peak memory is the most ``nvidia-smi`` saw in
    use during the run less the idle figure.  ``llama-bench -p N -n 0 -fa 0,1`` (last position only) is shown as context
-   (``--skip-llama-bench``: not run, for a short device lease).
+   (``--skip-llama-bench``: neither built nor run, for a short device lease).
 
 Prints one JSON object per measurement, then a markdown table (also written to ``--markdown``).
 """
@@ -136,12 +136,13 @@ NORMAL, UNKNOWN, CONTROL, BYTE = 1, 2, 3, 6
 
 # -- llama.cpp build --------------------------------------------------------------------------------------------
 
-def start_build(source: Path, build: Path, jobs: int, log: Path) -> subprocess.Popen:
-    """Configure and build llama-perplexity and llama-bench from the llama.cpp tree ``source`` in the background;
-    the process writes ``log``."""
+def start_build(source: Path, build: Path, jobs: int, log: Path,
+                targets: tuple[str, ...] = ("llama-perplexity", "llama-bench")) -> subprocess.Popen:
+    """Configure and build ``targets`` from the llama.cpp tree ``source`` in the background; the process writes
+    ``log``."""
     build.mkdir(parents=True, exist_ok=True)
     script = (f"cmake -S {source} -B {build / 'out'} {' '.join(CMAKE_FLAGS)} && "
-              f"cmake --build {build / 'out'} --target llama-perplexity llama-bench -j {jobs}")
+              f"cmake --build {build / 'out'} --target {' '.join(targets)} -j {jobs}")
     return subprocess.Popen(["bash", "-c", script], stdout=log.open("w"), stderr=subprocess.STDOUT)
 
 
@@ -450,7 +451,8 @@ def main() -> None:
     if not args.skip_llama:
         if args.llama_src is None or shutil.which("cmake") is None:
             sys.exit("--llama-src and cmake are needed unless --skip-llama")
-        build = start_build(args.llama_src, args.build, args.jobs, args.logs / "build.log")
+        targets = ("llama-perplexity",) if args.skip_llama_bench else ("llama-perplexity", "llama-bench")
+        build = start_build(args.llama_src, args.build, args.jobs, args.logs / "build.log", targets)
     results = {}
     text = args.workdir / "text.txt"
     long = [int(n) for n in args.long.split(",") if n]
