@@ -124,7 +124,6 @@ def install() -> None:
         theirs = module.chunk_kimi_delta_attention
 
         def chunk_kimi_delta_attention(*args, _theirs=theirs, **kwargs):
-            query = args[0] if args else kwargs["query"]
             if in_one_sequence_per_row() or in_causal_chunks():
                 return chunk_kda(*args, **kwargs)
             return _theirs(*args, **kwargs)
