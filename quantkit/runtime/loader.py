@@ -48,6 +48,7 @@ from .attention import causal_chunks, install as install_sdpa, one_sequence_per_
 from .experts import EXPERTS_MODES, GROUPED, SORTED, register as register_experts
 from .indexer import install as install_indexers
 from .inverse import TensorPlan, plan_tensor
+from .gdn import install as install_gdn
 from .kda import install as install_kda
 from .packed import FUSED_DTYPES, Assembler, PackedTensor, WeightStore, finite_flag, scale_companion
 from .sliding import install as install_sliding_attention
@@ -140,6 +141,7 @@ def model_skeleton(config: Mapping[str, Any], dtype: torch.dtype = torch.float32
     install_indexers(model)
     install_sliding_attention(model)
     install_kda()
+    install_gdn()
     return model.eval()
 
 
