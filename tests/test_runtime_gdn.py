@@ -1,10 +1,9 @@
 """Qwen3.8 Flash Next's gated delta rule in chunks (quantkit.runtime.gdn) against transformers' torch reference,
 ``torch_chunk_gated_delta_rule``: outputs and final states within 1e-5 of the largest, with and without an
-initial state, lengths off the 64-token chunk, strong decays, one and two value heads per key head; and the
-runtime's scoring passes use it."""
+initial state, lengths off the 64-token chunk, strong decays, one and two value heads per key head (that the
+runtime's scoring passes use it: tests/test_runtime_kda.py)."""
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 
@@ -45,27 +44,3 @@ def test_chunk_gdn_equals_transformers(n, heads, decay, initial, device):
     assert float((got - want).abs().max()) <= BOUND * float(want.abs().max())
     assert float((got_state - want_state).abs().max()) <= BOUND * float(want_state.abs().max())
     assert gdn.chunk_gdn(q, k, v, g=g, beta=beta, initial_state=state)[1] is None
-
-
-def test_scoring_passes_use_it(ggufs, monkeypatch):
-    """A Qwen3.8 scoring pass runs its gated-delta-net layers through :func:`gdn.chunk_gdn` (its logits against
-    transformers': tests/test_runtime.py), a transformers model outside the runtime's passes through transformers'
-    function."""
-    from quantkit.runtime import load_model, logits
-    from test_runtime import token_ids
-
-    calls = []
-    ours = gdn.chunk_gdn
-    monkeypatch.setattr(gdn, "chunk_gdn", lambda *a, **k: calls.append(1) or ours(*a, **k))
-    model = load_model(ggufs("qwen4_exp", "f32"))
-    ids = token_ids("qwen4_exp", 70)
-    logits(model, ids)
-    layers = sum(type(m).__name__ == "Qwen4ExpTextGatedDeltaNet" for m in model.module.modules())
-    assert layers and len(calls) == layers
-    with torch.no_grad():
-        model.module(input_ids=torch.tensor([ids]), use_cache=False)
-    assert len(calls) == layers
-    assert np.isfinite(logits(model, ids)).all()
-
-
-from test_runtime import ggufs  # noqa: E402,F401  (the GGUF fixture of the CPU tests)

@@ -1,7 +1,7 @@
 """GLM-5.3-Flash's KDA in chunks (quantkit.runtime.kda) against transformers' torch reference,
 ``chunk_kimi_delta_attention``: outputs and final states within 1e-5 of the largest, with and without an initial
 state, lengths off the 64-token chunk, decays strong enough that a product split anywhere but inside the pair
-would overflow; and the runtime's scoring passes use it."""
+would overflow; and the runtime's scoring passes use it (and Qwen3.8's gated delta rule, tests/test_runtime_gdn.py)."""
 from __future__ import annotations
 
 import numpy as np
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import transformers.models.glm5_next.modeling_glm5_next as glm5
-from quantkit.runtime import kda
+from quantkit.runtime import gdn, kda
 
 BOUND = 1e-5
 
@@ -59,19 +59,23 @@ def test_decayed_products_equal_the_pairwise_sum(diagonal):
     assert float((got.double() - want).abs().max()) <= 1e-6 * float(want.abs().max())
 
 
-def test_scoring_passes_use_it(ggufs, monkeypatch):
-    """A GLM-5.3 scoring pass runs its KDA layers through :func:`kda.chunk_kda` (its logits against transformers':
-    tests/test_runtime.py), a transformers model outside the runtime's passes through transformers' function."""
+@pytest.mark.parametrize("arch, module, function, layer", [
+    ("glm5_next", kda, "chunk_kda", "Glm5NextTextLinearAttention"),
+    ("qwen4_exp", gdn, "chunk_gdn", "Qwen4ExpTextGatedDeltaNet")])
+def test_scoring_passes_use_it(ggufs, monkeypatch, arch, module, function, layer):
+    """A GLM-5.3 (Qwen3.8) scoring pass runs its KDA (gated-delta-net) layers through the runtime's function (its
+    logits against transformers': tests/test_runtime.py), a transformers model outside the runtime's passes
+    through transformers' function."""
     from quantkit.runtime import load_model, logits
     from test_runtime import token_ids
 
     calls = []
-    ours = kda.chunk_kda
-    monkeypatch.setattr(kda, "chunk_kda", lambda *a, **k: calls.append(1) or ours(*a, **k))
-    model = load_model(ggufs("glm5_next", "f32"))
-    ids = token_ids("glm5_next", 70)
+    ours = getattr(module, function)
+    monkeypatch.setattr(module, function, lambda *a, **k: calls.append(1) or ours(*a, **k))
+    model = load_model(ggufs(arch, "f32"))
+    ids = token_ids(arch, 70)
     logits(model, ids)
-    layers = sum(type(m).__name__ == "Glm5NextTextLinearAttention" for m in model.module.modules())
+    layers = sum(type(m).__name__ == layer for m in model.module.modules())
     assert layers and len(calls) == layers
     with torch.no_grad():
         model.module(input_ids=torch.tensor([ids]), use_cache=False)

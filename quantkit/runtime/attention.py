@@ -13,11 +13,13 @@ Inside :func:`one_sequence_per_row` transformers' search of the position ids for
 row is skipped (the runtime's rows are one sequence each, positions ``0..n-1``): it reads a flag back from the
 device (a host wait per pass) and, while a CUDA graph is being captured, skips that read and builds an explicit
 ``[n, n]`` mask instead of SDPA's causal kernel, so a captured pass would compute otherwise than the eager one.
+:func:`replace_in_passes` gives transformers functions the runtime's versions inside these passes only.
 """
 from __future__ import annotations
 
 import contextlib
 import contextvars
+import sys
 
 import torch
 
@@ -55,6 +57,28 @@ def causal_chunks():
 def in_causal_chunks() -> bool:
     """Whether the forward pass running is inside :func:`causal_chunks`."""
     return _CAUSAL_CHUNKS.get()
+
+
+def replace_in_passes(module_names, name: str, ours, on_cuda=lambda: True) -> None:
+    """Make the function ``name`` of each transformers module of ``module_names`` already imported call ``ours``
+    inside the runtime's passes (:func:`one_sequence_per_row`, :func:`causal_chunks`; CUDA tensors only while
+    ``on_cuda()``), the module's own function elsewhere (tests' references, generation steps); that one is kept
+    as the wrapper's ``theirs``.  Idempotent."""
+    for module_name in module_names:
+        module = sys.modules.get(module_name)
+        if module is None or hasattr(getattr(module, name), "theirs"):
+            continue
+        theirs = getattr(module, name)
+
+        def function(*args, _theirs=theirs, **kwargs):
+            if in_one_sequence_per_row() or in_causal_chunks():
+                first = args[0] if args else kwargs["query"]
+                if not first.is_cuda or on_cuda():
+                    return ours(*args, **kwargs)
+            return _theirs(*args, **kwargs)
+
+        function.theirs = theirs
+        setattr(module, name, function)
 
 
 class _OneGroup:

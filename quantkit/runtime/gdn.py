@@ -22,19 +22,16 @@ passes, on the CPU; CUDA tensors keep transformers' function until this runs on 
 """
 from __future__ import annotations
 
-import sys
-
 import torch
 import torch.nn.functional as F
 
-from .attention import in_causal_chunks, in_one_sequence_per_row
+from .attention import replace_in_passes
 from .kda import _l2norm
 
 #: Tokens per chunk (transformers' default).
 CHUNK = 64
 #: transformers modules whose ``torch_chunk_gated_delta_rule`` :func:`install` replaces.
 MODULES = ("transformers.models.qwen4_exp.modeling_qwen4_exp",)
-_REPLACED = "_quantkit_gdn"
 #: Whether CUDA tensors take :func:`chunk_gdn` too: not until its GPU tests and timing have run on a device
 #: (written and tested on the CPU, 2026-12-03).
 ON_CUDA = False
@@ -100,22 +97,8 @@ def chunk_gdn(query, key, value, g, beta, chunk_size=CHUNK, initial_state=None, 
 
 
 def install() -> None:
-    """Use :func:`chunk_gdn` for transformers' gated-delta-net layers inside the runtime's passes
-    (:func:`.attention.one_sequence_per_row`, :func:`.attention.causal_chunks`; CUDA tensors only with
-    :data:`ON_CUDA`); elsewhere (the tests' transformers references, a generation step) transformers' function
-    runs.  Idempotent; for the modules of :data:`MODULES` already imported."""
-    for name in MODULES:
-        module = sys.modules.get(name)
-        if module is None or getattr(module.torch_chunk_gated_delta_rule, _REPLACED, False):
-            continue
-        theirs = module.torch_chunk_gated_delta_rule
-
-        def torch_chunk_gated_delta_rule(*args, _theirs=theirs, **kwargs):
-            query = args[0] if args else kwargs["query"]
-            if (in_one_sequence_per_row() or in_causal_chunks()) and (ON_CUDA or not query.is_cuda):
-                return chunk_gdn(*args, **kwargs)
-            return _theirs(*args, **kwargs)
-
-        setattr(torch_chunk_gated_delta_rule, _REPLACED, True)
-        torch_chunk_gated_delta_rule.theirs = theirs
-        module.torch_chunk_gated_delta_rule = torch_chunk_gated_delta_rule
+    """Use :func:`chunk_gdn` for transformers' gated-delta-net layers inside the runtime's passes (CUDA tensors
+    only with :data:`ON_CUDA`; :func:`.attention.replace_in_passes`); for the modules of :data:`MODULES` already
+    imported."""
+    replace_in_passes(MODULES, "torch_chunk_gated_delta_rule", lambda *args, **kwargs: chunk_gdn(*args, **kwargs),
+                      on_cuda=lambda: ON_CUDA)

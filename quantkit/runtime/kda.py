@@ -27,12 +27,10 @@ transformers' function (CUDA graph replays, same call), its peak device memory 2
 """
 from __future__ import annotations
 
-import sys
-
 import torch
 import torch.nn.functional as F
 
-from .attention import in_causal_chunks, in_one_sequence_per_row
+from .attention import replace_in_passes
 
 #: Tokens per chunk (transformers' and flash-linear-attention's).
 CHUNK = 64
@@ -40,7 +38,6 @@ CHUNK = 64
 SUB = 16
 #: transformers modules whose ``chunk_kimi_delta_attention`` :func:`install` replaces.
 MODULES = ("transformers.models.glm5_next.modeling_glm5_next",)
-_REPLACED = "_quantkit_kda"
 
 
 def _l2norm(x: torch.Tensor) -> torch.Tensor:
@@ -113,21 +110,6 @@ def chunk_kda(query, key, value, g, beta, chunk_size=CHUNK, initial_state=None, 
 
 
 def install() -> None:
-    """Use :func:`chunk_kda` for transformers' KDA layers inside the runtime's passes
-    (:func:`.attention.one_sequence_per_row`, :func:`.attention.causal_chunks`), on the CPU and on CUDA; elsewhere
-    (the tests' transformers references, a generation step) transformers' function runs.  Idempotent; for the
-    modules of :data:`MODULES` already imported."""
-    for name in MODULES:
-        module = sys.modules.get(name)
-        if module is None or getattr(module.chunk_kimi_delta_attention, _REPLACED, False):
-            continue
-        theirs = module.chunk_kimi_delta_attention
-
-        def chunk_kimi_delta_attention(*args, _theirs=theirs, **kwargs):
-            if in_one_sequence_per_row() or in_causal_chunks():
-                return chunk_kda(*args, **kwargs)
-            return _theirs(*args, **kwargs)
-
-        setattr(chunk_kimi_delta_attention, _REPLACED, True)
-        chunk_kimi_delta_attention.theirs = theirs
-        module.chunk_kimi_delta_attention = chunk_kimi_delta_attention
+    """Use :func:`chunk_kda` for transformers' KDA layers inside the runtime's passes, on the CPU and on CUDA
+    (:func:`.attention.replace_in_passes`); for the modules of :data:`MODULES` already imported."""
+    replace_in_passes(MODULES, "chunk_kimi_delta_attention", lambda *args, **kwargs: chunk_kda(*args, **kwargs))
