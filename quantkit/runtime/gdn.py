@@ -69,8 +69,9 @@ def chunk_gdn(query, key, value, g, beta, chunk_size=CHUNK, initial_state=None, 
     g = g.cumsum(dim=-1)
     decay = (g.unsqueeze(-1) - g.unsqueeze(-2)).masked_fill(
         torch.ones(CHUNK, CHUNK, dtype=torch.bool, device=g.device).triu(1), float("-inf")).exp()
-    system = (key @ key.transpose(-1, -2)) * decay * beta.unsqueeze(-1)   # transformers' ut_system: I + A below
-    intra = (query @ key.transpose(-1, -2)) * decay                       # k k^T, q k^T once per key head
+    # k k^T and q k^T once per key head; system is transformers' ut_system (I + A, A its strict lower part)
+    system = (key @ key.transpose(-1, -2)) * decay * beta.unsqueeze(-1)
+    intra = (query @ key.transpose(-1, -2)) * decay
     eye = torch.eye(CHUNK, dtype=system.dtype, device=system.device)
     inverse = torch.linalg.solve_triangular(system, eye.expand_as(system), upper=False, unitriangular=True)
     new_values = inverse @ (value * beta.unsqueeze(-1))
@@ -90,9 +91,8 @@ def chunk_gdn(query, key, value, g, beta, chunk_size=CHUNK, initial_state=None, 
         v_new = new_values[i] - read[:, CHUNK:]
         torch.baddbmm(read[:, :CHUNK], intra[i], v_new, out=out[i])
         state = torch.baddbmm(state * end_decay[i], k_to_end[i], v_new)
-    out = out.view(chunks, batch, value_heads, CHUNK, v_dim).permute(1, 0, 3, 2, 4).reshape(batch, -1, value_heads,
-                                                                                          v_dim)
-    out = out[:, :n].contiguous().to(initial_dtype)
+    out = out.view(chunks, batch, value_heads, CHUNK, v_dim).permute(1, 0, 3, 2, 4)   # [batch, chunks, CHUNK, ...]
+    out = out.reshape(batch, -1, value_heads, v_dim)[:, :n].contiguous().to(initial_dtype)
     return out, (state.view(batch, value_heads, k_dim, v_dim) if output_final_state else None)
 
 
