@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from .attention import replace_in_passes
-from .kda import _l2norm
+from .kda import l2norm
 
 #: Tokens per chunk (transformers' default).
 CHUNK = 64
@@ -48,11 +48,10 @@ def chunk_gdn(query, key, value, g, beta, chunk_size=CHUNK, initial_state=None, 
     batch, n, key_heads, k_dim = key.shape
     value_heads, v_dim = value.shape[-2:]
     group = value_heads // key_heads
-    query, key = (x.transpose(1, 2).to(torch.float32, memory_format=torch.contiguous_format) for x in (query, key))
-    value, beta, g = (x.transpose(1, 2).to(torch.float32, memory_format=torch.contiguous_format)
-                      for x in (value, beta, g))
+    query, key, value, beta, g = (x.transpose(1, 2).to(torch.float32, memory_format=torch.contiguous_format)
+                                  for x in (query, key, value, beta, g))
     if use_qk_l2norm_in_kernel:
-        query, key = _l2norm(query), _l2norm(key)
+        query, key = l2norm(query), l2norm(key)
     query = query * (k_dim ** -0.5)
     pad = (CHUNK - n % CHUNK) % CHUNK
     query, key, value = (F.pad(x, (0, 0, 0, pad)) for x in (query, key, value))
@@ -74,10 +73,11 @@ def chunk_gdn(query, key, value, g, beta, chunk_size=CHUNK, initial_state=None, 
     intra = (query @ key.transpose(-1, -2)) * decay
     eye = torch.eye(CHUNK, dtype=system.dtype, device=system.device)
     inverse = torch.linalg.solve_triangular(system, eye.expand_as(system), upper=False, unitriangular=True)
+    from_start = g.exp().unsqueeze(-1)                                   # decay since the chunk's start
     new_values = inverse @ (value * beta.unsqueeze(-1))
-    k_cumdecay = inverse @ (key * (beta * g.exp()).unsqueeze(-1))
+    k_cumdecay = inverse @ (key * beta.unsqueeze(-1) * from_start)
     # the state read by the decayed queries and keys at once: [chunks, batch * value_heads, 2 CHUNK, k_dim]
-    readers = torch.cat([query * g.exp().unsqueeze(-1), k_cumdecay], dim=-2)
+    readers = torch.cat([query * from_start, k_cumdecay], dim=-2)
     k_to_end = (key * (g[..., -1:] - g).exp().unsqueeze(-1)).transpose(-1, -2)
     end_decay = g[..., -1:].exp().unsqueeze(-1)
     rows = batch * value_heads

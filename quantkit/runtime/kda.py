@@ -40,8 +40,9 @@ SUB = 16
 MODULES = ("transformers.models.glm5_next.modeling_glm5_next",)
 
 
-def _l2norm(x: torch.Tensor) -> torch.Tensor:
-    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + 1e-6)           # transformers' l2norm
+def l2norm(x: torch.Tensor) -> torch.Tensor:
+    """transformers' (and flash-linear-attention's) l2norm of the last dimension."""
+    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + 1e-6)
 
 
 def decayed_products(a: torch.Tensor, b: torch.Tensor, g: torch.Tensor, diagonal: bool) -> torch.Tensor:
@@ -75,7 +76,7 @@ def chunk_kda(query, key, value, g, beta, chunk_size=CHUNK, initial_state=None, 
     query, key, value, beta, g = (x.transpose(1, 2).contiguous().to(torch.float32)
                                   for x in (query, key, value, beta, g))
     if use_qk_l2norm_in_kernel:
-        query, key = _l2norm(query), _l2norm(key)
+        query, key = l2norm(query), l2norm(key)
     batch, heads, n, k_dim = key.shape
     v_dim = value.shape[-1]
     pad = (CHUNK - n % CHUNK) % CHUNK
@@ -92,9 +93,10 @@ def chunk_kda(query, key, value, g, beta, chunk_size=CHUNK, initial_state=None, 
     eye = torch.eye(CHUNK, dtype=a.dtype, device=a.device)
     attn = torch.linalg.solve_triangular(eye - a, eye.expand_as(a), upper=False, unitriangular=True)
     value = attn @ v_beta
-    k_cumdecay = attn @ (k_beta * g.exp())
+    from_start = g.exp()                                                # decay since the chunk's start
+    k_cumdecay = attn @ (k_beta * from_start)
     intra = decayed_products(query, key, g, diagonal=True)
-    q_decayed = query * g.exp()
+    q_decayed = query * from_start
     last = g[..., -1:, :]                                               # [batch, heads, chunks, 1, k_dim]
     k_to_end = (key * (last - g).exp()).transpose(-1, -2)               # [batch, heads, chunks, k_dim, CHUNK]
     end_decay = last.transpose(-1, -2).exp()                            # [batch, heads, chunks, k_dim, 1]
