@@ -29,7 +29,7 @@ import torch.nn.functional as F
 
 from _common import emit
 from synthetic_gguf import write_synthetic
-from score_vs_llamacpp import MODELS
+from score_vs_llamacpp import MODELS, vocab_size
 
 from quantkit.kernels import triton_matmul
 from quantkit.runtime import experts as experts_module
@@ -111,7 +111,7 @@ def main() -> None:
             write_synthetic(path, MODELS[name])
         model = load_model(path, device="cuda", dtype=getattr(torch, args.dtype))
         graphs = getattr(model, "graphs", False) and not args.no_graphs     # False in trees before graphs
-        vocab = MODELS[name]["vocab_size"]
+        vocab = vocab_size(MODELS[name])         # a seed model's sits in its text config
         for n in lengths:
             ids = np.random.default_rng(n).integers(3, vocab, size=n).tolist()
             model.graphs = graphs

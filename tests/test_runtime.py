@@ -33,6 +33,8 @@ from quantkit.io.gguf import KV
 from quantkit.io.gguf_reader import GGUFFile
 from quantkit.io.gguf_writer import GGUFWriter, TensorSpec, plan_layout
 from quantkit.runtime import SOURCE_CONFIG_KEY, load_model, logits, logits_batch
+from quantkit.runtime.loader import start_logits_batch
+from quantkit.scoring.logprobs import device_log_normalizers, log_normalizers
 from quantkit.runtime.packed import PackedTensor
 from quantkit.testing.tiny_models import ARCHS, build_tiny_model
 from gguf.constants import GGUFValueType
@@ -211,6 +213,12 @@ def test_sequences_in_one_pass_give_their_own_logits(ggufs, arch):
         assert np.abs(tail - alone[7:]).max() <= RELATIVE_TOLERANCE * np.abs(alone).max()
     with pytest.raises(FixtureError, match="shortest sequence has 11 tokens"):
         logits_batch(model, sequences, first=11)
+    # scoring's normalizers computed where the logits are: each sequence's rows, padding and positions < 7 left out
+    pending = start_logits_batch(model, sequences, first=7, row_stats=device_log_normalizers)
+    for rows, tail, (logsum, greedy) in zip(pending.result(), later, pending.result_stats()):
+        ref_logsum, ref_greedy = log_normalizers(rows)
+        assert np.array_equal(rows, tail) and np.array_equal(greedy, ref_greedy)
+        assert np.abs(logsum - ref_logsum).max() <= 1e-13 * np.abs(ref_logsum).max()
 
 
 def test_qwen3moe_config_is_rebuilt_from_gguf_hyperparameters(ggufs, tmp_path):

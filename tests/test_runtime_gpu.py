@@ -204,6 +204,27 @@ def test_rms_norm_kernel_equals_transformers_arithmetic(shape):
     assert float((got - want).abs().max()) <= 2.0 ** -20 * float(want.abs().max())
 
 
+def test_f32_weights_multiply_in_place_by_cublas_into_their_columns(monkeypatch):
+    """An F32 weight times float32 activations is cuBLAS's float32 product of the payload viewed in place (no
+    fused launch), written into its columns of a wider output and nowhere else; bfloat16 activations keep the
+    fused kernel."""
+    from quantkit.kernels import triton_matmul
+
+    launches = []
+    original = triton_matmul._launch
+    monkeypatch.setattr(triton_matmul, "_launch", lambda *a, **k: launches.append(a[2]) or original(*a, **k))
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    w = torch.randn(24, 8192, generator=gen, device="cuda")
+    x = torch.randn(300, 8192, generator=gen, device="cuda")
+    payload = w.view(torch.uint8).reshape(24, -1)
+    wide = torch.full((300, 30), 7.0, device="cuda")
+    triton_matmul.linear(x, payload, GGMLType.F32, 24, out=wide, out_col=3)
+    assert torch.equal(wide[:, 3:27], x @ w.T) and bool((wide[:, :3] == 7).all() and (wide[:, 27:] == 7).all())
+    assert torch.equal(triton_matmul.linear(x, payload, GGMLType.F32, 24), x @ w.T) and launches == []
+    triton_matmul.linear(x.bfloat16(), payload, GGMLType.F32, 24)
+    assert launches == [GGMLType.F32]
+
+
 def test_cuda_runtime_multiplies_packed_weights(ggufs, monkeypatch):
     """On CUDA every matrix of the mixed Qwen3-MoE file (Q4_K experts, Q8_0 and F32 matrices) is multiplied packed:
     after the first pass (which decodes each payload once, for the finiteness check) no weight is built."""
@@ -458,3 +479,28 @@ def test_cuda_collection_streamed_under_a_budget_matches_cpu(tmp_path):
         assert float(got.counts.sum()) == float(e.counts.sum()), name
         total, ref = float(got.in_sum2.astype(np.float64).sum()), float(e.in_sum2.astype(np.float64).sum())
         assert abs(total - ref) <= 1e-4 * ref, name
+
+
+def test_cuda_scoring_normalizes_beside_the_pass_as_the_host_does(ggufs):
+    """On CUDA, score's log-normalizers are computed beside the forward pass (graph replays included: equal shapes
+    repeat); the cases' scores equal those of the same logits normalized on the host, within float64 rounding."""
+    from quantkit.runtime import load_model
+    from quantkit.scoring.loading import RuntimeSource
+    from quantkit.scoring.score import PreparedCase, run_cases
+    from quantkit.scoring.source import ModelIdentity
+    from test_runtime import token_ids
+
+    ids = token_ids("qwen3_moe", 200)
+    cases = [PreparedCase(f"c{i}", tuple(ids[i:i + 5]), tuple(ids[i + 5:i + 40]), None) for i in range(0, 120, 8)]
+    source = RuntimeSource(load_model(ggufs("qwen3_moe", "mixed"), device="cuda"), ModelIdentity())
+
+    class HostNormalized:       # the same source without start_normalized_many: arrays, normalized on the host
+        logits, start_logits_many = source.logits, source.start_logits_many
+
+    on_device, _ = run_cases(source, cases, batch_tokens=80)     # two 40-token cases a pass
+    on_host, _ = run_cases(HostNormalized(), cases, batch_tokens=80)
+    assert source.model._graph is not None
+    for a, b in zip(on_device, on_host):
+        assert a.nll == pytest.approx(b.nll, rel=1e-12)
+        assert (a.first_match, a.greedy_lcp, a.target_tokens) == (b.first_match, b.greedy_lcp, b.target_tokens)
+    source.close()

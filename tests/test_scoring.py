@@ -75,6 +75,29 @@ def test_log_normalizers_split_over_threads_give_the_rows_of_one_thread(monkeypa
         log_normalizers(rows)
 
 
+def test_device_log_normalizers_equal_the_host_ones(monkeypatch):
+    """torch's normalizers (the runtime computes them beside a CUDA pass; run here on the CPU) equal numpy's within
+    float64 rounding, greedy ids identical (ties to the lower id, -inf excluded), rows widened in several blocks;
+    a case scored from them equals the case scored from its array."""
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(5)
+    rows = (rng.standard_normal((70, 1000)) * 6).astype(np.float32)
+    rows[3, :900] = NEG_INF
+    rows[4, [10, 500]] = rows[4].max() + 1                    # a tie for the greedy token
+    monkeypatch.setattr(logprobs, "DEVICE_BLOCK_VALUES", 16_000)   # 16 rows a block: 5 blocks
+    logsum, greedy = logprobs.device_log_normalizers(torch.from_numpy(rows))
+    ref_logsum, ref_greedy = log_normalizers(rows)
+    assert logsum.dtype == torch.float64 and np.array_equal(greedy.numpy(), ref_greedy) and ref_greedy[4] == 10
+    assert np.abs(logsum.numpy() - ref_logsum).max() <= 1e-13 * np.abs(ref_logsum).max()
+    targets = rng.integers(0, 1000, 70)
+    targets[3] = 950                                          # a finite logit of the masked row
+    normalized = logprobs.NormalizedRows(rows, logsum.numpy(), greedy.numpy())
+    on_device = score_case("c", 1, targets[2:], normalized[2:], None)
+    on_host = score_case("c", 1, targets[2:], rows[2:], None)
+    assert on_device.nll == pytest.approx(on_host.nll, rel=1e-13)
+    assert (on_device.first_match, on_device.greedy_lcp) == (on_host.first_match, on_host.greedy_lcp)
+
+
 def test_overlapped_scores_a_pass_while_the_next_is_produced():
     """The work on pass i runs while pass i + 1 is produced (here pass i + 1 cannot be produced before it), results
     come in order, and a pass's error comes after the result of the pass before it."""

@@ -377,9 +377,37 @@ def linear(x: torch.Tensor, payload: torch.Tensor, qtype: "GGMLType | int", n: i
     """``x @ W.T`` (``x [m, k]``; ``W [n, k]`` as its packed payload), into ``out[:, out_col:out_col + n]``
     (a new ``[m, n]`` tensor by default); ``scale``: an NVFP4 global scale (one value); ``precision``: Triton's
     ``input_precision`` for float32 activations (by default :data:`FLOAT32_PRECISION`; ``ieee``: plain float32
-    products, no tensor cores); ``config``: the launch (by default :data:`DENSE`, or :data:`NARROW`)."""
-    return _launch(x, payload.reshape(-1), qtype, n, _output(x, n, out), out_col, None, scale,
-                   precision or FLOAT32_PRECISION, config)
+    products, no tensor cores); ``config``: the launch (by default :data:`DENSE`, or :data:`NARROW`).  An F32
+    weight times float32 activations goes to cuBLAS instead (:func:`_by_cublas`)."""
+    payload = payload.reshape(-1)
+    if _by_cublas(x, payload, qtype, scale, config):
+        return _cublas_f32_linear(x, payload, n, _output(x, n, out), out_col)
+    return _launch(x, payload, qtype, n, _output(x, n, out), out_col, None, scale, precision or FLOAT32_PRECISION,
+                   config)
+
+
+def _by_cublas(x: torch.Tensor, payload: torch.Tensor, qtype, scale, config) -> bool:
+    """Whether a dense product goes to cuBLAS: an F32 weight (its payload is the matrix itself, nothing to
+    decode) times float32 activations, no launch asked for.  Plain float32 (cuBLAS without TF32, torch's
+    default) is at least as exact as the fused bf16x3, and its kernels suit the narrow and long shapes of such
+    weights (Qwen3.8's and DeepSeek V4's hyper-connection maps: ``[2048, 8192] x [8192, 320]`` took the fused
+    kernel 1.5 ms for 80 programs on the H200's 132 SMs, and the 24- and 4-column maps over 8,192 values were
+    as slow)."""
+    return (int(qtype) == GGMLType.F32 and x.dtype == torch.float32 and scale is None and config is None
+            and payload.dtype == torch.uint8 and payload.storage_offset() % 4 == 0 and x.device == payload.device)
+
+
+def _cublas_f32_linear(x: torch.Tensor, payload: torch.Tensor, n: int, out: torch.Tensor, out_col: int
+                       ) -> torch.Tensor:
+    """``x @ W.T`` for an F32 payload viewed in place as ``W [n, k]``, into ``out[:, out_col:out_col + n]``."""
+    k = x.shape[1]
+    if payload.numel() != n * k * 4:
+        raise FormatError(f"F32 payload of {payload.numel()} bytes is not {n} rows of {k * 4} bytes")
+    weight = payload.view(torch.float32).view(n, k)
+    if out_col == 0 and out.shape[1] == n:
+        return torch.mm(x, weight.t(), out=out)
+    out[:, out_col:out_col + n] = x @ weight.t()
+    return out
 
 
 def grouped_linear(x: torch.Tensor, payload: torch.Tensor, qtype: "GGMLType | int", n: int, counts: torch.Tensor,

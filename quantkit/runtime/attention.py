@@ -59,11 +59,10 @@ def in_causal_chunks() -> bool:
     return _CAUSAL_CHUNKS.get()
 
 
-def replace_in_passes(module_names, name: str, ours, on_cuda=lambda: True) -> None:
+def replace_in_passes(module_names, name: str, ours) -> None:
     """Make the function ``name`` of each transformers module of ``module_names`` already imported call ``ours``
-    inside the runtime's passes (:func:`one_sequence_per_row`, :func:`causal_chunks`; CUDA tensors only while
-    ``on_cuda()``), the module's own function elsewhere (tests' references, generation steps); that one is kept
-    as the wrapper's ``theirs``.  Idempotent."""
+    inside the runtime's passes (:func:`one_sequence_per_row`, :func:`causal_chunks`), the module's own function
+    elsewhere (tests' references, generation steps); that one is kept as the wrapper's ``theirs``.  Idempotent."""
     for module_name in module_names:
         module = sys.modules.get(module_name)
         if module is None or hasattr(getattr(module, name), "theirs"):
@@ -72,9 +71,7 @@ def replace_in_passes(module_names, name: str, ours, on_cuda=lambda: True) -> No
 
         def function(*args, _theirs=theirs, **kwargs):
             if in_one_sequence_per_row() or in_causal_chunks():
-                first = args[0] if args else kwargs["query"]
-                if not first.is_cuda or on_cuda():
-                    return ours(*args, **kwargs)
+                return ours(*args, **kwargs)
             return _theirs(*args, **kwargs)
 
         function.theirs = theirs

@@ -18,7 +18,7 @@ shapes (2,048 tokens, 16 key heads serving 32 value heads of 128) copies were 35
 Only float rounding differs (sums in another order): tests/test_runtime_gdn.py holds it to transformers' function
 within 1e-5 (outputs and final states, with and without an initial state, lengths off the chunk, one and two
 value heads per key head).  :func:`install` puts it in place of transformers' function inside the runtime's
-passes, on the CPU; CUDA tensors keep transformers' function until this runs on a device (:data:`ON_CUDA`).
+passes, on the CPU and on CUDA (an H200: the 2B Qwen3.8's 2K pass 171.7 -> 164.3 ms, logits within 7.3e-6).
 """
 from __future__ import annotations
 
@@ -32,9 +32,6 @@ from .kda import l2norm
 CHUNK = 64
 #: transformers modules whose ``torch_chunk_gated_delta_rule`` :func:`install` replaces.
 MODULES = ("transformers.models.qwen4_exp.modeling_qwen4_exp",)
-#: Whether CUDA tensors take :func:`chunk_gdn` too: not until its GPU tests and timing have run on a device
-#: (written and tested on the CPU, 2026-12-03).
-ON_CUDA = False
 
 
 def chunk_gdn(query, key, value, g, beta, chunk_size=CHUNK, initial_state=None, output_final_state=False,
@@ -97,8 +94,6 @@ def chunk_gdn(query, key, value, g, beta, chunk_size=CHUNK, initial_state=None, 
 
 
 def install() -> None:
-    """Use :func:`chunk_gdn` for transformers' gated-delta-net layers inside the runtime's passes (CUDA tensors
-    only with :data:`ON_CUDA`; :func:`.attention.replace_in_passes`); for the modules of :data:`MODULES` already
-    imported."""
-    replace_in_passes(MODULES, "torch_chunk_gated_delta_rule", lambda *args, **kwargs: chunk_gdn(*args, **kwargs),
-                      on_cuda=lambda: ON_CUDA)
+    """Use :func:`chunk_gdn` for transformers' gated-delta-net layers inside the runtime's passes
+    (:func:`.attention.replace_in_passes`); for the modules of :data:`MODULES` already imported."""
+    replace_in_passes(MODULES, "torch_chunk_gated_delta_rule", lambda *args, **kwargs: chunk_gdn(*args, **kwargs))

@@ -422,6 +422,13 @@ class PendingLogits:
     checks: list
     done: Any = None
     """CUDA event after the copies to the host (None: already there)."""
+    row_stats: tuple = ()
+    """``row_stats``' tensors of :func:`start_logits_batch`, ``[sequences, positions]`` each (on the host once
+    ``done``)."""
+
+    def result_stats(self) -> list[tuple[np.ndarray, ...]]:
+        """After :meth:`result`: each sequence's ``row_stats`` arrays, positions ``first``.. of it."""
+        return [tuple(s[row, :n].numpy() for s in self.row_stats) for row, n in enumerate(self.lengths)]
 
     def result(self) -> list[np.ndarray]:
         if self.done is not None:
@@ -445,13 +452,18 @@ class PendingLogits:
 _copy_streams: dict[torch.device, Any] = {}
 
 
-def start_logits_batch(model: RuntimeModel, sequences: Sequence[Sequence[int]], first: int = 0) -> PendingLogits:
+def start_logits_batch(model: RuntimeModel, sequences: Sequence[Sequence[int]], first: int = 0,
+                       row_stats: Callable[[torch.Tensor], tuple[torch.Tensor, ...]] | None = None) -> PendingLogits:
     """:func:`logits_batch` in two steps: queue the forward pass and the logits' copy to the host, then
     (:meth:`PendingLogits.result`) wait for them.  On CUDA nothing here waits for the device, and the copy runs on
     a side stream from a device copy of the logits (a replayed graph's output is overwritten by the next replay),
     so the next pass, started before this one's result is asked for, computes while this one's logits travel
     (4.8 ms of 2048 x 32000 float32 logits on an H200, a pass being ~116 ms).  Memory: per pass not yet
-    collected, its logits once more on the device (until copied) and on the host (page-locked)."""
+    collected, its logits once more on the device (until copied) and on the host (page-locked).
+
+    ``row_stats``: a function of float32 logits rows ``[rows, vocab]`` returning per-row tensors (scoring's
+    log-normalizers), applied where the logits are and copied to the host with them
+    (:meth:`PendingLogits.result_stats`)."""
     ids = [check_token_ids(model, s) for s in sequences]
     lengths = [len(i) for i in ids]
     if not 0 <= first < min(lengths):
@@ -465,25 +477,30 @@ def start_logits_batch(model: RuntimeModel, sequences: Sequence[Sequence[int]], 
     lengths = [n - first for n in lengths]
     # one reduction per sequence where the logits are, all flags fetched at once (not a host pass over the logits)
     flags = torch.stack([flag for _, _, flag in checks] + [finite_flag(out[row, :n]) for row, n in enumerate(lengths)])
-    if out.device.type != "cuda":
-        return PendingLogits(model, input_ids, first, lengths, out.float(), flags.cpu(), checks)
-    stream = _copy_streams.setdefault(out.device, torch.cuda.Stream(out.device))
     values = out.float()
+    stats = () if row_stats is None else tuple(
+        s.view(values.shape[:2]) for s in row_stats(values.reshape(-1, values.shape[-1])))
+    if out.device.type != "cuda":
+        return PendingLogits(model, input_ids, first, lengths, values, flags.cpu(), checks, row_stats=stats)
+    stream = _copy_streams.setdefault(out.device, torch.cuda.Stream(out.device))
     if model._graph is not None and out is model._graph.logits:
         values = values.clone()             # the graph's output buffer stays free for the next replay
     stream.wait_stream(torch.cuda.current_stream(out.device))
     with torch.cuda.stream(stream):
         # page-locked: torch caches freed pinned blocks, and the copy runs at the link's speed, not the several
         # times slower staged copy into fresh pageable memory
-        host = torch.empty(values.shape, dtype=torch.float32, pin_memory=True)
-        host.copy_(values, non_blocking=True)
-        host_flags = torch.empty(flags.shape, dtype=flags.dtype, pin_memory=True)
-        host_flags.copy_(flags, non_blocking=True)
+        host, host_flags, *host_stats = (_to_pinned(t) for t in (values, flags, *stats))
         done = torch.cuda.Event()
         done.record(stream)
-    values.record_stream(stream)
-    flags.record_stream(stream)
-    return PendingLogits(model, input_ids, first, lengths, host, host_flags, checks, done)
+    for t in (values, flags, *stats):
+        t.record_stream(stream)
+    return PendingLogits(model, input_ids, first, lengths, host, host_flags, checks, done, tuple(host_stats))
+
+
+def _to_pinned(values: torch.Tensor) -> torch.Tensor:
+    """A page-locked host copy of a device tensor, queued on the current stream."""
+    host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
+    return host.copy_(values, non_blocking=True)
 
 
 #: Architectures whose attention in one pass holds a score for every (query, key) pair: DeepSeek V4's eager

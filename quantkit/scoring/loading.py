@@ -24,6 +24,7 @@ import numpy as np
 from ..errors import FormatError, MissingSourceError, SourceError, UnsupportedError
 from ..fixtures.tokens import TextCodec
 from ..io.gguf_reader import is_gguf
+from .logprobs import NormalizedRows, device_log_normalizers
 from .source import ModelIdentity, checkpoint_identity, gguf_identity
 
 
@@ -71,6 +72,24 @@ class RuntimeSource:
         if self.arithmetic == "ggml-cpu":      # run when collected, where an error is named by its sequence
             return lambda: [self.logits(s)[first:] for s in sequences]
         return start_logits_batch(self.model, [np.asarray(s, np.int64) for s in sequences], first=first).result
+
+    def start_normalized_many(self, sequences: Sequence[Sequence[int]], first: int = 0
+                              ) -> Callable[[], list[np.ndarray] | list[NormalizedRows]]:
+        """:meth:`start_logits_many` whose rows come with their log-normalizers where the model runs on CUDA
+        (:func:`.logprobs.device_log_normalizers`, computed beside the pass); arrays elsewhere, normalized on the
+        host as before."""
+        from ..runtime.loader import start_logits_batch
+
+        if self.arithmetic == "ggml-cpu" or self.model.device.type != "cuda":
+            return self.start_logits_many(sequences, first)
+        pending = start_logits_batch(self.model, [np.asarray(s, np.int64) for s in sequences], first=first,
+                                     row_stats=device_log_normalizers)
+
+        def collect() -> list[NormalizedRows]:
+            rows = pending.result()
+            return [NormalizedRows(r, logsum, greedy) for r, (logsum, greedy) in zip(rows, pending.result_stats())]
+
+        return collect
 
     def generate(self, prompt_ids: Sequence[int], max_new_tokens: int, stop: Callable[[int], bool],
                  choose: Callable[[np.ndarray], int] | None = None) -> list[int]:

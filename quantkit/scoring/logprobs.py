@@ -4,11 +4,19 @@ Per row: ``max`` is the largest finite logit, ``logsum = max + log(sum(exp(v - m
 float64, a token's log-probability is ``v - logsum``; the greedy token is the first index holding ``max``; the
 top-k ids are ordered by logit descending, ties by lower id first, non-finite logits excluded.  ``-inf`` logits
 (masked tokens) are allowed; NaN or ``+inf`` means the model is broken and raises :class:`NonFiniteLogits`.
+
+:func:`log_normalizers` computes them on the host (numpy, rows over threads).  :func:`device_log_normalizers` is
+the same arithmetic in torch where the logits already are: on CUDA the runtime computes them beside the forward
+pass, so scoring's host work is a few gathers per case instead of a float64 pass over every logit (which took
+longer on the host than the pass on an H200).  Its sums run in another order: equal to :func:`log_normalizers`
+within float64 rounding, the greedy ids identical (tests/test_scoring.py).  :class:`NormalizedRows` carries rows
+with their normalizers from wherever they were computed.
 """
 from __future__ import annotations
 
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -63,6 +71,48 @@ def log_normalizers(logits: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     if bad is not None:
         raise _non_finite(logits, bad)
     return logsum, greedy
+
+
+@dataclass(frozen=True)
+class NormalizedRows:
+    """Logits rows with their :func:`log_normalizers`; sliced by rows like the array."""
+
+    rows: np.ndarray            # float32 [n, vocab]
+    logsum: np.ndarray          # float64 [n]
+    greedy: np.ndarray          # int64 [n]
+
+    @classmethod
+    def of(cls, rows: np.ndarray) -> "NormalizedRows":
+        """``rows`` normalized on the host (:func:`log_normalizers`)."""
+        return cls(rows, *log_normalizers(rows))
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.rows.shape
+
+    def __getitem__(self, rows: slice) -> "NormalizedRows":
+        return NormalizedRows(self.rows[rows], self.logsum[rows], self.greedy[rows])
+
+
+#: Most float64 values :func:`device_log_normalizers` widens at once (256 MiB).
+DEVICE_BLOCK_VALUES = 1 << 25
+
+
+def device_log_normalizers(logits):
+    """``(logsum, greedy)`` of a float32 torch tensor ``[n, vocab]`` of finite or ``-inf`` logits, as torch
+    tensors where ``logits`` is (float64 ``[n]``, int64 ``[n]``): :func:`log_normalizers`' arithmetic, rows
+    widened in blocks of at most :data:`DEVICE_BLOCK_VALUES` values.  Nothing here waits for the device: the
+    caller checks finiteness (the runtime's logits are checked before they are returned)."""
+    import torch
+
+    top, greedy = logits.max(dim=1)         # the first index holding the maximum, as numpy's argmax
+    top = top.double()
+    logsum = torch.empty_like(top)
+    step = max(1, DEVICE_BLOCK_VALUES // max(1, logits.shape[1]))
+    for start in range(0, logits.shape[0], step):
+        block = logits[start:start + step].double().sub_(top[start:start + step, None]).exp_()
+        torch.log(block.sum(dim=1), out=logsum[start:start + step])
+    return logsum.add_(top), greedy
 
 
 def _normalize_rows(logits: np.ndarray, r0: int, r1: int, logsum: np.ndarray, greedy: np.ndarray) -> int | None:

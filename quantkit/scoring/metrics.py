@@ -43,7 +43,7 @@ from typing import Sequence
 import numpy as np
 
 from ..errors import FixtureError
-from .logprobs import log_normalizers, top_ids
+from .logprobs import NormalizedRows, top_ids
 
 #: Most alternatives compared per position (ds4's local top-k buffer).
 MAX_ALTERNATIVES = 64
@@ -139,14 +139,16 @@ def _position_api(row: np.ndarray, logsum: float, greedy: int, ids: np.ndarray, 
     out.pair_agree += int((counted & ((ref_diff > 0) == (local_diff > 0))).sum())
 
 
-def score_case(case_id: str, prompt_tokens: int, targets: Sequence[int], rows: np.ndarray,
+def score_case(case_id: str, prompt_tokens: int, targets: Sequence[int], rows: np.ndarray | NormalizedRows,
                reference: Reference | None) -> CaseScore:
-    """Metrics of one case from the ``T`` logits rows that predict ``targets`` (module doc).
+    """Metrics of one case from the ``T`` logits rows that predict ``targets`` (module doc), normalized on the
+    host unless they come normalized.
 
     Raises :class:`FixtureError` naming the case when a target has no finite log-probability.
     """
     targets = np.asarray(targets, np.int64)
-    logsum, greedy = log_normalizers(rows)
+    normalized = rows if isinstance(rows, NormalizedRows) else NormalizedRows.of(rows)
+    rows, logsum, greedy = normalized.rows, normalized.logsum, normalized.greedy
     target_lp = rows[np.arange(len(targets)), targets].astype(np.float64) - logsum
     if not np.isfinite(target_lp).all():
         i = int(np.argmin(np.isfinite(target_lp)))

@@ -33,7 +33,7 @@ from ..evidence import evidence
 from ..fixtures.directory import Fixture
 from ..fixtures.tokens import TextCodec
 from .kld import KldAccumulator, KldStats, LogitsFile, chunk_inputs, scored_per_chunk, write_logits_file
-from .logprobs import NonFiniteLogits, check_logits, log_normalizers
+from .logprobs import NonFiniteLogits, NormalizedRows, check_logits, log_normalizers
 from .metrics import CaseScore, Reference, Totals, score_case
 from .source import LogitSource, ModelIdentity, check_match
 from .table import TABLE_VERSION, write_table
@@ -156,22 +156,28 @@ def case_batches(cases: Sequence[PreparedCase], batch_tokens: int) -> list[list[
 
 
 def start_sequence_logits(source: LogitSource, sequences: Sequence[Sequence[int]], names: Sequence[str],
-                          first: int = 0) -> Callable[[], list[np.ndarray]]:
+                          first: int = 0, normalized: bool = False
+                          ) -> Callable[[], list[np.ndarray | NormalizedRows]]:
     """A function giving each sequence's logits of positions ``first``.., checked; errors name the sequence
     (``names``, e.g. ``case X``).  All sequences run in one forward pass where the source runs several (its output
     head then multiplies positions ``first``.. only; a 32K-token prompt's logits would be 32K x vocabulary floats):
     ``start_logits_many`` queues the pass now (the runtime: on CUDA nothing waits for the device) and the
     function collects it, so the next pass can be queued before this one's logits are collected
-    (:func:`one_ahead`)."""
+    (:func:`one_ahead`).  ``normalized``: a source that computes the rows' log-normalizers where the logits are
+    (``start_normalized_many``: the runtime on CUDA) gives :class:`.logprobs.NormalizedRows`; the others give
+    arrays, which :func:`.metrics.score_case` normalizes on the host."""
     sequences = [[int(i) for i in ids] for ids in sequences]
-    start = getattr(source, "start_logits_many", None)
+    start = (normalized and getattr(source, "start_normalized_many", None)) or getattr(source, "start_logits_many",
+                                                                                      None)
     pending = start(sequences, first=first) if start is not None else None
 
-    def collect() -> list[np.ndarray]:
+    def collect() -> list[np.ndarray | NormalizedRows]:
         if pending is not None:
             try:
-                return [check_logits(rows, len(ids) - first, name)
-                        for rows, ids, name in zip(pending(), sequences, names)]
+                results = pending()
+                for rows, ids, name in zip(results, sequences, names):
+                    check_logits(getattr(rows, "rows", rows), len(ids) - first, name)
+                return results
             except ValidationError:     # one at a time, to name the sequence that fails
                 pass
         return [_checked_logits(source, ids, name)[first:] for ids, name in zip(sequences, names)]
@@ -198,7 +204,7 @@ def one_ahead(items: Iterable[T]) -> Iterator[T]:
     yield from held
 
 
-def score_logits(case: PreparedCase, logits: np.ndarray, width: int, first: int = 0) -> CaseScore:
+def score_logits(case: PreparedCase, logits: np.ndarray | NormalizedRows, width: int, first: int = 0) -> CaseScore:
     """Score one prepared case from its logits of positions ``first``.. (module doc, step 3)."""
     if logits.shape[1] != width:
         raise ValidationError(f"case {case.id}: the model returned {logits.shape[1]} logits per token, "
@@ -222,12 +228,14 @@ def _first_scored(cases: Sequence[PreparedCase]) -> int:
     return min(len(c.prompt_ids) for c in cases) - 1
 
 
-def _start_group_logits(source: LogitSource, cases: Sequence[PreparedCase]) -> Callable[[], list[np.ndarray]]:
+def _start_group_logits(source: LogitSource, cases: Sequence[PreparedCase]
+                        ) -> Callable[[], list[np.ndarray | NormalizedRows]]:
     return start_sequence_logits(source, [c.prompt_ids + c.target_ids for c in cases],
-                                 [f"case {c.id}" for c in cases], _first_scored(cases))
+                                 [f"case {c.id}" for c in cases], _first_scored(cases), normalized=True)
 
 
-def _score_group_logits(cases: Sequence[PreparedCase], logits: list[np.ndarray], width: int) -> list[CaseScore]:
+def _score_group_logits(cases: Sequence[PreparedCase], logits: list[np.ndarray | NormalizedRows], width: int
+                        ) -> list[CaseScore]:
     first = _first_scored(cases)
     return [score_logits(c, rows, width, first) for c, rows in zip(cases, logits)]
 
