@@ -3,6 +3,7 @@ where there is one): the payload of every tensor equals the CPU path's, split in
 errors."""
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import numpy as np
@@ -208,18 +209,45 @@ def test_convert_through_the_stream_writes_the_cpu_file(tiny, tmp_path, monkeypa
     monkeypatch.setattr(gpu_encode, "warm_device", lambda device: None)
     monkeypatch.setattr(gpu_stream, "encode_stream", lambda ctx, job, units, device, **kw: stream(ctx, job, units,
                                                                                                  "cpu", **kw))
-    files, steps = {}, {}
+    files, steps, walls = {}, {}, {}
     for device in ("cpu", "cuda"):
         request = ConvertRequest(str(ckpt), tmp_path / f"{device}.gguf", str(tmp_path / "recipe.toml"),
                                  imatrix=im_path, allow_synthetic_imatrix=True, pre_tokenizer=PRE, progress=False,
                                  device=device)
-        steps[device] = execute.convert(request).report()["stream_seconds"]
+        report = execute.convert(request).report()
+        steps[device], walls[device] = report["stream_seconds"], report["stream_wall_seconds"]
         files[device] = request.out.read_bytes()
     assert files["cuda"] == files["cpu"]
-    # the report says where the stream's time went (this run's steps only; no download to wait for on the CPU)
-    assert steps["cpu"] == {}
+    # the report says where the stream's time went (this run's steps only; no download to wait for on the CPU),
+    # summed over threads and as wall time (every step timed in threads; "setup" is the converting thread's own)
+    assert steps["cpu"] == {} and walls["cpu"] == {}
     assert set(steps["cuda"]) == {"setup", "queue", "wait_reader", "fill", "wait_write_queue", "write", "hash"}
     assert all(s > 0 for s in steps["cuda"].values())
+    assert set(walls["cuda"]) == set(steps["cuda"]) - {"setup"}
+    assert all(0 < walls["cuda"][step] <= steps["cuda"][step] + 1e-9 for step in walls["cuda"])
+
+
+def test_step_wall_time_counts_overlapping_threads_once():
+    """Two threads inside one step at the same time: their seconds add up, the step's wall time counts the overlap
+    once (what several threads writing into one file cost the run)."""
+    import threading
+
+    both_inside = threading.Barrier(2)
+    before_sum, before_wall = gpu_stream.STEP_SECONDS["test-step"], gpu_stream.STEP_WALL_SECONDS["test-step"]
+
+    def work():
+        with gpu_stream.timed("test-step"):
+            both_inside.wait()
+            time.sleep(0.05)
+
+    threads = [threading.Thread(target=work) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    summed = gpu_stream.STEP_SECONDS["test-step"] - before_sum
+    wall = gpu_stream.STEP_WALL_SECONDS["test-step"] - before_wall
+    assert 0.05 <= wall < summed and summed >= 0.1
 
 
 def test_write_behind_keeps_the_order_and_raises_the_first_write_failure(monkeypatch):

@@ -69,7 +69,7 @@ from ..io.gguf_writer import PARTIAL_SUFFIX, GGUFWriter, Layout, pwrite_all, pla
 from ..recipes import Recipe, load_recipe
 from ..resources import available_cpus
 from .consistency import check_config_against_tensors
-from .gpu_stream import STEP_SECONDS
+from .gpu_stream import STEP_SECONDS, STEP_WALL_SECONDS
 from .journal import Journal, JournalState, journal_path, read_journal
 from .plan import Plan, PlannedTensor, build_plan, inspect_sources
 from .pool import (TensorDone, WorkerPool, WorkerSetup, bound_jobs, out_of_space, partial_gone, partial_identity,
@@ -165,12 +165,16 @@ class ConvertResult:
     """The whole file's SHA-256, read back while it was written (None when ``finished_earlier``)."""
     stream_seconds: dict[str, float] = field(default_factory=dict)
     """On a GPU at ``-j 1``: seconds per step of the stream (:data:`quantkit.convert.gpu_stream.STEP_SECONDS`)."""
+    stream_wall_seconds: dict[str, float] = field(default_factory=dict)
+    """The same steps' wall-clock seconds, threads overlapping counted once
+    (:data:`quantkit.convert.gpu_stream.STEP_WALL_SECONDS`)."""
 
     def report(self) -> dict:
         busy = sum(d.seconds for d in self.produced)
         return {"path": str(self.path), "file_size": self.file_size, "tensors": self.tensors,
                 "resumed": self.resumed, "jobs": self.jobs, "wall_seconds": self.wall_seconds,
                 "tensor_seconds": busy, "phases": self.phases, "stream_seconds": self.stream_seconds,
+                "stream_wall_seconds": self.stream_wall_seconds,
                 "produced": [{"name": d.name, "sha256": d.sha256, "nbytes": d.nbytes, "seconds": d.seconds}
                              for d in self.produced]}
 
@@ -411,7 +415,7 @@ def _helper_threads(prepared: Prepared, request: ConvertRequest) -> int:
 def _execute(prepared: Prepared, request: ConvertRequest, out: Path, clock: _Clock, pool, stats: list[FileHash],
              hashing: Hashing) -> ConvertResult:
     helpers = _helper_threads(prepared, request)
-    steps_before = Counter(STEP_SECONDS)
+    steps_before, walls_before = Counter(STEP_SECONDS), Counter(STEP_WALL_SECONDS)
     plan, source, jobs = prepared.plan, prepared.source, prepared.jobs
     partial = out.with_name(out.name + PARTIAL_SUFFIX)
     jpath = journal_path(out)
@@ -512,10 +516,11 @@ def _execute(prepared: Prepared, request: ConvertRequest, out: Path, clock: _Clo
     writer.finish()
     jpath.unlink(missing_ok=True)
     clock.lap("finish")
-    steps = {step: seconds - steps_before[step] for step, seconds in STEP_SECONDS.items()
-             if seconds != steps_before[step]}   # this run's steps only
+    steps, walls = ({step: seconds - before[step] for step, seconds in counter.items() if seconds != before[step]}
+                    for counter, before in ((STEP_SECONDS, steps_before), (STEP_WALL_SECONDS, walls_before)))
     return ConvertResult(out, layout.file_size, len(jobs), len(jobs) - len(todo), produced, clock.total(),
-                         prepared.workers, clock.phases, sha256=sha256, stream_seconds=steps)
+                         prepared.workers, clock.phases, sha256=sha256, stream_seconds=steps,
+                         stream_wall_seconds=walls)
 
 
 def convert(request: ConvertRequest) -> ConvertResult:

@@ -54,7 +54,13 @@ _TORCH_DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}
 #: "wait_write_queue"), the reader fills ("fill"), the write threads wait for the GPU ("wait_gpu"), write and
 #: hash.  The converting thread's work ("setup" + "queue") near the tensors phase means the host is the bound.
 STEP_SECONDS: collections.Counter = collections.Counter()
+#: Wall-clock seconds during which at least one thread was in each :func:`timed` step (``stream_wall_seconds``):
+#: writes from several threads into one file take turns on its inode lock, so their summed seconds count
+#: waiting; the wall time is what the step costs the run.
+STEP_WALL_SECONDS: collections.Counter = collections.Counter()
 _steps_lock = threading.Lock()
+_inside: collections.Counter = collections.Counter()     # threads in each step now
+_since: dict[str, float] = {}                            # when the first of them entered
 
 
 def add_step(step: str, seconds: float) -> None:
@@ -65,10 +71,19 @@ def add_step(step: str, seconds: float) -> None:
 @contextlib.contextmanager
 def timed(step: str):
     start = time.perf_counter()
+    with _steps_lock:
+        if not _inside[step]:
+            _since[step] = start
+        _inside[step] += 1
     try:
         yield
     finally:
-        add_step(step, time.perf_counter() - start)
+        end = time.perf_counter()
+        with _steps_lock:
+            STEP_SECONDS[step] += end - start
+            _inside[step] -= 1
+            if not _inside[step]:
+                STEP_WALL_SECONDS[step] += end - _since.pop(step)
 
 
 @dataclass(frozen=True)
