@@ -174,15 +174,21 @@ def start_sequence_logits(source: LogitSource, sequences: Sequence[Sequence[int]
     def collect() -> list[np.ndarray | NormalizedRows]:
         if pending is not None:
             try:
-                results = pending()
-                for rows, ids, name in zip(results, sequences, names):
-                    check_logits(getattr(rows, "rows", rows), len(ids) - first, name)
-                return results
+                return [_checked_rows(rows, len(ids) - first, name)
+                        for rows, ids, name in zip(pending(), sequences, names)]
             except ValidationError:     # one at a time, to name the sequence that fails
                 pass
         return [_checked_logits(source, ids, name)[first:] for ids, name in zip(sequences, names)]
 
     return collect
+
+
+def _checked_rows(rows, n_rows: int, what: str) -> np.ndarray | NormalizedRows:
+    """:func:`.logprobs.check_logits` of a source's rows, normalized ones kept with their normalizers."""
+    if isinstance(rows, NormalizedRows):
+        check_logits(rows.rows, n_rows, what)
+        return rows
+    return check_logits(rows, n_rows, what)
 
 
 def one_ahead(items: Iterable[T]) -> Iterator[T]:
