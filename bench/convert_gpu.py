@@ -27,7 +27,8 @@ for every weight of the blocks, then measures, for each process count N of ``--j
     header, the tensors, the rest of the source hashes and of the read-back, the rename) and what is left:
     the interpreter, imports, printing and exit.  ``stream_s`` (``-j 1``): the report's seconds per step of the
     stream, summed over threads (the converting thread's "setup", "queue", "wait_reader", "wait_write_queue";
-    "fill"; the writers' "wait_gpu", "write", "hash"): what bounds the tensors phase.
+    "fill"; the writers' "wait_gpu", "write", "hash"): what bounds the tensors phase; ``stream_wall_s``: each
+    step's wall time with overlapping threads counted once.
 
 Fixed costs measured apart, once: ``python -c "import torch"`` plus the first CUDA allocation, and ``quantkit
 convert --dry-run`` (interpreter, imports, planning).  ``--compare TREE`` (repeatable): another checkout's
@@ -238,7 +239,7 @@ def run_convert(ckpt: Path, out: Path, recipe: Path, imatrix: Path, jobs: int, d
             "jobs_used": rep["jobs"], "slowest_tensors": sorted(((d["seconds"], d["name"]) for d in rep["produced"]),
                                                                 reverse=True)[:6],
             "tensor_seconds": rep["tensor_seconds"], "file_size": rep["file_size"],
-            "stream_s": rep["stream_seconds"],
+            "stream_s": rep["stream_seconds"], "stream_wall_s": rep["stream_wall_seconds"],
             "by_kind": _by_kind(rep["produced"])}
 
 
@@ -353,7 +354,8 @@ def main() -> None:
                     outputs.add(other.pop("sha256"))
                     emit({"name": f"convert --device cuda ({key}) -j {n}, {tree}", "tree": str(tree),
                           "convert_s": other["wall_s"], "vs_this_tree": other["wall_s"] / conv["wall_s"],
-                          "tensors_s": other["phases_s"]["tensors"], "stream_s": other["stream_s"]})
+                          "tensors_s": other["phases_s"]["tensors"], "stream_s": other["stream_s"],
+                          "stream_wall_s": other["stream_wall_s"]})
             if args.profile:
                 profile_convert(ckpt, root / f"{key}-profile.gguf", recipe, imatrix, args.device, args.profile)
             emit({"name": f"GPU outputs equal across --jobs and trees ({key})", "pass": len(outputs) == 1})
@@ -380,6 +382,8 @@ def main() -> None:
               f"{r['phases_s']['tensors']:>9.2f}{r['rest_s']:>7.2f}{r['ratio']:>8.2f}  {r['pass']}")
         if r["stream_s"]:
             print("    stream steps, s: " + ", ".join(f"{k} {v:.2f}" for k, v in sorted(r["stream_s"].items())))
+            print("    stream steps' wall, s: " + ", ".join(f"{k} {v:.2f}"
+                                                        for k, v in sorted(r["stream_wall_s"].items())))
 
 
 if __name__ == "__main__":
