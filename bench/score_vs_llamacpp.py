@@ -217,8 +217,8 @@ def scored_tokens_per_s(model, seqs: list[list[int]], passes: int, batch: int) -
     """quantkit score's own work on the same sequences: each a case whose first token is the prompt and whose
     other tokens are all targets (NLL, greedy match and first token at every position), ``passes`` passes' worth
     of cases through :func:`quantkit.scoring.score.run_cases` (forward passes of ``batch`` tokens, each scored on
-    the host while the next runs); tokens/s of the whole run after a warm-up run, its one-token vocabulary probe
-    and its last pass's scoring (not overlapped) included."""
+    the host while the next runs); tokens/s of the whole run after a warm-up run, its last pass's scoring (not
+    overlapped) included."""
     from quantkit.scoring.loading import RuntimeSource
     from quantkit.scoring.score import PreparedCase, run_cases
     from quantkit.scoring.source import ModelIdentity

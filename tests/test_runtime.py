@@ -209,6 +209,7 @@ def test_sequences_in_one_pass_give_their_own_logits(ggufs, arch):
     for seq, got, tail in zip(sequences, together, later):
         alone = logits(model, seq)
         assert got.shape == alone.shape and tail.shape == (len(seq) - 7, alone.shape[1])
+        assert model.output_width == alone.shape[1]        # scoring's vocabulary width, read off the packed head
         assert np.abs(got - alone).max() <= RELATIVE_TOLERANCE * np.abs(alone).max()
         assert np.abs(tail - alone[7:]).max() <= RELATIVE_TOLERANCE * np.abs(alone).max()
     with pytest.raises(FixtureError, match="shortest sequence has 11 tokens"):

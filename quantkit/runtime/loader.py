@@ -94,6 +94,14 @@ class RuntimeModel:
     def path(self):
         return self.store.weights.path
 
+    @property
+    def output_width(self) -> int | None:
+        """Columns of the logits, read off the output head's weight (no pass needed); None for a model whose
+        head is not a module with a weight."""
+        head = self.module.get_output_embeddings()
+        weight = getattr(head, "weight", None)
+        return int(weight.shape[0]) if weight is not None else None
+
     def close(self) -> None:
         self.store.weights.close()
 

@@ -57,6 +57,10 @@ class RuntimeSource:
     def dtype(self) -> str:
         return str(self.model.dtype).removeprefix("torch.")
 
+    @property
+    def output_width(self) -> int | None:
+        return self.model.output_width
+
     def logits(self, token_ids: Sequence[int]) -> np.ndarray:
         from ..runtime import logits
 

@@ -4,8 +4,8 @@ Each actor (one per cluster CPU, or per GPU with ``device="cuda"``) loads the mo
 process does (:func:`~quantkit.scoring.loading.load_source`, sidecars included), and scores the groups of cases it
 is sent, one forward pass each, the groups a single process forms (:func:`~quantkit.scoring.score.case_batches`,
 :func:`~quantkit.scoring.score.score_group`).  A case's score depends only on its group's forward pass, so the
-merged table, in the fixture's case order, is the one a single process writes.  The vocabulary probe runs on
-one actor; every case's token ids are checked against its width before any case runs.
+merged table, in the fixture's case order, is the one a single process writes.  The vocabulary width comes from
+one actor; every case's token ids are checked against it before any case runs.
 
 An actor whose process dies is restarted (it loads the model again) and its group retried
 (:data:`quantkit.cluster.TASK_RETRIES` times).  ``--kld-base`` and ``--save-logits`` evaluate one token stream in

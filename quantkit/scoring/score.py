@@ -134,8 +134,10 @@ def _check_vocab(case: PreparedCase, width: int) -> None:
 
 
 def vocabulary_width(source: LogitSource, cases: Sequence[PreparedCase]) -> int:
-    """The model's output width, from a one-token probe; every case's token ids are checked against it."""
-    width = _checked_logits(source, cases[0].prompt_ids[:1], "vocabulary probe").shape[1]
+    """The model's output width (the source's ``output_width`` where it knows it, else from a one-token probe);
+    every case's token ids are checked against it."""
+    width = getattr(source, "output_width", None) or \
+        _checked_logits(source, cases[0].prompt_ids[:1], "vocabulary probe").shape[1]
     for case in cases:
         _check_vocab(case, width)
     return width
@@ -279,7 +281,8 @@ def run_cases(source: LogitSource, cases: Sequence[PreparedCase],
     host while the next one's forward pass runs (:func:`overlapped`); returns the scores in case order and the
     model's vocabulary width.
 
-    A one-token probe gives the output width first, so every case's token ids are checked before any runs."""
+    The output width comes first (:func:`vocabulary_width`), so every case's token ids are checked before any
+    runs."""
     width = vocabulary_width(source, cases)
     scores: list[CaseScore | None] = [None] * len(cases)
     groups = case_batches(cases, batch_tokens)
