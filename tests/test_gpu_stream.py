@@ -221,9 +221,12 @@ def test_convert_through_the_stream_writes_the_cpu_file(tiny, tmp_path, monkeypa
     # the report says where the stream's time went (this run's steps only; no download to wait for on the CPU),
     # summed over threads and as wall time (every step timed in threads; "setup" is the converting thread's own)
     assert steps["cpu"] == {} and walls["cpu"] == {}
-    assert set(steps["cuda"]) == {"setup", "queue", "wait_reader", "fill", "wait_write_queue", "write", "hash"}
+    setup_parts = {"setup_pieces", "setup_imatrix", "setup_reader"}
+    assert set(steps["cuda"]) == {"setup", *setup_parts, "queue", "wait_reader", "fill", "wait_write_queue", "write",
+                                  "hash", "release", "wait_tensor_writes"}
     assert all(s > 0 for s in steps["cuda"].values())
-    assert set(walls["cuda"]) == set(steps["cuda"]) - {"setup"}
+    assert sum(steps["cuda"][part] for part in setup_parts) <= steps["cuda"]["setup"]
+    assert set(walls["cuda"]) == set(steps["cuda"]) - {"setup", *setup_parts}
     assert all(0 < walls["cuda"][step] <= steps["cuda"][step] + 1e-9 for step in walls["cuda"])
 
 

@@ -53,6 +53,10 @@ _TORCH_DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}
 #: at ``-j 1``): where the converting thread works ("setup" a tensor, "queue" a batch) or waits ("wait_reader",
 #: "wait_write_queue"), the reader fills ("fill"), the write threads wait for the GPU ("wait_gpu"), write and
 #: hash.  The converting thread's work ("setup" + "queue") near the tensors phase means the host is the bound.
+#: Parts of "setup" (counted in it too): "setup_pieces" (the pieces and their stored views), "setup_imatrix"
+#: (their importance, checked, and its upload), "setup_reader" (staging buffers, the reader's start, the copy
+#: stream).  After a tensor (quantkit.convert.pool): "release" (its source maps) and "wait_tensor_writes" (the
+#: converting thread waiting for an earlier tensor's last writes).
 STEP_SECONDS: collections.Counter = collections.Counter()
 #: Wall-clock seconds during which at least one thread was in each :func:`timed` step (``stream_wall_seconds``):
 #: writes from several threads into one file take turns on its inode lock, so their summed seconds count
@@ -66,6 +70,13 @@ _since: dict[str, float] = {}                            # when the first of the
 def add_step(step: str, seconds: float) -> None:
     with _steps_lock:
         STEP_SECONDS[step] += seconds
+
+
+def _lap(step: str, since: float) -> float:
+    """Add the seconds since ``since`` to ``step``; now."""
+    now = time.perf_counter()
+    add_step(step, now - since)
+    return now
 
 
 @contextlib.contextmanager
@@ -267,10 +278,12 @@ def encode_stream(ctx, job, pieces, device: str, *, batch_bytes: int = BATCH_BYT
     fmt = get_format(job.qtype)
     dev = torch.device(device)
     cuda = dev.type == "cuda"
+    lap = time.perf_counter()
     pieces = list(pieces)
     units = [(p, p.stored() if p.stored is not None else None) for p in pieces]
     units = [(p, s if s is None or s[1].shape[1] % fmt.block_size == 0 else None) for p, s in units]
     streamed = [i for i, (_, s) in enumerate(units) if s is not None]
+    lap = _lap("setup_pieces", lap)
     # Every streamed piece has importance or none has (a piece whose importance comes from its values has no
     # stored rows): one upload for the tensor, a row per piece.
     ims = [_check_imatrix(_importance(ctx, job, pieces[i].matrix, None), units[i][1][1].shape[1], fmt,
@@ -280,11 +293,13 @@ def encode_stream(ctx, job, pieces, device: str, *, batch_bytes: int = BATCH_BYT
     if streamed and ims[0] is not None:
         im_table = torch.from_numpy(np.stack(ims))
         im_table = (im_table.pin_memory() if cuda else im_table).to(dev, non_blocking=True)
+    lap = _lap("setup_imatrix", lap)
     size = max([batch_bytes] + [s[1].itemsize * s[1].shape[1] for _, s in units if s is not None])   # >= a row
     buffers = [torch.empty(size, dtype=torch.uint8, pin_memory=cuda) for _ in range(STAGING_BUFFERS)]
     reader = _Reader(_batches(units, gpu_encode.chunk_weights_for(fmt.qtype), size), buffers)
     compute = torch.cuda.current_stream(dev) if cuda else None
     copier = torch.cuda.Stream(dev) if cuda else None
+    _lap("setup_reader", lap)
 
     def upload(batch: _Batch, host):
         """The batch's stored bits on the device, copied on the copy stream (the compute stream waits for it)."""

@@ -137,7 +137,8 @@ class PendingTensor:
         end = None
         if self._behind is not None:
             behind, self._behind = self._behind, None
-            behind.close()
+            with timed("wait_tensor_writes"):
+                behind.close()
             end = behind.last_write
         if self._written != self._job.nbytes:
             raise FormatError(f"produced {self._written} bytes, the plan has {self._job.nbytes}",
@@ -170,7 +171,8 @@ def start_tensor(context: SourceContext, job: TensorJob, put: Callable[["np.ndar
             behind.close(quiet=True)
         raise
     finally:
-        context.release()
+        with timed("release") if behind is not None else contextlib.nullcontext():   # a GPU stream's steps only
+            context.release()
     return PendingTensor(job, start, written, digest, behind)
 
 
