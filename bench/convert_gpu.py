@@ -28,8 +28,8 @@ for every weight of the blocks, then measures, for each process count N of ``--j
     the interpreter, imports, printing and exit.  ``stream_s`` (``-j 1``): the report's seconds per step of the
     stream, summed over threads (the converting thread's "setup" with its parts "setup_pieces", "setup_imatrix"
     and "setup_reader", then "queue", "wait_reader", "wait_write_queue", after a tensor "release" and
-    "wait_tensor_writes"; "fill"; the writers' "wait_gpu", "write", "hash"): what bounds the tensors phase; ``stream_wall_s``: each step's wall time with overlapping
-    threads counted once.
+    "wait_tensor_writes"; "fill"; the writers' "wait_gpu", "write", "hash"): what bounds the tensors phase;
+    ``stream_wall_s``: each step's wall time with overlapping threads counted once.
 
 Fixed costs measured apart, once: ``python -c "import torch"`` plus the first CUDA allocation, and ``quantkit
 convert --dry-run`` (interpreter, imports, planning).  ``--compare TREE`` (repeatable): another checkout's
