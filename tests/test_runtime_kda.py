@@ -43,14 +43,18 @@ def test_chunk_kda_equals_transformers(n, decay, initial, device):
     assert kda.chunk_kda(q, k, v, g=g, beta=beta, initial_state=state)[1] is None
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA device"))])
+@pytest.mark.parametrize("dim", [8, 128])
 @pytest.mark.parametrize("diagonal", [False, True])
-def test_decayed_products_equal_the_pairwise_sum(diagonal):
+def test_decayed_products_equal_the_pairwise_sum(diagonal, dim, device):
     """Against float64 pair by pair, with steps of decay up to 20 per token (exp(20 x 16) overflows float32: the
-    split at the query sub-chunk's first token keeps both factors at most 1)."""
+    split at the query sub-chunk's first token keeps both factors at most 1).  On CUDA, 128 channels take the
+    one-launch kernel (quantkit.kernels.triton_decay), 8 the torch code."""
     gen = torch.Generator().manual_seed(5)
-    a, b = (torch.randn(2, kda.CHUNK, 8, generator=gen) for _ in range(2))
-    g = (-torch.rand(2, kda.CHUNK, 8, generator=gen) * 20).cumsum(1)
-    got = kda.decayed_products(a, b, g, diagonal)
+    a, b = (torch.randn(2, kda.CHUNK, dim, generator=gen) for _ in range(2))
+    g = (-torch.rand(2, kda.CHUNK, dim, generator=gen) * 20).cumsum(1)
+    got = kda.decayed_products(a.to(device), b.to(device), g.to(device), diagonal).cpu()
     a64, b64, g64 = a.double(), b.double(), g.double()
     want = (a64[:, :, None] * b64[:, None] * (g64[:, :, None] - g64[:, None]).clamp(max=0).exp()).sum(-1)
     keep = torch.ones(kda.CHUNK, kda.CHUNK, dtype=torch.bool).tril(0 if diagonal else -1)

@@ -16,7 +16,9 @@ product inside its loop over the chunks.  On an H200 these made GLM's pass ~935 
   since ``g`` only decreases, so nothing overflows), one matrix product; within a sub-chunk, transformers' own
   ``[16, 16, head_dim]`` form.  The decay tensors are a quarter of transformers'.
 * ``(I - A)^-1`` by one batched triangular solve (the loop's forward substitution computes exactly that).
-* The recurrence over chunks with everything that does not depend on the state hoisted out of the loop.
+* The recurrence over chunks with everything that does not depend on the state hoisted out of the loop, and in
+  it (as in :mod:`.gdn`) the state read by the queries and keys in one product, the output and the new state
+  each in one fused multiply-add, on contiguous chunk-major slices.
 
 Only float rounding differs (products split at ``r``, sums in another order): tests/test_runtime_kda.py holds it
 to transformers' function within 1e-5 (outputs and final states, with and without an initial state, strong
@@ -47,7 +49,13 @@ def l2norm(x: torch.Tensor) -> torch.Tensor:
 
 def decayed_products(a: torch.Tensor, b: torch.Tensor, g: torch.Tensor, diagonal: bool) -> torch.Tensor:
     """``out[..., i, j] = sum_c a[..., i, c] * b[..., j, c] * exp(g[..., i, c] - g[..., j, c])`` for ``j < i``
-    (``j <= i`` with ``diagonal``), 0 above; ``a, b, g [..., CHUNK, dim]``, ``g`` non-increasing along the chunk."""
+    (``j <= i`` with ``diagonal``), 0 above; ``a, b, g [..., CHUNK, dim]``, ``g`` non-increasing along the chunk.
+    On CUDA in one launch where it fits (:mod:`quantkit.kernels.triton_decay`: the same factors, in registers)."""
+    if a.is_cuda:
+        from ..kernels import triton_decay
+
+        if triton_decay.fits(a):
+            return triton_decay.decayed_products(a, b, g, diagonal, SUB)
     *lead, n, dim = a.shape
     parts = n // SUB
     a_s, b_s, g_s = (t.reshape(*lead, parts, SUB, dim) for t in (a, b, g))
@@ -96,19 +104,27 @@ def chunk_kda(query, key, value, g, beta, chunk_size=CHUNK, initial_state=None, 
     from_start = g.exp()                                                # decay since the chunk's start
     k_cumdecay = attn @ (k_beta * from_start)
     intra = decayed_products(query, key, g, diagonal=True)
-    q_decayed = query * from_start
     last = g[..., -1:, :]                                               # [batch, heads, chunks, 1, k_dim]
-    k_to_end = (key * (last - g).exp()).transpose(-1, -2)               # [batch, heads, chunks, k_dim, CHUNK]
+    # chunk-major, batch and heads as one, so that the loop's slices are contiguous: the state read by the
+    # decayed queries and keys at once ([chunks, rows, 2 CHUNK, k_dim]), the keys decayed to the chunk's end
+    readers = torch.cat([query * from_start, k_cumdecay], dim=-2)
+    k_to_end = (key * (last - g).exp()).transpose(-1, -2)              # [batch, heads, chunks, k_dim, CHUNK]
     end_decay = last.transpose(-1, -2).exp()                            # [batch, heads, chunks, k_dim, 1]
-    state = (torch.zeros(batch, heads, k_dim, v_dim, dtype=value.dtype, device=value.device)
-             if initial_state is None else initial_state.to(value))
+    rows = batch * heads
+    readers, k_to_end, end_decay, value, intra = (
+        x.transpose(0, 2).transpose(1, 2).reshape(x.shape[2], rows, *x.shape[-2:]).contiguous()
+        for x in (readers, k_to_end, end_decay, value, intra))
+    state = (torch.zeros(rows, k_dim, v_dim, dtype=value.dtype, device=value.device) if initial_state is None
+             else initial_state.to(value).reshape(rows, k_dim, v_dim))
     out = torch.empty_like(value)
-    for i in range(value.shape[2]):
-        v_new = value[:, :, i] - k_cumdecay[:, :, i] @ state
-        out[:, :, i] = q_decayed[:, :, i] @ state + intra[:, :, i] @ v_new
-        state = state * end_decay[:, :, i] + k_to_end[:, :, i] @ v_new
-    out = out.reshape(batch, heads, -1, v_dim)[:, :, :n].transpose(1, 2).contiguous().to(initial_dtype)
-    return out, (state if output_final_state else None)
+    for i in range(value.shape[0]):
+        read = torch.bmm(readers[i], state)                               # [q_decayed; k_cumdecay] @ state
+        v_new = value[i] - read[:, CHUNK:]
+        torch.baddbmm(read[:, :CHUNK], intra[i], v_new, out=out[i])
+        state = torch.baddbmm(state * end_decay[i], k_to_end[i], v_new)
+    out = out.view(-1, batch, heads, CHUNK, v_dim).permute(1, 0, 3, 2, 4)   # [batch, chunks, CHUNK, heads, v_dim]
+    out = out.reshape(batch, -1, heads, v_dim)[:, :n].contiguous().to(initial_dtype)
+    return out, (state.view(batch, heads, k_dim, v_dim) if output_final_state else None)
 
 
 def install() -> None:
