@@ -45,7 +45,7 @@ def _decayed_kernel(a, b, g, out, DIM: tl.constexpr, N: tl.constexpr, SUB: tl.co
         tl.store(out_rows + j[None, :], acc)
     # the sub-chunk itself: each pair's decay on its own
     ii = i[:, None, None]
-    jj = (p * SUB + t)[None, :, None]
+    jj = i[None, :, None]
     if DIAGONAL:
         keep = jj <= ii
     else:
@@ -57,7 +57,7 @@ def _decayed_kernel(a, b, g, out, DIM: tl.constexpr, N: tl.constexpr, SUB: tl.co
         at_j = base + jj * DIM + c
         decay = tl.where(keep, tl.exp(tl.load(g + at_i) - tl.load(g + at_j)), 0.0)
         acc += tl.sum(tl.load(a + at_i) * tl.load(b + at_j) * decay, 2)
-    tl.store(out_rows + (p * SUB + t)[None, :], acc)
+    tl.store(out_rows + i[None, :], acc)
     # later sub-chunks: 0
     for q in range(p + 1, N // SUB):
         tl.store(out_rows + (q * SUB + t)[None, :], tl.zeros((SUB, SUB), dtype=tl.float32))
