@@ -225,6 +225,31 @@ def test_f32_weights_multiply_in_place_by_cublas_into_their_columns(monkeypatch)
     assert launches == [GGMLType.F32]
 
 
+def test_wide_f32_weights_multiply_by_cublas_in_bf16x3(monkeypatch):
+    """An F32 weight of at least BF16X3_MIN_ROWS rows times float32 activations: one bfloat16 cuBLAS product of
+    the split operands (no fused launch), within bf16x3's bound (2^-16 of sum |x w|, as the fused products) of
+    float64, into its columns only; ``ieee`` keeps cuBLAS's plain float32 product."""
+    from quantkit.kernels import triton_matmul
+
+    launches = []
+    original = triton_matmul._launch
+    monkeypatch.setattr(triton_matmul, "_launch", lambda *a, **k: launches.append(a[2]) or original(*a, **k))
+    gen = torch.Generator(device="cuda").manual_seed(2)
+    w = torch.randn(320, 8192, generator=gen, device="cuda") * 0.02
+    x = torch.randn(300, 8192, generator=gen, device="cuda")
+    payload = w.view(torch.uint8).reshape(320, -1)
+    want = x.double() @ w.double().T
+    bound = 2.0 ** -16 * (x.double().abs() @ w.double().abs().T)
+    wide = torch.full((300, 330), 7.0, device="cuda")
+    triton_matmul.linear(x, payload, GGMLType.F32, 320, out=wide, out_col=5)
+    assert bool(((wide[:, 5:325].double() - want).abs() <= bound).all())
+    assert bool((wide[:, :5] == 7).all() and (wide[:, 325:] == 7).all())
+    got = triton_matmul.linear(x, payload, GGMLType.F32, 320)
+    assert bool(((got.double() - want).abs() <= bound).all()) and not torch.equal(got, x @ w.T)
+    assert torch.equal(triton_matmul.linear(x, payload, GGMLType.F32, 320, precision="ieee"), x @ w.T)
+    assert launches == []
+
+
 def test_cuda_runtime_multiplies_packed_weights(ggufs, monkeypatch):
     """On CUDA every matrix of the mixed Qwen3-MoE file (Q4_K experts, Q8_0 and F32 matrices) is multiplied packed:
     after the first pass (which decodes each payload once, for the finiteness check) no weight is built."""

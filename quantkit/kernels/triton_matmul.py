@@ -378,18 +378,17 @@ def linear(x: torch.Tensor, payload: torch.Tensor, qtype: "GGMLType | int", n: i
     (a new ``[m, n]`` tensor by default); ``scale``: an NVFP4 global scale (one value); ``precision``: Triton's
     ``input_precision`` for float32 activations (by default :data:`FLOAT32_PRECISION`; ``ieee``: plain float32
     products, no tensor cores); ``config``: the launch (by default :data:`DENSE`, or :data:`NARROW`).  An F32
-    weight times float32 activations goes to cuBLAS instead (:func:`_by_cublas`)."""
+    weight times float32 activations goes to cuBLAS instead (:func:`_by_cublas`, :func:`_cublas_f32_linear`)."""
     payload = payload.reshape(-1)
     if _by_cublas(x, payload, qtype, scale, config):
-        return _cublas_f32_linear(x, payload, n, _output(x, n, out), out_col)
+        return _cublas_f32_linear(x, payload, n, _output(x, n, out), out_col, precision or FLOAT32_PRECISION)
     return _launch(x, payload, qtype, n, _output(x, n, out), out_col, None, scale, precision or FLOAT32_PRECISION,
                    config)
 
 
 def _by_cublas(x: torch.Tensor, payload: torch.Tensor, qtype, scale, config) -> bool:
     """Whether a dense product goes to cuBLAS: an F32 weight (its payload is the matrix itself, nothing to
-    decode) times float32 activations, no launch asked for.  Plain float32 (cuBLAS without TF32, torch's
-    default) is at least as exact as the fused bf16x3, and its kernels suit the narrow and long shapes of such
+    decode) times float32 activations, no launch asked for.  Its kernels suit the narrow and long shapes of such
     weights (Qwen3.8's and DeepSeek V4's hyper-connection maps: ``[2048, 8192] x [8192, 320]`` took the fused
     kernel 1.5 ms for 80 programs on the H200's 132 SMs, and the 24- and 4-column maps over 8,192 values were
     as slow)."""
@@ -397,16 +396,60 @@ def _by_cublas(x: torch.Tensor, payload: torch.Tensor, qtype, scale, config) -> 
             and payload.dtype == torch.uint8 and payload.storage_offset() % 4 == 0 and x.device == payload.device)
 
 
-def _cublas_f32_linear(x: torch.Tensor, payload: torch.Tensor, n: int, out: torch.Tensor, out_col: int
-                       ) -> torch.Tensor:
+#: F32 weights of at least this many rows multiply in bf16x3 by one bfloat16 cuBLAS product three times as long
+#: (:func:`bf16x3_split`, float32 sums: the fused products' arithmetic) rather than in plain float32 (no tensor
+#: cores: Qwen3.8's ``[2048, 8192] x [8192, 320]`` hyper-connection maps took ~228 us each on the H200).
+#: Narrower maps (4 and 24 rows) stay float32: their products are short, splitting the activations would dominate.
+BF16X3_MIN_ROWS = 64
+
+
+def _cublas_f32_linear(x: torch.Tensor, payload: torch.Tensor, n: int, out: torch.Tensor, out_col: int,
+                       precision: str) -> torch.Tensor:
     """``x @ W.T`` for an F32 payload viewed in place as ``W [n, k]``, into ``out[:, out_col:out_col + n]``."""
     k = x.shape[1]
     if payload.numel() != n * k * 4:
         raise FormatError(f"F32 payload of {payload.numel()} bytes is not {n} rows of {k * 4} bytes")
     weight = payload.view(torch.float32).view(n, k)
-    if out_col == 0 and out.shape[1] == n:
-        return torch.mm(x, weight.t(), out=out)
-    out[:, out_col:out_col + n] = x @ weight.t()
+    whole = out_col == 0 and out.shape[1] == n
+    if precision == "bf16x3" and n >= BF16X3_MIN_ROWS:
+        operands = bf16x3_split(x, low=2), bf16x3_split(weight, low=1).t()
+        if whole:
+            torch.mm(*operands, out_dtype=torch.float32, out=out)
+        else:
+            out[:, out_col:out_col + n] = torch.mm(*operands, out_dtype=torch.float32)
+    elif whole:
+        torch.mm(x, weight.t(), out=out)
+    else:
+        out[:, out_col:out_col + n] = x @ weight.t()
+    return out
+
+
+@triton.jit
+def _split_kernel(x, out, k, LOW: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    keep = cols < k
+    v = tl.load(x + row * k + cols, mask=keep)
+    high = v.to(tl.bfloat16)
+    low = (v - high.to(tl.float32)).to(tl.bfloat16)
+    base = out + row * 3 * k + cols
+    for slot in tl.static_range(3):
+        if slot == LOW:
+            tl.store(base + slot * k, low, mask=keep)
+        else:
+            tl.store(base + slot * k, high, mask=keep)
+
+
+def bf16x3_split(x: torch.Tensor, low: int) -> torch.Tensor:
+    """float32 ``x [m, k]`` as bfloat16 ``[m, 3k]``: its bfloat16 rounding ``hi`` in two k-wide slots and the
+    rounding of the remainder ``lo`` in slot ``low``.  An operand split with ``low=2`` times one split with
+    ``low=1`` (transposed) sums ``hi hi + hi lo + lo hi``: bf16x3's three products, within about 3 x 2^-18 of
+    float32's each, as :data:`FLOAT32_PRECISION`."""
+    x = x.contiguous()
+    m, k = x.shape
+    out = torch.empty(m, 3 * k, dtype=torch.bfloat16, device=x.device)
+    if x.numel():
+        _split_kernel[(m, triton.cdiv(k, 1024))](x, out, k, LOW=low, BLOCK=1024, num_warps=4)
     return out
 
 

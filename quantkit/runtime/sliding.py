@@ -15,6 +15,9 @@ full with their block bias, as before.  The softmax runs over the window, the co
 transformers' order (scale, mask, sink appended, max subtracted, softmax, sink dropped); the keys it leaves out are
 masked in the full computation (weight exactly 0), so only summation order differs.
 
+On CUDA in float32 the same attention is one Triton launch (:mod:`quantkit.kernels.triton_sink_attention`: no
+score tensor in memory, 1.6-1.9x the torch band a layer on an H200, bench/results/score-vs-llamacpp-2026-12-04c.md).
+
 Used inside :func:`.attention.one_sequence_per_row` only (the mask is then transformers' sliding causal one, no
 cache); elsewhere transformers' eager function runs.
 """
@@ -36,7 +39,20 @@ def banded_sink_attention(module, query: torch.Tensor, key: torch.Tensor, mask: 
                           scaling: float) -> torch.Tensor:
     """V4 attention for ``query [batch, heads, n, dim]``, one key/value head ``key [batch, 1, n + c, dim]`` (n raw
     keys, then c compressed entries; keys are the values) and the additive ``mask [batch, 1, n, n + c]``, whose raw
-    part is zero only within ``module.sliding_window`` keys of the query: ``[batch, n, heads, dim]``."""
+    part is zero only within ``module.sliding_window`` keys of the query: ``[batch, n, heads, dim]``.  On CUDA in
+    one launch where it fits (:mod:`quantkit.kernels.triton_sink_attention`)."""
+    if query.is_cuda:
+        from ..kernels import triton_sink_attention
+
+        if triton_sink_attention.fits(query, key, mask):
+            return triton_sink_attention.sink_attention(query, key, mask, module.sinks, module.sliding_window,
+                                                        scaling)
+    return torch_banded_sink_attention(module, query, key, mask, scaling)
+
+
+def torch_banded_sink_attention(module, query: torch.Tensor, key: torch.Tensor, mask: torch.Tensor,
+                                scaling: float) -> torch.Tensor:
+    """:func:`banded_sink_attention` in torch operations (any device and dtype)."""
     batch, heads, n, dim = query.shape
     width = module.sliding_window
     blocks = -(-n // width)
