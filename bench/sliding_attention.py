@@ -77,8 +77,8 @@ def main() -> None:
                 setattr(kernel, attr, int(value))
             kernel_ms, got = best_ms(lambda: kernel.sink_attention(query, key, mask, layer.sinks, WINDOW, scale),
                                      args.device, args.repeats)
-            emit({"name": f"V4 attention kernel, {name}", "launch": config, "tokens": n,
-                  "band_ms": round(band_ms, 3), "kernel_ms": round(kernel_ms, 3), "band_over_kernel": band_ms / kernel_ms,
+            emit({"name": f"V4 attention kernel, {name}", "launch": config, "tokens": n, "band_ms": round(band_ms, 3),
+                  "kernel_ms": round(kernel_ms, 3), "band_over_kernel": band_ms / kernel_ms,
                   "max_abs_difference": float((got - want).abs().max()), "max_abs_output": float(want.abs().max())})
 
 

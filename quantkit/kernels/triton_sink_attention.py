@@ -25,7 +25,7 @@ from .triton_matmul import FLOAT32_PRECISION
 #: pipeline stages.  Measured on the H200 at the bench's V4 shapes (bench/sliding_attention.py, 16 heads of 512,
 #: 2,048 tokens): 16 queries with the whole 512-channel row per program beat 32-64 queries with 128-256 channels
 #: (each program scoring anew), heads sharing a program's key tiles, and a key tile read once for both products
-#: (its registers spill: 10-24 ms).
+#: (its registers spill: 10-33 ms).
 BM, BN, BD, DV = 16, 32, 64, 512
 WARPS, STAGES = 4, 2
 
@@ -86,8 +86,8 @@ def _sink_attention_kernel(q, kv, mask, sinks, out, n, c, width, scaling, heads,
 
 def fits(query: torch.Tensor, key: torch.Tensor, mask: torch.Tensor) -> bool:
     """Whether :func:`sink_attention` takes these: float32 CUDA tensors, channels in whole product steps, rows
-    of unit stride."""
-    return (query.is_cuda and query.dtype == key.dtype == mask.dtype == torch.float32
+    of unit stride, one mask for all heads."""
+    return (query.is_cuda and query.dtype == key.dtype == mask.dtype == torch.float32 and mask.shape[1] == 1
             and query.shape[-1] % BD == 0 and query.stride(-1) == 1 and key.stride(-1) == 1)
 
 
