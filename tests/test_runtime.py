@@ -349,3 +349,35 @@ def test_quantized_gguf_matches_llama_cpp(ggufs, arch):
           f"{diff:.3g} (max |logit| {scale:.3g})")
     unexplained = [int(p) for p in np.nonzero(~agree)[0] if rounding[p] <= _top1_margin(same_weights)[p] / 2]
     assert unexplained == []
+
+
+@pytest.mark.parametrize("arch", ["qwen4_exp", "glm5_next"])
+def test_a_dropped_model_frees_its_weights_without_the_garbage_collector(ggufs, arch):
+    """The runtime's replacements of transformers methods (indexers here) hold their modules weakly: dropping the
+    model frees its weight store at once (a cycle would keep it, on the device too, until a collection)."""
+    import gc
+    import weakref
+
+    from quantkit.runtime import load_model, logits
+
+    model = load_model(ggufs(arch, "mixed"))
+    logits(model, token_ids(arch, 16))
+    store = weakref.ref(model.store)
+    gc.collect()
+    gc.disable()
+    try:
+        model.close()
+        del model
+        assert store() is None
+    finally:
+        gc.enable()
+
+
+def test_replaced_methods_call_ours_with_the_module_and_theirs():
+    from quantkit.runtime.attention import replace_method
+
+    layer = torch.nn.Linear(3, 2)
+    replace_method(layer, "forward", lambda module, theirs, x: (module, theirs(x) * 2))
+    x = torch.randn(4, 3)
+    module, doubled = layer(x)
+    assert module is layer and torch.equal(doubled, 2 * torch.nn.functional.linear(x, layer.weight, layer.bias))

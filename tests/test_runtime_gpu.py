@@ -268,14 +268,144 @@ def test_cuda_runtime_multiplies_packed_weights(ggufs, monkeypatch):
     assert built == []
 
 
+@pytest.mark.parametrize("heads,kv_heads,n,dim", [(16, 4, 300, 128), (4, 4, 45, 64), (8, 1, 2048, 128),
+                                                  (2, 2, 7, 128), (3, 3, 97, 16), (1, 1, 16384, 128)])
+def test_causal_attention_kernel_is_within_bf16x3_of_float64(heads, kv_heads, n, dim):
+    """The one-launch causal attention (grouped-query heads read in place) against float64 attention: within
+    bf16x3's bound (each score within 2^-16 of sum |q k|, moving each weight by up to twice that)."""
+    from quantkit.kernels.triton_causal_attention import causal_attention, fits
+
+    gen = torch.Generator(device="cuda").manual_seed(n + dim)
+    query = torch.randn(2, heads, n, dim, generator=gen, device="cuda") * 0.5
+    key = torch.randn(2, kv_heads, n, dim, generator=gen, device="cuda")
+    value = torch.randn(2, kv_heads, n, dim, generator=gen, device="cuda")
+    assert fits(query, key, value)
+    assert not fits(*(torch.zeros(1, 2, n, 256, device="cuda") for _ in range(3)))      # SDPA takes those
+    scaling = dim ** -0.5
+    got = causal_attention(query, key, value, scaling).double()
+    k64 = key.double().repeat_interleave(heads // kv_heads, dim=1)
+    v64 = value.double().repeat_interleave(heads // kv_heads, dim=1)
+    scores = scaling * query.double() @ k64.transpose(-1, -2)
+    scores = scores.masked_fill(torch.ones(n, n, dtype=torch.bool, device="cuda").triu(1), float("-inf"))
+    want = (scores.softmax(-1) @ v64).transpose(1, 2)
+    score_error = scaling * float((query.double().abs() @ k64.abs().transpose(-1, -2)).max())
+    bound = 2.0 ** -16 * (2 * score_error + 1) * float(value.abs().max())
+    assert got.shape == want.shape and float((got - want).abs().max()) <= bound
+
+
+def test_cuda_scoring_passes_run_causal_attention_in_one_launch(ggufs, monkeypatch):
+    """A float32 CUDA pass of the Qwen3-MoE file runs every attention layer as the one-launch causal kernel (no
+    mask in a scoring pass), and gives the logits it gave through torch's SDPA."""
+    from quantkit.kernels import triton_causal_attention as kernel
+    from quantkit.runtime import load_model, logits
+    from test_runtime import token_ids
+
+    model = load_model(ggufs("qwen3_moe", "mixed"), device="cuda")
+    model.graphs = False
+    ids = token_ids("qwen3_moe", 64)
+    calls = []
+    original = kernel.causal_attention
+    monkeypatch.setattr(kernel, "causal_attention", lambda *a: calls.append(1) or original(*a))
+    ours = logits(model, ids)
+    layers = sum(type(m).__name__ == "Qwen3MoeDecoderLayer" for m in model.module.modules())
+    assert len(calls) == layers
+    monkeypatch.setattr(kernel, "fits", lambda *a: False)
+    torch_sdpa = logits(model, ids)
+    assert float(np.abs(ours - torch_sdpa).max()) <= 1e-4 * float(np.abs(torch_sdpa).max())
+
+
+def _hyper_connection(hidden: int, seed: int):
+    """transformers' DeepSeek V4 hyper-connection module (GLM-5.3's is the same code) with random parameters."""
+    from types import SimpleNamespace
+
+    from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4HyperConnection
+
+    config = SimpleNamespace(hc_mult=4, hc_sinkhorn_iters=20, hc_eps=1e-6, rms_norm_eps=1e-6, hidden_size=hidden)
+    module = DeepseekV4HyperConnection(config)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        module.fn.copy_(torch.randn(module.fn.shape, generator=gen) * (4 * hidden) ** -0.5)
+        module.base.copy_(torch.randn(module.base.shape, generator=gen))
+        module.scale.copy_(torch.rand(3, generator=gen) * 2)
+    return module.cuda()
+
+
+@pytest.mark.parametrize("hidden,tokens", [(320, 37), (2048, 300)])
+def test_hyper_connection_kernel_is_as_close_to_float64_as_transformers(hidden, tokens, monkeypatch):
+    """The one-launch hyper-connection weights, Sinkhorn and collapse (their map's norm applied to its outputs)
+    against transformers' module in float64: no further from it than a few times transformers' own float32
+    error, plus a few ulps of the largest value."""
+    from quantkit.kernels import triton_hyper
+    from quantkit.runtime.hyper import hyper_connection
+
+    module = _hyper_connection(hidden, tokens)
+    gen = torch.Generator(device="cuda").manual_seed(tokens)
+    h = torch.randn(1, tokens, 4, hidden, generator=gen, device="cuda") * 3
+    launches = []
+    weights = triton_hyper.hyper_weights
+    monkeypatch.setattr(triton_hyper, "hyper_weights", lambda *a: launches.append(1) or weights(*a))
+    with torch.no_grad():
+        ours = hyper_connection(module, module.forward, h)
+        theirs = module.forward(h)
+        want = module.double().forward(h.double())
+    assert launches == [1]
+    for got, mine, ref in zip(theirs, ours, want):
+        assert mine.shape == ref.shape and mine.dtype == torch.float32
+        their_error = float((got.double() - ref).abs().max())
+        assert float((mine.double() - ref).abs().max()) <= 4 * their_error + 2.0 ** -22 * float(ref.abs().max())
+
+
+def test_hyper_mix_kernel_equals_transformers_mix_within_float32_rounding():
+    """The streams after a block, one launch: ``post_k y + sum_j comb[j, k] h_j`` within 2^-21 of the sum of the
+    terms' magnitudes of float64 (five float32 roundings at most)."""
+    from quantkit.kernels import triton_hyper
+
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    h = torch.randn(2, 45, 4, 320, generator=gen, device="cuda")
+    y = torch.randn(2, 45, 320, generator=gen, device="cuda")
+    post = torch.rand(2, 45, 4, generator=gen, device="cuda") * 2
+    comb = torch.rand(2, 45, 4, 4, generator=gen, device="cuda")
+    got = triton_hyper.hyper_mix(h, y, post, comb).double()
+    h, y, post, comb = h.double(), y.double(), post.double(), comb.double()
+    want = post.unsqueeze(-1) * y.unsqueeze(-2) + torch.matmul(comb.transpose(-1, -2), h)
+    size = post.abs().unsqueeze(-1) * y.abs().unsqueeze(-2) + torch.matmul(comb.abs().transpose(-1, -2), h.abs())
+    assert bool(((got - want).abs() <= 2.0 ** -21 * size).all())
+
+
+def test_cuda_deepseek_v4_mixes_streams_and_projects_groups_fused(ggufs, monkeypatch):
+    """On CUDA a DeepSeek V4 pass computes every hyper-connection and every mix of the streams with the Triton
+    kernels, and multiplies the grouped output projection packed, group by group (its weight never built)."""
+    from quantkit.kernels import triton_hyper
+    from quantkit.runtime import load_model, logits
+    from quantkit.runtime.packed import Assembler
+    from test_runtime import token_ids
+
+    model = load_model(ggufs("deepseek_v4", "mixed"), device="cuda")
+    ids = token_ids("deepseek_v4", 64)
+    logits(model, ids)
+    model.graphs = False
+    calls, built = [], []
+    for name in ("hyper_weights", "hyper_mix"):
+        original = getattr(triton_hyper, name)
+        monkeypatch.setattr(triton_hyper, name, lambda *a, _f=original, _n=name: calls.append(_n) or _f(*a))
+    original_build = Assembler.build
+    monkeypatch.setattr(Assembler, "build", lambda self, plan, *a, **k: built.append(plan.name) or
+                        original_build(self, plan, *a, **k))
+    logits(model, ids)
+    layers = sum(type(m).__name__ == "DeepseekV4DecoderLayer" for m in model.module.modules())
+    assert calls.count("hyper_weights") == 2 * layers and calls.count("hyper_mix") == 2 * layers
+    assert not [name for name in built if "o_a_proj" in name]
+
+
 def test_cuda_16k_token_nll_equals_the_chunked_reference(ggufs, monkeypatch):
-    """Issue 16's long-context check on CUDA: 16384 tokens scored in one pass (fused packed products, SDPA's
-    memory-efficient kernel) against the chunked reference (weights decoded, then multiplied; 2048-token chunks
-    through transformers' KV cache): NLL equal within test_runtime_long's bounds (mean 1e-3 relative, each token
-    1e-3), and the pass adds less device memory than a quarter of one layer's [heads, n, n] float32 scores."""
+    """Issue 16's long-context check on CUDA: 16384 tokens scored in one pass (fused packed products, the
+    one-launch causal attention) against the chunked reference (weights decoded, then multiplied; 2048-token
+    chunks through transformers' KV cache and SDPA): NLL equal within test_runtime_long's bounds (mean 1e-3
+    relative, each token 1e-3 but FLIPPED_TOKENS), and the pass adds less device memory than a quarter of one
+    layer's [heads, n, n] float32 scores."""
     from quantkit.runtime import load_model, logits
     from quantkit.runtime.packed import WeightStore
-    from test_runtime_long import LONG_TOKENS, assert_same_nll, chunked_logits, token_nll
+    from test_runtime_long import FLIPPED_TOKENS, LONG_TOKENS, assert_same_nll, chunked_logits, token_nll
 
     n = LONG_TOKENS
     path = ggufs("qwen3_moe", "mixed")
@@ -296,8 +426,8 @@ def test_cuda_16k_token_nll_equals_the_chunked_reference(ggufs, monkeypatch):
     ref_model.close()
     got, want = token_nll(full, ids), token_nll(ref, ids)
     print("16K NLL", float(got.mean()), float(want.mean()), "max token diff", float((got - want).abs().max()),
-          "added MiB", added / 2**20)
-    assert_same_nll(got, want)
+          "tokens beyond 1e-3", int(((got - want).abs() > 1e-3).sum()), "added MiB", added / 2**20)
+    assert_same_nll(got, want, FLIPPED_TOKENS)
     assert added < heads * n * n * 4 / 4
 
 

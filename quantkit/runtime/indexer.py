@@ -32,7 +32,7 @@ import sys
 
 import torch
 
-from .attention import in_causal_chunks, in_one_sequence_per_row
+from .attention import in_causal_chunks, in_one_sequence_per_row, replace_method
 
 #: transformers classes :func:`install` replaces the forward of.
 INDEXERS = ("Qwen4ExpTextQSAIndexer",)
@@ -117,31 +117,25 @@ def install(model) -> None:
     causal passes, every pool kept (:data:`POOLING_INDEXERS`) inside :func:`.attention.one_sequence_per_row`."""
     for module in model.modules():
         if type(module).__name__ in INDEXERS:
-            module.forward = _causal_or_loop(module, module.forward)
+            replace_method(module, "forward", _causal_or_loop)
         elif type(module).__name__ in POOLING_INDEXERS:
-            module.get_pooled_states = _every_pool_or_theirs(module, module.get_pooled_states)
+            replace_method(module, "get_pooled_states", _every_pool_or_theirs)
 
 
-def _every_pool_or_theirs(indexer, theirs):
-    def get_pooled_states(packed_states):
-        return every_pool(indexer, packed_states) if in_one_sequence_per_row() else theirs(packed_states)
-
-    return get_pooled_states
+def _every_pool_or_theirs(indexer, theirs, packed_states):
+    return every_pool(indexer, packed_states) if in_one_sequence_per_row() else theirs(packed_states)
 
 
-def _causal_or_loop(indexer, loop):
-    def forward(hidden_states, position_embeddings, attention_mask, past_key_values=None):
-        n = hidden_states.shape[1]
-        plain = attention_mask is not None and attention_mask.dtype == torch.bool
-        if (past_key_values is None and in_one_sequence_per_row() and plain
-                and tuple(attention_mask.shape[-2:]) == (n, n)):
-            return causal_selection_mask(indexer, hidden_states, position_embeddings)
-        if past_key_values is not None and in_causal_chunks() and plain:
-            mask = causal_selection_mask(indexer, hidden_states, position_embeddings, past_key_values)
-            if mask.shape[-2:] != attention_mask.shape[-2:]:
-                raise RuntimeError(f"a {tuple(attention_mask.shape)} attention mask for a {tuple(mask.shape)} "
-                                   f"selection")
-            return mask
-        return loop(hidden_states, position_embeddings, attention_mask, past_key_values)
-
-    return forward
+def _causal_or_loop(indexer, loop, hidden_states, position_embeddings, attention_mask, past_key_values=None):
+    n = hidden_states.shape[1]
+    plain = attention_mask is not None and attention_mask.dtype == torch.bool
+    if (past_key_values is None and in_one_sequence_per_row() and plain
+            and tuple(attention_mask.shape[-2:]) == (n, n)):
+        return causal_selection_mask(indexer, hidden_states, position_embeddings)
+    if past_key_values is not None and in_causal_chunks() and plain:
+        mask = causal_selection_mask(indexer, hidden_states, position_embeddings, past_key_values)
+        if mask.shape[-2:] != attention_mask.shape[-2:]:
+            raise RuntimeError(f"a {tuple(attention_mask.shape)} attention mask for a {tuple(mask.shape)} "
+                               f"selection")
+        return mask
+    return loop(hidden_states, position_embeddings, attention_mask, past_key_values)

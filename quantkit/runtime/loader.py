@@ -44,11 +44,12 @@ from ..arch import ArchMap, get_arch
 from ..arch.dialects import relaid_mappings
 from ..errors import FixtureError, FormatError, UnsupportedError, ValidationError
 from ..io.gguf import KV
-from .attention import causal_chunks, install as install_sdpa, one_sequence_per_row
+from .attention import causal_chunks, install as install_sdpa, one_sequence_per_row, replace_method
 from .experts import EXPERTS_MODES, GROUPED, SORTED, register as register_experts
 from .indexer import install as install_indexers
 from .inverse import TensorPlan, plan_tensor
 from .gdn import install as install_gdn
+from .hyper import install as install_hyper_connections
 from .kda import install as install_kda
 from .packed import FUSED_DTYPES, Assembler, PackedTensor, WeightStore, finite_flag, scale_companion
 from .sliding import install as install_sliding_attention
@@ -313,6 +314,7 @@ def _load(weights, device: torch.device, dtype: torch.dtype, stream: bool, keep_
     store.check()
     if device.type == "cuda" and dtype == torch.float32:
         _fuse_rms_norms(model)
+        install_hyper_connections(model)
     return RuntimeModel(model, store, weights.config, device, dtype, _vocab_size(model), packed,
                         graphs=device.type == "cuda" and not stream and dtype in FUSED_DTYPES)
 
@@ -324,21 +326,17 @@ def _fuse_rms_norms(model) -> None:
     from ..kernels.triton_rmsnorm import rms_norm
     from .ggml_arithmetic import PLAIN_RMS_NORMS
 
-    def fused(module):
-        original = module.forward
-
-        def forward(hidden_states):
-            w = module.weight
-            if (hidden_states.is_cuda and hidden_states.dtype == torch.float32 and hidden_states.is_contiguous()
-                    and type(w) is torch.nn.Parameter and w.dtype == torch.float32 and w.is_contiguous()
-                    and tuple(w.shape) == tuple(hidden_states.shape[-1:])):
-                return rms_norm(hidden_states, w, module.variance_epsilon)
-            return original(hidden_states)
-        return forward
+    def fused(module, theirs, hidden_states):
+        w = module.weight
+        if (hidden_states.is_cuda and hidden_states.dtype == torch.float32 and hidden_states.is_contiguous()
+                and type(w) is torch.nn.Parameter and w.dtype == torch.float32 and w.is_contiguous()
+                and tuple(w.shape) == tuple(hidden_states.shape[-1:])):
+            return rms_norm(hidden_states, w, module.variance_epsilon)
+        return theirs(hidden_states)
 
     for m in model.modules():
         if type(m).__name__ in PLAIN_RMS_NORMS:
-            m.forward = fused(m)
+            replace_method(m, "forward", fused)
 
 
 def _mtp_tensors(weights, amap: ArchMap) -> set[str]:

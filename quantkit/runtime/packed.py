@@ -456,6 +456,23 @@ class PackedTensor(torch.Tensor):
                                       scale=part.scale, tiles=tiles, routed=routed)
         return out
 
+    def fused_linear_rows(self, x: torch.Tensor, first: int, rows: int, *, out: torch.Tensor,
+                          out_col: int = 0) -> torch.Tensor | None:
+        """``x @ W[first:first + rows].T`` of a dense weight, multiplied packed into ``out[:, out_col:out_col +
+        rows]``; None where the fused products do not apply (the rows are not one GGUF tensor's, in order)."""
+        parts = self.fused()
+        if parts is None or self.plan.sliced or x.dtype != self.dtype:
+            return None
+        for part in parts:
+            if part.first <= first and first + rows <= part.first + part.rows:
+                if part.out_rows is not None or part.in_cols is not None:
+                    return None
+                self.assembler.store.expect_finite_payload(part.gguf_name)
+                payload = part.payload.view(part.rows, -1)[first - part.first:first - part.first + rows]
+                return self.assembler.store._matmul.linear(x, payload, part.qtype, rows, out=out, out_col=out_col,
+                                                           scale=part.scale)
+        return None
+
     @property
     def activation_type(self) -> str:
         """The form ggml's CPU backend converts activations to before multiplying by this weight
