@@ -381,3 +381,22 @@ def test_replaced_methods_call_ours_with_the_module_and_theirs():
     x = torch.randn(4, 3)
     module, doubled = layer(x)
     assert module is layer and torch.equal(doubled, 2 * torch.nn.functional.linear(x, layer.weight, layer.bias))
+
+
+def test_v4_hyper_connection_wiring_keeps_cpu_logits_bit_for_bit(ggufs, monkeypatch):
+    """quantkit.runtime.hyper's DeepSeek V4 decoder layer (installed on CUDA models) is transformers' layer with
+    its two stream mixes swapped for ``hyper.mix``: on the CPU, where the kernels do not apply and every piece
+    falls back to transformers' operations, the logits are the same bits."""
+    from quantkit.runtime import hyper, load_model, logits
+
+    model = load_model(ggufs("deepseek_v4", "mixed"))
+    ids = token_ids("deepseek_v4", 32)
+    want = logits(model, ids)
+    hyper.install(model.module)
+    mixes = []
+    original = hyper.mix
+    monkeypatch.setattr(hyper, "mix", lambda *a: mixes.append(1) or original(*a))
+    got = logits(model, ids)
+    layers = sum(type(m).__name__ in hyper.MIXING_LAYERS for m in model.module.modules())
+    assert layers and len(mixes) == 2 * layers
+    assert np.array_equal(got, want)
