@@ -39,7 +39,9 @@ def install(model) -> None:
 
 def hyper_connection(module, theirs, hidden_streams: torch.Tensor):
     """``(post, comb, collapsed)`` of a hyper-connection module for the streams ``[batch, n, N, hidden]``."""
-    from ..kernels import triton_hyper
+    if not hidden_streams.is_cuda:
+        return theirs(hidden_streams)
+    from ..kernels import triton_hyper     # Triton comes with CUDA builds of torch only
 
     base, scale = module.base, module.scale
     if not (triton_hyper.fits(hidden_streams) and hidden_streams.dim() == 4
@@ -53,10 +55,11 @@ def hyper_connection(module, theirs, hidden_streams: torch.Tensor):
 
 def mix(h: torch.Tensor, block_out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
     """The streams after a block, as transformers' DeepSeek V4 decoder layer mixes them."""
-    from ..kernels import triton_hyper
+    if h.is_cuda:
+        from ..kernels import triton_hyper
 
-    if triton_hyper.fits(h) and block_out.dtype == post.dtype == comb.dtype == h.dtype:
-        return triton_hyper.hyper_mix(h, block_out, post, comb)
+        if triton_hyper.fits(h) and block_out.dtype == post.dtype == comb.dtype == h.dtype:
+            return triton_hyper.hyper_mix(h, block_out, post, comb)
     dtype = h.dtype
     return post.to(dtype).unsqueeze(-1) * block_out.unsqueeze(-2) + torch.matmul(comb.to(dtype).transpose(-1, -2), h)
 
