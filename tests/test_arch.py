@@ -64,6 +64,19 @@ EXPECTED_DIFFERENCES = {
 #: Tensors computed as -exp(A_log): quantkit rounds exp correctly (float64, once), the converter uses PyTorch's
 #: float32 exp; they may differ by one unit in the last place.
 NEG_EXP_TENSORS = re.compile(r"blk\.\d+\.ssm_a$")
+
+
+def same_payload(name: str, ref: np.ndarray, ours: np.ndarray) -> bool:
+    """The converter's tensor ``name`` and quantkit's: the same bytes, or for :data:`NEG_EXP_TENSORS` (float32)
+    within one unit in the last place (PyTorch's float32 exp is one unit off for about 1% of inputs, measured)."""
+    if np.array_equal(ref.view(np.uint8), ours.view(np.uint8)):
+        return True
+    if not NEG_EXP_TENSORS.search(name) or ref.dtype != np.float32 or ours.dtype != np.float32 or ref.size != ours.size:
+        return False
+    ulps = np.abs(ref.view(np.int32).astype(np.int64) - ours.view(np.int32).astype(np.int64))
+    return int(ulps.max()) <= 1
+
+
 CONVERTER_RUNNER = """
 import sys
 sys.path.insert(0, {src!r} + "/gguf-py")
@@ -449,10 +462,7 @@ def compare_with_converter(arch: str, model_dir: Path, gguf_path: Path) -> list[
             if ref.dtype != ours.dtype:
                 problems.append(f"tensor {name}: dtype {ours.dtype}, converter {ref.dtype}")
                 continue
-            same = np.array_equal(ref.view(np.uint8), ours.view(np.uint8))
-            if not same and NEG_EXP_TENSORS.search(name):
-                ulps = np.abs(ref.view(np.int32).astype(np.int64) - ours.view(np.int32).astype(np.int64))
-                same = int(ulps.max()) <= 1
+            same = same_payload(name, ref, ours)
         if not same:
             problems.append(f"tensor {name}: data differs ({kind.name})")
 

@@ -30,7 +30,9 @@ from quantkit.imatrix import Entry, make_imatrix, save_imatrix
 from quantkit.testing.tiny_models import ARCHS as TINY_ARCHS
 from quantkit.testing.tiny_models import TinyCheckpointCache, build_tiny_model
 from quantkit.testing.recipe_texts import F32_RECIPE, Q2_FALLBACK_RECIPE as Q2_RECIPE
-from test_arch import EXPECTED_DIFFERENCES, PRE_TOKENIZER, reference_value, run_converter, same_value
+import llama_cpu
+from test_arch import (EXPECTED_DIFFERENCES, PRE_TOKENIZER, reference_value, run_converter, same_payload,
+                       same_value)
 
 pytestmark = [pytest.mark.interop, pytest.mark.slow]
 ARCHS = tuple(TINY_ARCHS)
@@ -171,7 +173,9 @@ GGML_ABORT = re.compile(r"\.(c|cpp|h):\d+: ")   # ggml's "file.cpp:135: message"
 
 def llama_logits(path: Path, tokens: list[int], repack: bool = True) -> np.ndarray:
     """llama.cpp's float32 logits of every position (F32 KV cache, no flash attention, 2 threads); ``repack=False``
-    is llama.cpp's ``--no-repack`` (no interleaved copies of the weights for its CPU matrix kernels)."""
+    is llama.cpp's ``--no-repack`` (no interleaved copies of the weights for its CPU matrix kernels), also on CPUs
+    with AMX (tests/llama_cpu.py)."""
+    repack = llama_cpu.repack(repack)
     out = path.with_suffix(".logits.npy" if repack else ".no-repack.logits.npy")
     result = subprocess.run([sys.executable, "-c", LLAMA_RUNNER, str(path), str(out), ",".join(map(str, tokens)),
                              "repack" if repack else "no-repack"], capture_output=True, text=True, timeout=600)
@@ -218,7 +222,7 @@ def tensor_differences(ours: gguf.GGUFReader, theirs: gguf.GGUFReader) -> list[s
         if a.tensor_type != b.tensor_type or list(a.shape) != list(b.shape):
             problems.append(f"tensor {name}: {a.tensor_type.name}{list(a.shape)}, converter "
                             f"{b.tensor_type.name}{list(b.shape)}")
-        elif np.asarray(a.data).tobytes() != np.asarray(b.data).tobytes():
+        elif not same_payload(name, np.asarray(b.data), np.asarray(a.data)):
             problems.append(f"tensor {name}: bytes differ ({a.tensor_type.name})")
     return problems
 

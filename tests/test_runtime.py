@@ -38,6 +38,7 @@ from quantkit.scoring.logprobs import device_log_normalizers, log_normalizers
 from quantkit.runtime.packed import PackedTensor
 from quantkit.testing.tiny_models import ARCHS, build_tiny_model
 from gguf.constants import GGUFValueType
+import llama_cpu
 
 ARCH_NAMES = sorted(ARCHS)
 #: The tiny BPEs hash to no pre-tokenizer llama.cpp knows; name one (as tests/test_arch.py does).
@@ -292,9 +293,10 @@ def test_bad_requests_are_refused(ggufs):
 
 def llama_cpp_logits(path: Path, ids: list[int]) -> np.ndarray:
     llama_cpp = pytest.importorskip("llama_cpp")
-    llm = llama_cpp.Llama(model_path=str(path), n_ctx=max(256, len(ids)), n_batch=512, n_ubatch=512,
-                          logits_all=True, type_k=llama_cpp.GGML_TYPE_F32, type_v=llama_cpp.GGML_TYPE_F32,
-                          n_gpu_layers=0, n_threads=2, verbose=False)
+    with llama_cpu.placement(llama_cpp):
+        llm = llama_cpp.Llama(model_path=str(path), n_ctx=max(256, len(ids)), n_batch=512, n_ubatch=512,
+                              logits_all=True, type_k=llama_cpp.GGML_TYPE_F32, type_v=llama_cpp.GGML_TYPE_F32,
+                              n_gpu_layers=0, n_threads=2, verbose=False)
     try:
         llm.eval(ids)
         return np.array(llm.scores[:len(ids)], dtype=np.float32)

@@ -204,6 +204,47 @@ def test_rms_norm_kernel_equals_transformers_arithmetic(shape):
     assert float((got - want).abs().max()) <= 2.0 ** -20 * float(want.abs().max())
 
 
+@pytest.mark.parametrize("dim,group,shape", [(8192, 2048, (1, 300, 8192)), (128, None, (1, 300, 16, 128)),
+                                             (96, 32, (7, 96))])
+def test_offset_rms_norm_kernel_equals_qwen38_norm(dim, group, shape):
+    """The one-launch RMSNorm with ``1 + weight``, over groups of the last axis where asked, against Qwen3.8's
+    ``Qwen4ExpTextRMSNorm`` itself: within a few float32 ulps (the sum of squares is added in another order)."""
+    from transformers.models.qwen4_exp.modeling_qwen4_exp import Qwen4ExpTextRMSNorm
+
+    from quantkit.kernels.triton_rmsnorm import rms_norm
+
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    norm = Qwen4ExpTextRMSNorm(dim, group_size=group, eps=1e-6).cuda()
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(dim, generator=gen, device="cuda"))
+        x = 3 * torch.randn(*shape, generator=gen, device="cuda")
+        want = norm(x)
+    got = rms_norm(x, norm.weight.detach(), 1e-6, group=group, plus_one=True)
+    assert float((got - want).abs().max()) <= 2.0 ** -20 * float(want.abs().max())
+
+
+def test_cuda_qwen38_norms_run_in_one_launch(ggufs, monkeypatch):
+    """Every ``Qwen4ExpTextRMSNorm`` of a float32 CUDA Qwen3.8 pass (the heads' and the indexer's, whose query
+    heads are slices of a wider projection, and the norms over the hyper-connection streams) runs as the
+    one-launch kernel with ``1 + weight``."""
+    from quantkit.kernels import triton_rmsnorm
+    from quantkit.runtime import load_model, logits
+    from test_runtime import token_ids
+
+    offset_calls = []
+    original = triton_rmsnorm.rms_norm
+    monkeypatch.setattr(triton_rmsnorm, "rms_norm",
+                        lambda *a, **k: offset_calls.append(k.get("plus_one", False)) or original(*a, **k))
+    model = load_model(ggufs("qwen4_exp", "mixed"), device="cuda")
+    model.graphs = False
+    norms = []
+    for m in model.module.modules():
+        if type(m).__name__ == "Qwen4ExpTextRMSNorm":
+            m.register_forward_hook(lambda *a: norms.append(1))
+    logits(model, token_ids("qwen4_exp", 64))
+    assert norms and sum(offset_calls) == len(norms)
+
+
 def test_f32_weights_multiply_in_place_by_cublas_into_their_columns(monkeypatch):
     """An F32 weight times float32 activations is cuBLAS's float32 product of the payload viewed in place (no
     fused launch), written into its columns of a wider output and nowhere else; bfloat16 activations keep the

@@ -24,6 +24,17 @@ WARPS, STAGES = 8, 3
 
 
 @triton.jit
+def online_softmax_step(acc, m_i, l_i, s, values, PRECISION: tl.constexpr):
+    """Flash attention's running softmax: fold a tile of scores ``s [rows, keys]`` and its ``values [keys,
+    channels]`` into the unnormalized output ``acc``, the rows' running maximum ``m_i`` and sum ``l_i``."""
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp(m_i - m_new)
+    p = tl.exp(s - m_new[:, None])
+    acc = acc * alpha[:, None] + tl.dot(p, values, input_precision=PRECISION)
+    return acc, m_new, l_i * alpha + tl.sum(p, 1)
+
+
+@triton.jit
 def _step(acc, m_i, l_i, qt, k_rows, v_rows, rows, start, n, scaling, sk_n, sv_n, d, CAUSAL: tl.constexpr,
           BN: tl.constexpr, PRECISION: tl.constexpr):
     cols = start + tl.arange(0, BN)
@@ -32,12 +43,8 @@ def _step(acc, m_i, l_i, qt, k_rows, v_rows, rows, start, n, scaling, sk_n, sv_n
     s = tl.dot(qt, tl.trans(kt), input_precision=PRECISION) * scaling
     if CAUSAL:
         s = tl.where(cols[None, :] <= rows[:, None], s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    alpha = tl.exp(m_i - m_new)
-    p = tl.exp(s - m_new[:, None])
     vt = tl.load(v_rows + cols[:, None].to(tl.int64) * sv_n + d[None, :], mask=cols_ok[:, None], other=0.0)
-    acc = acc * alpha[:, None] + tl.dot(p, vt, input_precision=PRECISION)
-    return acc, m_new, l_i * alpha + tl.sum(p, 1)
+    return online_softmax_step(acc, m_i, l_i, s, vt, PRECISION)
 
 
 @triton.jit

@@ -19,6 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .triton_causal_attention import online_softmax_step
 from .triton_matmul import FLOAT32_PRECISION
 
 #: Queries per program, keys per step, head channels per product step, output channels per program, warps and
@@ -43,14 +44,8 @@ def _scores_step(acc, m_i, l_i, q_rows, kv, mask_rows, rows_ok, start, end, scal
             qt = tl.load(q_rows + d[None, :], mask=rows_ok[:, None], other=0.0)
             kt = tl.load(kv + cols[:, None] * skv_n + d[None, :], mask=cols_ok[:, None], other=0.0)
             s = tl.dot(qt, tl.trans(kt), s, input_precision=PRECISION)
-        s = s * scaling + bias
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp(m_i - m_new)
-        p = tl.exp(s - m_new[:, None])
         v = tl.load(kv + cols[:, None] * skv_n + out_cols[None, :], mask=cols_ok[:, None], other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=PRECISION)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        m_i = m_new
+        acc, m_i, l_i = online_softmax_step(acc, m_i, l_i, s * scaling + bias, v, PRECISION)
     return acc, m_i, l_i
 
 

@@ -319,24 +319,42 @@ def _load(weights, device: torch.device, dtype: torch.dtype, stream: bool, keep_
                         graphs=device.type == "cuda" and not stream and dtype in FUSED_DTYPES)
 
 
+#: transformers RMSNorm classes computing ``x / sqrt(mean(x²) + eps) * (1 + weight)``, over groups of
+#: ``group_size`` values of the last axis where set (Qwen3.8 Flash Next's, also over its hyper-connection streams).
+OFFSET_RMS_NORMS = ("Qwen4ExpTextRMSNorm",)
+
+
 def _fuse_rms_norms(model) -> None:
-    """Run the plain RMSNorms (:data:`.ggml_arithmetic.PLAIN_RMS_NORMS`) of a float32 CUDA model as one Triton
-    launch each (:func:`quantkit.kernels.triton_rmsnorm.rms_norm`) where the activations are contiguous float32;
-    transformers' six kernels otherwise."""
+    """Run the plain RMSNorms (:data:`.ggml_arithmetic.PLAIN_RMS_NORMS`) and the ``1 + weight`` ones
+    (:data:`OFFSET_RMS_NORMS`) of a float32 CUDA model as one Triton launch each
+    (:func:`quantkit.kernels.triton_rmsnorm.rms_norm`) where the activations are float32 (a slice, such as
+    the query heads of a wider projection, copied contiguous first: one copy instead of transformers' six passes);
+    transformers' kernels otherwise."""
     from ..kernels.triton_rmsnorm import rms_norm
     from .ggml_arithmetic import PLAIN_RMS_NORMS
 
-    def fused(module, theirs, hidden_states):
+    def fits(module, hidden_states) -> bool:
         w = module.weight
-        if (hidden_states.is_cuda and hidden_states.dtype == torch.float32 and hidden_states.is_contiguous()
+        return (hidden_states.is_cuda and hidden_states.dtype == torch.float32
                 and type(w) is torch.nn.Parameter and w.dtype == torch.float32 and w.is_contiguous()
-                and tuple(w.shape) == tuple(hidden_states.shape[-1:])):
-            return rms_norm(hidden_states, w, module.variance_epsilon)
+                and tuple(w.shape) == tuple(hidden_states.shape[-1:]))
+
+    def plain(module, theirs, hidden_states):
+        if fits(module, hidden_states):
+            return rms_norm(hidden_states.contiguous(), module.weight, module.variance_epsilon)
+        return theirs(hidden_states)
+
+    def offset(module, theirs, hidden_states):
+        if fits(module, hidden_states):
+            return rms_norm(hidden_states.contiguous(), module.weight, module.eps, group=module.group_size,
+                            plus_one=True)
         return theirs(hidden_states)
 
     for m in model.modules():
         if type(m).__name__ in PLAIN_RMS_NORMS:
-            replace_method(m, "forward", fused)
+            replace_method(m, "forward", plain)
+        elif type(m).__name__ in OFFSET_RMS_NORMS:
+            replace_method(m, "forward", offset)
 
 
 def _mtp_tensors(weights, amap: ArchMap) -> set[str]:
