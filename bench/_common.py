@@ -7,8 +7,14 @@ import platform
 import resource
 import statistics
 import subprocess
+import sys
 import time
 from pathlib import Path
+
+
+#: The ``quantkit`` command as installed (``quantkit.cli:run``: exits without torch's teardown once its work is
+#: done).  ``-c`` puts the working directory first on the path: run from a checkout, that checkout's code.
+QUANTKIT = [sys.executable, "-c", "from quantkit.cli import run; run()"]
 
 
 def machine() -> str:
@@ -45,13 +51,14 @@ def interleaved_medians(fns: dict, repeats: int = 5, warmup: int = 1) -> dict:
     return {k: statistics.median(v) for k, v in times.items()}
 
 
-def run_timed(command: list[str], env: dict | None = None) -> tuple[subprocess.CompletedProcess, dict]:
-    """Run ``command``; its wall time, its CPU time (user + system, all threads: what it costs regardless of the
-    machine's other load) and the load average before it."""
+def run_timed(command: list[str], env: dict | None = None,
+              cwd: Path | None = None) -> tuple[subprocess.CompletedProcess, dict]:
+    """Run ``command`` (in ``cwd``); its wall time, its CPU time (user + system, all threads: what it costs
+    regardless of the machine's other load) and the load average before it."""
     load = os.getloadavg()[0]
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     start = time.perf_counter()
-    proc = subprocess.run(command, capture_output=True, text=True, env=env)
+    proc = subprocess.run(command, capture_output=True, text=True, env=env, cwd=cwd)
     wall = time.perf_counter() - start
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     cpu = after.ru_utime - before.ru_utime + after.ru_stime - before.ru_stime

@@ -32,7 +32,7 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 
-from _common import emit
+from _common import QUANTKIT, emit
 
 from quantkit.io.safetensors import write_safetensors
 from quantkit.testing.tiny_models import get_arch
@@ -178,7 +178,7 @@ def layers_for(gib: float, workdir: str, need_per_layer: float, extra: int) -> i
 
 
 def run_convert(ckpt: Path, out: Path, report: Path, recipe: str, jobs: int) -> dict:
-    command = ["/usr/bin/time", "-v", sys.executable, "-c", "from quantkit.cli import main; main()", "convert",
+    command = ["/usr/bin/time", "-v", *QUANTKIT, "convert",
                str(ckpt), "-o", str(out), "--recipe", recipe, "--pre-tokenizer", "qwen2", "-j", str(jobs),
                "--no-progress", "--report", str(report), "--force"]
     start = time.perf_counter()

@@ -34,7 +34,7 @@ for every weight of the blocks, then measures, for each process count N of ``--j
 Fixed costs measured apart, once: ``python -c "import torch"`` plus the first CUDA allocation, and ``quantkit
 convert --dry-run`` (interpreter, imports, planning).  ``--compare TREE`` (repeatable): another checkout's
 convert right after each of this tree's, same source and jobs (its wall ratio to this tree's, measured side by
-side; its output must be equal).  ``--profile PATH``: one more ``-j 1`` convert under a stack sampler of every
+side; its output must be equal), each command run inside its tree and checked to import that tree's quantkit.  ``--profile PATH``: one more ``-j 1`` convert under a stack sampler of every
 thread (bench/_sampler.py), its report written to PATH.  ``--make-source DIR`` writes the checkpoint
 and imatrix into DIR and exits; ``--source DIR`` measures one written so (generation can overlap other work).
 
@@ -50,6 +50,7 @@ import json
 import multiprocessing
 import os
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -59,7 +60,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import emit, run_timed  # noqa: E402
+from _common import QUANTKIT, emit, run_timed  # noqa: E402
 from convert import GIB, layers_for, synthetic_checkpoint  # noqa: E402
 
 from quantkit.testing.recipe_texts import Q2_FALLBACK_RECIPE  # noqa: E402
@@ -212,20 +213,36 @@ def time_encode(prepared, imatrix: Path, device: str) -> dict:
 
 # -- (c) convert --------------------------------------------------------------------------------------------------
 
+CHECKOUT = Path(__file__).resolve().parent.parent
+
+
+def tree_command(tree: Path | None, *args: str) -> tuple[list[str], dict]:
+    """The ``quantkit`` command of ``tree`` (a directory holding ``quantkit/``; default this checkout) and the
+    directory to run it in: ``python -c`` puts its working directory first on the path, ahead of PYTHONPATH, so
+    only a run inside the tree imports the tree's code."""
+    return [*QUANTKIT, *args], {"cwd": (tree or CHECKOUT).resolve()}
+
+
+def check_tree(tree: Path | None) -> None:
+    """Stop unless ``tree``'s command imports ``tree``'s quantkit (an A/B of one tree against itself proves
+    nothing)."""
+    command, where = tree_command(tree)
+    command[-1] = "import quantkit; print(quantkit.__file__)"
+    found = subprocess.run(command, capture_output=True, text=True, **where).stdout.strip()
+    if not Path(found).resolve().is_relative_to(where["cwd"]):
+        raise SystemExit(f"{where['cwd']}: its command imports quantkit from {found or 'nowhere'}")
+
+
 def run_convert(ckpt: Path, out: Path, recipe: Path, imatrix: Path, jobs: int, device: str,
                 tree: Path | None = None) -> dict:
-    """(c): the whole command, from this checkout or from ``tree`` (another checkout's quantkit first on the
-    path)."""
+    """(c): the whole command, from this checkout or from ``tree`` (another checkout)."""
+    ckpt, out, recipe, imatrix = (p.resolve() for p in (ckpt, out, recipe, imatrix))
     report = out.with_suffix(".json")
-    env = None
-    if tree is not None:
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(tree.resolve()),
-                                                                         os.environ.get("PYTHONPATH")]))}
-    command = [sys.executable, "-c", "from quantkit.cli import main; main()", "convert", str(ckpt), "-o", str(out),
-               "--recipe", str(recipe), "--imatrix", str(imatrix), "--allow-synthetic-imatrix", "--pre-tokenizer",
-               PRE_TOKENIZER, "-j", str(jobs), "--device", device, "--no-progress", "--report", str(report),
-               "--force"]
-    proc, timing = run_timed(command, env)
+    command, where = tree_command(tree, "convert", str(ckpt), "-o", str(out), "--recipe", str(recipe),
+                                  "--imatrix", str(imatrix), "--allow-synthetic-imatrix", "--pre-tokenizer",
+                                  PRE_TOKENIZER, "-j", str(jobs), "--device", device, "--no-progress", "--report",
+                                  str(report), "--force")
+    proc, timing = run_timed(command, **where)
     if proc.returncode != 0:
         raise SystemExit(f"convert failed ({proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
     rep = json.loads(report.read_text())
@@ -265,7 +282,7 @@ def fixed_costs(ckpt: Path, recipe: Path, imatrix: Path, device: str) -> dict:
     t0 = time.perf_counter()
     hashlib.sha256(block).hexdigest()
     sha_rate = len(block) / (time.perf_counter() - t0)
-    dry, dry_t = run_timed([sys.executable, "-c", "from quantkit.cli import main; main()", "convert", str(ckpt), "-o",
+    dry, dry_t = run_timed([*QUANTKIT, "convert", str(ckpt), "-o",
                             str(ckpt.parent / "dry.gguf"), "--recipe", str(recipe), "--imatrix", str(imatrix),
                             "--allow-synthetic-imatrix", "--pre-tokenizer", PRE_TOKENIZER, "--dry-run"])
     if torch_proc.returncode or dry.returncode:
@@ -316,6 +333,8 @@ def main() -> None:
         return
     counts = [int(j) for j in args.jobs.split(",")]
     recipes = args.recipe.split(",")
+    for tree in [None, *args.compare]:
+        check_tree(tree)
 
     root = Path(tempfile.mkdtemp(prefix="quantkit-bench-convert-gpu-", dir=args.workdir))
     records = []

@@ -22,7 +22,8 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def run_demo(tree: Path, cache_dir: str, extra: list[str]) -> tuple[float, float]:
     env = dict(os.environ, NUMBA_CACHE_DIR=cache_dir, PYTHONPATH=str(tree))
-    proc, measured = run_timed([sys.executable, "-m", "quantkit.cli", "demo", *extra], env)
+    # run inside the tree: ``-m`` puts the working directory first on the path, ahead of PYTHONPATH
+    proc, measured = run_timed([sys.executable, "-m", "quantkit.cli", "demo", *extra], env, cwd=tree)
     if proc.returncode != 0:
         raise SystemExit(f"quantkit demo failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
     return measured["wall_s"], measured["cpu_s"]

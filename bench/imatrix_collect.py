@@ -211,8 +211,10 @@ def run_quantkit(model: Path, text: Path, out: Path, ctx: int, batch: int, chunk
     env = {**os.environ, "NUMBA_CACHE_DIR": str(numba_cache)}
     if checkout is not None:
         env["PYTHONPATH"] = checkout
-    proc, measured = run_timed([sys.executable, "-c", SPEED_DRIVER, str(model), str(text), str(out), str(ctx),
-                                str(batch), str(chunks), str(threads)], env)
+    # run inside the checkout: ``-c`` puts the working directory first on the path, ahead of PYTHONPATH
+    proc, measured = run_timed([sys.executable, "-c", SPEED_DRIVER, str(Path(model).resolve()),
+                                str(Path(text).resolve()), str(Path(out).resolve()), str(ctx), str(batch),
+                                str(chunks), str(threads)], env, cwd=checkout)
     if proc.returncode != 0:
         raise SystemExit(f"quantkit failed:\n{proc.stderr[-3000:]}")
     return {**measured, **json.loads(proc.stdout.strip().splitlines()[-1])}

@@ -24,7 +24,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from _common import emit
+from _common import QUANTKIT, emit
 from convert import GIB, layers_for, synthetic_checkpoint
 
 RUNS = {"process pool": ["--executor", "process"],
@@ -41,7 +41,7 @@ def sha256(path: Path) -> str:
 
 
 def run(ckpt: Path, out: Path, report: Path, recipe: str, jobs: int, extra: list[str]) -> float:
-    command = [sys.executable, "-c", "from quantkit.cli import main; main()", "convert", str(ckpt), "-o", str(out),
+    command = [*QUANTKIT, "convert", str(ckpt), "-o", str(out),
                "--recipe", recipe, "--pre-tokenizer", "qwen2", "-j", str(jobs), "--no-progress", "--report",
                str(report), "--force", *extra]
     start = time.perf_counter()

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from _common import emit, evict
+from _common import QUANTKIT, emit, evict
 
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, EXPERT_WIDTH, VOCAB = 2048, 16, 4, 128, 512, 512
 SEED = 20261130
@@ -125,7 +125,7 @@ def main() -> None:
     print(f"# {opts.dir}: {free / GIB:.1f} GiB free, need about {need / GIB:.1f} GiB", file=sys.stderr)
     if opts.reuse is None and free < need + 4 * GIB:
         raise SystemExit(f"not enough free space in {opts.dir}")
-    quantkit = [sys.executable, "-c", "from quantkit.cli import main; main()"]
+    quantkit = [*QUANTKIT]
     root = opts.reuse or Path(tempfile.mkdtemp(prefix="quantkit-bench-validate-", dir=opts.dir))
     src, art = root / "source", root / "synthetic-q8_0.gguf"
     try:
