@@ -77,9 +77,13 @@ def test_q8_0_round_trip_shape():
     assert y.shape == x.shape and np.abs(y - x).max() < np.abs(x).max() / 100
 
 
+@pytest.mark.parametrize("serial", [True, False], ids=["numpy", "parallel-kernel"])
 @pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf, np.float32(np.nan) * -1])
-def test_nonfinite_row_check_finds_the_first_bad_row(bad):
+def test_nonfinite_row_check_finds_the_first_bad_row(bad, serial, monkeypatch):
+    from quantkit.kernels import checks
     from quantkit.kernels.checks import first_nonfinite_row
+
+    monkeypatch.setattr(checks, "SERIAL_CHECK_VALUES", 1 << 30 if serial else 0)
 
     x = np.full((300, 96), np.finfo(np.float32).max, np.float32)   # largest finite values are not flagged
     x[:, 1::2] *= -1

@@ -15,6 +15,8 @@ from quantkit.convert import gpu_stream  # noqa: E402
 from quantkit.convert.execute import ConvertRequest, prepare  # noqa: E402
 from quantkit.convert.tensors import SourceContext, pieces, tensor_bytes  # noqa: E402
 from quantkit.errors import EncodeError  # noqa: E402
+from quantkit.formats.registry import GGMLType  # noqa: E402
+from quantkit.formats.warm import encoder_kinds  # noqa: E402
 from quantkit.io.safetensors import SafetensorsFile, write_safetensors  # noqa: E402
 from quantkit.kernels import gpu_encode  # noqa: E402
 from quantkit.testing.recipe_texts import PRE_TOKENIZER as PRE  # noqa: E402
@@ -206,7 +208,8 @@ def test_convert_through_the_stream_writes_the_cpu_file(tiny, tmp_path, monkeypa
     stream, encode = gpu_stream.encode_stream, gpu_encode.encode
     monkeypatch.setattr(gpu_encode, "encode", lambda *a, device, **kw: encode(*a, device="cpu", **kw))
     monkeypatch.setattr(gpu_encode, "check_device", lambda device: None)
-    monkeypatch.setattr(gpu_encode, "warm_device", lambda device: None)
+    warmed = []
+    monkeypatch.setattr(gpu_encode, "warm_device", lambda device, kinds: warmed.append((device, kinds)))
     monkeypatch.setattr(gpu_stream, "encode_stream", lambda ctx, job, units, device, **kw: stream(ctx, job, units,
                                                                                                  "cpu", **kw))
     files, steps, walls = {}, {}, {}
@@ -218,6 +221,7 @@ def test_convert_through_the_stream_writes_the_cpu_file(tiny, tmp_path, monkeypa
         steps[device], walls[device] = report["stream_seconds"], report["stream_wall_seconds"]
         files[device] = request.out.read_bytes()
     assert files["cuda"] == files["cpu"]
+    assert warmed == [("cuda", encoder_kinds(prepared.jobs.values()))]   # every kind of encoder this plan runs
     # the report says where the stream's time went (this run's steps only; no download to wait for on the CPU),
     # summed over threads and as wall time (every step timed in threads; "setup" is the converting thread's own)
     assert steps["cpu"] == {} and walls["cpu"] == {}
@@ -324,3 +328,22 @@ def test_next_tensor_encodes_while_earlier_ones_finish_writing(tmp_path, monkeyp
     monkeypatch.setattr(pool, "pwrite_all", failing)
     with pytest.raises(OSError, match="disk gone"):
         list(pool.WorkerPool(1).run(setup, list(payloads)))
+
+
+@pytest.mark.parametrize("built", [True, False])
+def test_warm_up_encodes_each_kind_and_never_builds_the_extension(monkeypatch, built):
+    """The warm-up runs one small encode of each kind with a GPU encoder (with its importance or none) and leaves
+    the kinds of ``kq_search.cu`` to the stream where no build of it is on disk (a build must not be cut short by
+    the process's exit)."""
+    calls = []
+    monkeypatch.setattr(gpu_encode, "FUSED_SEARCH_ON", {"cpu"})
+    monkeypatch.setattr(gpu_encode, "_extension_built", lambda device_type: built)
+    monkeypatch.setattr(gpu_encode, "encode_rows", lambda x, qtype, imatrix=None: calls.append(
+        (qtype, imatrix is not None, tuple(x.shape))))
+    kinds = [(int(GGMLType.Q8_0), False), (int(GGMLType.Q2_K), True), (int(GGMLType.IQ2_XXS), True),
+             (int(GGMLType.Q6_K), True), (int(GGMLType.F32), False)]          # Q6_K, F32: no GPU encoder
+    gpu_encode.warm_device("cpu", kinds)
+    searched = [(GGMLType.Q2_K, True), (GGMLType.IQ2_XXS, True)] if built else []
+    assert [(q, im) for q, im, _ in calls] == [(GGMLType.Q8_0, False), *searched]
+    assert all(shape[1] % 256 == 0 for _, _, shape in calls)
+

@@ -370,9 +370,10 @@ def execute(prepared: Prepared, request: ConvertRequest) -> ConvertResult:
         stats = file_stats(prepared.files)
         # the source hashes and the workers' start overlap torch's import here, the header and the tensors
         hashing = Hashing(prepared.files, stats, jobs=_helper_threads(prepared, request))
+        warming = None
         try:
             with _pool(prepared, request) as pool:
-                _check_device(prepared, request)
+                warming = _check_device(prepared, request)
                 clock.lap("device")
                 return _execute(prepared, request, out, clock, pool, stats, hashing)
         except OSError as exc:
@@ -381,23 +382,31 @@ def execute(prepared: Prepared, request: ConvertRequest) -> ConvertResult:
             raise
         finally:
             hashing.cancel()
+            if warming is not None:   # it may be loading torch's extension build: never exit in the middle
+                warming.join()
 
 
-def _check_device(prepared: Prepared, request: ConvertRequest) -> None:
-    """``--device`` other than cpu: torch imports and sees that device (else a one-line error); with one job the
-    context starts in a thread while the header is written."""
+def _check_device(prepared: Prepared, request: ConvertRequest) -> threading.Thread | None:
+    """``--device`` other than cpu: torch imports and sees that device (else a one-line error); with one job a
+    thread (returned) starts the context and loads the encoders' kernels while the first tensors are read."""
     if request.device == "cpu":
-        return
+        return None
     try:
         from ..kernels.gpu_encode import check_device
     except ImportError as exc:
         raise UnsupportedError(f"--device {request.device} needs torch (pip install 'quantkit[runtime]'): "
                                f"{exc}") from None
     check_device(request.device)
-    if prepared.workers == 1:
-        from ..kernels.gpu_encode import warm_device
+    if prepared.workers != 1 or request.executor != "process":   # else the encoding happens in other processes
+        return None
+    from ..formats.warm import encoder_kinds
+    from ..kernels.gpu_encode import warm_device
 
-        threading.Thread(target=_quietly, args=(warm_device, request.device), daemon=True).start()
+    warming = threading.Thread(target=_quietly, args=(warm_device, request.device,
+                                                      encoder_kinds(prepared.jobs.values())),
+                               daemon=True, name="quantkit-gpu-warm")
+    warming.start()
+    return warming
 
 
 def _quietly(fn, *args) -> None:

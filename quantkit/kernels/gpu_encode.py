@@ -37,6 +37,7 @@ the host copies overlapped); :func:`encode_tensor` encodes a tensor already on i
 from __future__ import annotations
 
 import functools
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -310,32 +311,66 @@ _SEARCH_FUNCTIONS = ["qkx_search_lanes", "qp_quants_lanes", "iq2_xxs_encode", "k
 
 
 _EXTENSIONS: dict[str, object] = {}
+_EXTENSIONS_LOCK = threading.Lock()      # a conversion's warm-up thread and its stream may both ask first
+_EXTENSION_NAMES = {"cuda": "quantkit_kq_search_cuda", "cpu": "quantkit_kq_search_cpu"}
+#: The types whose encoders run ``kq_search.cu`` where it is built (the others are eager torch).
+SEARCH_TYPES = frozenset({GGMLType.Q2_K, GGMLType.Q4_K, GGMLType.IQ2_XXS})
+#: Rows of a warm-up encode, and their length (a multiple of every GPU type's block).
+_WARM_ROWS, _WARM_N = 64, 2048
 
 
-def warm_device(device: str) -> None:
-    """Start ``device``'s context (a conversion does it while it plans).  The fused kernels still load at first
-    use: a build interrupted by the process's exit would leave torch's extension lock behind."""
-    torch.empty(1, device=torch.device(device))
+def warm_device(device: str, kinds=()) -> None:
+    """What the first encodes of ``kinds`` (``(type, with importance)``, as
+    :func:`quantkit.formats.warm.encoder_kinds` lists them) would wait for, done ahead (a conversion does it in a
+    thread while it starts): ``device``'s context, the build of ``kq_search.cu`` where one is on disk, and each
+    kind's kernels, which CUDA loads at their first launch (one small encode of each kind; its bytes unused).
+    Never a build: one cut short by the process's exit would leave torch's extension lock behind, so the first
+    encode that needs an extension not built yet builds it, as without a warm-up."""
+    dev = torch.device(device)
+    torch.empty(1, device=dev)
+    would_build = dev.type in FUSED_SEARCH_ON and not _extension_built(dev.type)
+    x = torch.linspace(-1.0, 1.0, _WARM_ROWS * _WARM_N, device=dev).reshape(_WARM_ROWS, _WARM_N)
+    for qtype, with_importance in kinds:
+        fmt = get_format(qtype)
+        if fmt.qtype in ENCODERS and not (fmt.qtype in SEARCH_TYPES and would_build):
+            encode_rows(x, fmt.qtype, torch.ones(_WARM_N, device=dev) if with_importance else None)
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def _extension_built(device_type: str) -> bool:
+    """Whether :func:`search_extension` is loaded or would load a build on disk (torch's cache of it)."""
+    if _EXTENSIONS.get(device_type) is not None:
+        return True
+    try:
+        from torch.utils.cpp_extension import _get_build_directory
+
+        name = _EXTENSION_NAMES[device_type]
+        return (Path(_get_build_directory(name, verbose=False)) / f"{name}.so").is_file()
+    except Exception:  # noqa: BLE001  (a private helper of torch's: any failure means "do not rely on it")
+        return False
 
 
 def search_extension(device_type: str):
     """The compiled ``kq_search.cu`` for ``device_type`` ("cuda": nvcc; "cpu": the C++ compiler, for checks), or
     None when it cannot be built here (no CUDA toolkit or compiler): the eager search gives the same bytes."""
-    if device_type not in _EXTENSIONS:
-        from torch.utils.cpp_extension import load_inline
+    with _EXTENSIONS_LOCK:
+        if device_type not in _EXTENSIONS:
+            from torch.utils.cpp_extension import load_inline
 
-        source = Path(__file__).with_name("kq_search.cu").read_text()
-        try:
-            if device_type == "cuda":
-                ext = load_inline("quantkit_kq_search_cuda", cpp_sources=[_SEARCH_DECL], cuda_sources=[source],
-                                  functions=_SEARCH_FUNCTIONS, extra_cuda_cflags=["-O3", "-fmad=false"])
-            else:
-                ext = load_inline("quantkit_kq_search_cpu", cpp_sources=[source], functions=_SEARCH_FUNCTIONS,
-                                  extra_cflags=["-O2", "-ffp-contract=off", "-fno-fast-math"])
-        except Exception:  # noqa: BLE001  (a missing toolkit shows up as OSError, RuntimeError, CalledProcessError…)
-            ext = None
-        _EXTENSIONS[device_type] = ext
-    return _EXTENSIONS[device_type]
+            source = Path(__file__).with_name("kq_search.cu").read_text()
+            name = _EXTENSION_NAMES[device_type]
+            try:
+                if device_type == "cuda":
+                    ext = load_inline(name, cpp_sources=[_SEARCH_DECL], cuda_sources=[source],
+                                      functions=_SEARCH_FUNCTIONS, extra_cuda_cflags=["-O3", "-fmad=false"])
+                else:
+                    ext = load_inline(name, cpp_sources=[source], functions=_SEARCH_FUNCTIONS,
+                                      extra_cflags=["-O2", "-ffp-contract=off", "-fno-fast-math"])
+            except Exception:  # noqa: BLE001  (a missing toolkit: OSError, RuntimeError, CalledProcessError…)
+                ext = None
+            _EXTENSIONS[device_type] = ext
+        return _EXTENSIONS[device_type]
 
 
 def qkx_search(xt: torch.Tensor, wt: torch.Tensor, nmax: int, rmin: float, rdelta: float, nstep: int,
