@@ -229,8 +229,9 @@ def check_tree(tree: Path | None) -> None:
     command, where = tree_command(tree)
     command[-1] = "import quantkit; print(quantkit.__file__)"
     found = subprocess.run(command, capture_output=True, text=True, **where).stdout.strip()
-    if not Path(found).resolve().is_relative_to(where["cwd"]):
-        raise SystemExit(f"{where['cwd']}: its command imports quantkit from {found or 'nowhere'}")
+    wanted = (tree or CHECKOUT).resolve()
+    if not Path(found).resolve().is_relative_to(wanted):
+        raise SystemExit(f"{wanted}: its command imports quantkit from {found or 'nowhere'}")
 
 
 def run_convert(ckpt: Path, out: Path, recipe: Path, imatrix: Path, jobs: int, device: str,
