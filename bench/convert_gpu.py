@@ -34,9 +34,10 @@ for every weight of the blocks, then measures, for each process count N of ``--j
 Fixed costs measured apart, once: ``python -c "import torch"`` plus the first CUDA allocation, and ``quantkit
 convert --dry-run`` (interpreter, imports, planning).  ``--compare TREE`` (repeatable): another checkout's
 convert right after each of this tree's, same source and jobs (its wall ratio to this tree's, measured side by
-side; its output must be equal), each command run inside its tree and checked to import that tree's quantkit.  ``--profile PATH``: one more ``-j 1`` convert under a stack sampler of every
-thread (bench/_sampler.py), its report written to PATH.  ``--make-source DIR`` writes the checkpoint
-and imatrix into DIR and exits; ``--source DIR`` measures one written so (generation can overlap other work).
+side; its output must be equal), each command run inside its tree and checked to import that tree's quantkit.
+``--profile PATH``: one more ``-j 1`` convert under a stack sampler of every thread (bench/_sampler.py), its
+report written to PATH.  ``--make-source DIR`` writes the checkpoint and imatrix into DIR and exits; ``--source
+DIR`` measures one written so (generation can overlap other work).
 
 The ratio is (c) / max(a, b) at the same N.  Every GPU output is compared with the others (same SHA-256), and a
 ``--check-layers``-layer checkpoint of the same generator is converted on the CPU and on the GPU: the files must
