@@ -217,19 +217,17 @@ def time_encode(prepared, imatrix: Path, device: str) -> dict:
 CHECKOUT = Path(__file__).resolve().parent.parent
 
 
-def tree_command(tree: Path | None, *args: str) -> tuple[list[str], dict]:
-    """The ``quantkit`` command of ``tree`` (a directory holding ``quantkit/``; default this checkout) and the
-    directory to run it in: ``python -c`` puts its working directory first on the path, ahead of PYTHONPATH, so
-    only a run inside the tree imports the tree's code."""
-    return [*QUANTKIT, *args], {"cwd": (tree or CHECKOUT).resolve()}
+def tree_dir(tree: Path | None) -> Path:
+    """Where ``tree``'s commands run (a directory holding ``quantkit/``; default this checkout): ``python -c`` puts
+    its working directory first on the path, ahead of PYTHONPATH, so only a run inside the tree imports its code."""
+    return (tree or CHECKOUT).resolve()
 
 
 def check_tree(tree: Path | None) -> None:
-    """Stop unless ``tree``'s command imports ``tree``'s quantkit (an A/B of one tree against itself proves
+    """Stop unless a command run in ``tree`` imports ``tree``'s quantkit (an A/B of one tree against itself proves
     nothing)."""
-    command, where = tree_command(tree)
-    command[-1] = "import quantkit; print(quantkit.__file__)"
-    found = subprocess.run(command, capture_output=True, text=True, **where).stdout.strip()
+    found = subprocess.run([sys.executable, "-c", "import quantkit; print(quantkit.__file__)"], capture_output=True,
+                           text=True, cwd=tree_dir(tree)).stdout.strip()
     wanted = (tree or CHECKOUT).resolve()
     if not Path(found).resolve().is_relative_to(wanted):
         raise SystemExit(f"{wanted}: its command imports quantkit from {found or 'nowhere'}")
@@ -240,11 +238,10 @@ def run_convert(ckpt: Path, out: Path, recipe: Path, imatrix: Path, jobs: int, d
     """(c): the whole command, from this checkout or from ``tree`` (another checkout)."""
     ckpt, out, recipe, imatrix = (p.resolve() for p in (ckpt, out, recipe, imatrix))
     report = out.with_suffix(".json")
-    command, where = tree_command(tree, "convert", str(ckpt), "-o", str(out), "--recipe", str(recipe),
-                                  "--imatrix", str(imatrix), "--allow-synthetic-imatrix", "--pre-tokenizer",
-                                  PRE_TOKENIZER, "-j", str(jobs), "--device", device, "--no-progress", "--report",
-                                  str(report), "--force")
-    proc, timing = run_timed(command, **where)
+    command = [*QUANTKIT, "convert", str(ckpt), "-o", str(out), "--recipe", str(recipe), "--imatrix", str(imatrix),
+               "--allow-synthetic-imatrix", "--pre-tokenizer", PRE_TOKENIZER, "-j", str(jobs), "--device", device,
+               "--no-progress", "--report", str(report), "--force"]
+    proc, timing = run_timed(command, cwd=tree_dir(tree))
     if proc.returncode != 0:
         raise SystemExit(f"convert failed ({proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
     rep = json.loads(report.read_text())

@@ -125,7 +125,6 @@ def main() -> None:
     print(f"# {opts.dir}: {free / GIB:.1f} GiB free, need about {need / GIB:.1f} GiB", file=sys.stderr)
     if opts.reuse is None and free < need + 4 * GIB:
         raise SystemExit(f"not enough free space in {opts.dir}")
-    quantkit = [*QUANTKIT]
     root = opts.reuse or Path(tempfile.mkdtemp(prefix="quantkit-bench-validate-", dir=opts.dir))
     src, art = root / "source", root / "synthetic-q8_0.gguf"
     try:
@@ -138,7 +137,7 @@ def main() -> None:
             t0 = time.perf_counter()
             write_checkpoint(root, opts.layers, opts.experts, tiny)
             print(f"# generated {src} in {time.perf_counter() - t0:.0f} s", file=sys.stderr)
-            conv = run_measured(quantkit + ["convert", str(src), "-o", str(art), "--recipe", "q8_0", "-j",
+            conv = run_measured(QUANTKIT + ["convert", str(src), "-o", str(art), "--recipe", "q8_0", "-j",
                                             str(opts.jobs), "--pre-tokenizer", "qwen2", "--no-progress"],
                                 sorted(src.iterdir()), root / "convert.log")
             if conv["rc"] != 0:
@@ -151,7 +150,7 @@ def main() -> None:
         rows = []
         for mode in ("sample", "full"):
             report_path = root / f"report-{mode}.json"
-            r = run_measured(quantkit + ["validate", str(art), "--source", str(src), "--payload", mode, "--report",
+            r = run_measured(QUANTKIT + ["validate", str(art), "--source", str(src), "--payload", mode, "--report",
                                          str(report_path)], [art, *sorted(src.iterdir())], root / f"{mode}.log")
             report = json.loads(report_path.read_text())
             io = report["io"]
