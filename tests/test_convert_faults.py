@@ -13,6 +13,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -417,6 +418,34 @@ def test_payloads_are_read_back_before_the_rename(qwen, recipe, tmp_path, monkey
     line = one_line_error(run(*args_for(qwen, out, recipe)))
     assert "does not match its journal hash" in line
     assert not out.exists() and "q.gguf.partial" in leftovers(out)
+
+
+def test_read_back_flushes_beside_the_hash_one_at_a_time(qwen, recipe, reference, tmp_path, monkeypatch):
+    """The whole-file hash hands its periodic flushes to another thread: one flush at a time, a slow disk never
+    holding the hash back, and the file is the same."""
+    from quantkit.convert import readback
+
+    flushes, running, hashing = [], [], threading.get_ident()
+
+    def slow_flush(fd):
+        assert threading.get_ident() != hashing and not running
+        running.append(fd)
+        time.sleep(0.02)
+        flushes.append(fd)
+        running.pop()
+    real_run = readback.ReadBack._run
+
+    def run_noting_thread(self, final_header):
+        nonlocal hashing
+        hashing = threading.get_ident()
+        real_run(self, final_header)
+    monkeypatch.setattr(readback, "SYNC_BYTES", 1)
+    monkeypatch.setattr(readback, "_datasync", slow_flush)
+    monkeypatch.setattr(readback.ReadBack, "_run", run_noting_thread)
+    out = tmp_path / "q.gguf"
+    result = run(*args_for(qwen, out, recipe))
+    assert result.exit_code == 0, result.output
+    assert flushes and out.read_bytes() == reference.read_bytes()
 
 
 def test_partial_renamed_away_under_the_workers(qwen, recipe, tmp_path, monkeypatch):

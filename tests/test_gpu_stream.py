@@ -347,3 +347,36 @@ def test_warm_up_encodes_each_kind_and_never_builds_the_extension(monkeypatch, b
     assert [(q, im) for q, im, _ in calls] == [(GGMLType.Q8_0, False), *searched]
     assert all(shape[1] % 256 == 0 for _, _, shape in calls)
 
+
+
+def test_pieces_in_flight_are_bounded_in_bytes(monkeypatch):
+    """A GPU stream's producer waits while the pieces not yet written hold IN_FLIGHT_BYTES (over all tensors); a
+    piece larger than the bound goes alone, and every piece still lands in order."""
+    import threading
+    from types import SimpleNamespace
+
+    from quantkit.convert import pool
+
+    pieces_out = [np.full(1000, i, np.uint8) for i in range(6)]
+    monkeypatch.setattr(pool, "tensor_bytes", lambda ctx, job: (p for p in pieces_out))
+    ctx = SimpleNamespace(device="cuda", release=lambda: None)
+    job = SimpleNamespace(name="t", nbytes=6000)
+    for limit, most in ((2500, 2000), (500, 1000)):
+        monkeypatch.setattr(pool, "IN_FLIGHT_BYTES", limit)
+        first_write, held_then, written = threading.Event(), [], []
+
+        def put(piece, at):
+            if not at:
+                assert first_write.wait(10)
+            written.append(piece.tobytes())
+        producing = threading.Thread(target=pool.produce_tensor, args=(ctx, job, put))
+        producing.start()
+        for _ in range(200):    # the producer stops once the held bytes reach the bound
+            held_then.append(pool._IN_FLIGHT._held)
+            threading.Event().wait(0.005)
+        first_write.set()
+        producing.join(10)
+        assert not producing.is_alive()
+        assert max(held_then) == most and held_then[-1] == most
+        assert b"".join(written) == b"".join(p.tobytes() for p in pieces_out)
+        assert pool._IN_FLIGHT._held == 0

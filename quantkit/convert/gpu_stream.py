@@ -14,8 +14,8 @@ fast that the host work around it bounds the conversion, so here the host never 
   importance per row, the tensor's importance uploaded once) and the download of its bytes and flags;
 * it yields a :class:`PendingBytes` per batch at once: the thread that writes the bytes waits for them and
   raises the error of a non-finite or aborting row there, in its place.  So the next batch, and the next
-  tensor, are read and queued while the GPU still encodes this one (pool.start_tensor's write-behind bounds how
-  far ahead).
+  tensor, are read and queued while the GPU still encodes this one (pool.IN_FLIGHT_BYTES bounds how far
+  ahead).
 
 Pieces whose values need host work first (a transform, an FP8 source, importance computed from the values)
 have no ``stored`` rows and go through :meth:`Piece.produce` as on the CPU path, in their place in the file order.
@@ -23,8 +23,9 @@ The bytes and errors are those of :func:`quantkit.kernels.gpu_encode.encode` on 
 within the piece), so those of the CPU encoders.
 
 Memory: host, :data:`STAGING_BUFFERS` pinned buffers of :data:`BATCH_BYTES` and the pinned downloads not yet
-written; device, per batch in flight its bits as stored, as float32, and the encoder's scratch (bytes per weight
-in :mod:`quantkit.kernels.gpu_encode`).
+written; device, the bits as stored of the batches queued (these and the downloads: at most
+``pool.IN_FLIGHT_BYTES``) and, reused batch after batch in the compute stream's order, one batch as float32 and
+the encoder's scratch (bytes per weight in :mod:`quantkit.kernels.gpu_encode`).
 """
 from __future__ import annotations
 
@@ -225,8 +226,9 @@ class PendingBytes:
     """A batch's encoded bytes on their way to the host.  :meth:`result` waits for them and raises the error of
     the batch's first failing row in its place: a non-finite weight, or a row ggml aborts on."""
 
-    def __init__(self, out, flags, done, spans: list[tuple[str, int, int]], qtype):
+    def __init__(self, out, flags, done, spans: list[tuple[str, int, int]], qtype, source_nbytes: int = 0):
         self.nbytes = out.numel()
+        self.held_bytes = source_nbytes + self.nbytes   # its stored bits on the device, its pinned download
         self._out, self._flags, self._done, self._spans, self._qtype = out, flags, done, spans, qtype
 
     def result(self) -> np.ndarray:
@@ -256,6 +258,11 @@ class PendingBytes:
             row = int(np.flatnonzero(mine)[0])
             return abort_error(self._qtype, first_row + row, int(mine[row]), name)
         raise AssertionError("flags set outside the batch's spans")
+
+
+def held_bytes(piece) -> int:
+    """The memory a piece of :func:`encode_stream` holds until it is written."""
+    return piece.held_bytes if isinstance(piece, PendingBytes) else piece.nbytes
 
 
 def payload(piece) -> np.ndarray:
@@ -332,14 +339,14 @@ def encode_stream(ctx, job, pieces, device: str, *, batch_bytes: int = BATCH_BYT
             flags = torch.where(finite, reasons, flags)
         spans = [(_unit_name(job, pieces[s.index].matrix), s.first_row, len(s.rows)) for s in batch.spans]
         if not cuda:
-            return PendingBytes(out, flags, None, spans, fmt.qtype)
+            return PendingBytes(out, flags, None, spans, fmt.qtype, batch.nbytes)
         host_out = torch.empty(out.shape, dtype=torch.uint8, pin_memory=True)
         host_flags = torch.empty(flags.shape, dtype=torch.int32, pin_memory=True)
         host_out.copy_(out, non_blocking=True)
         host_flags.copy_(flags, non_blocking=True)
         done = torch.cuda.Event()
         done.record(compute)
-        return PendingBytes(host_out, host_flags, done, spans, fmt.qtype)
+        return PendingBytes(host_out, host_flags, done, spans, fmt.qtype, batch.nbytes)
 
     add_step("setup", time.perf_counter() - setup_start)
     try:

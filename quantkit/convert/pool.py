@@ -45,7 +45,7 @@ from ..io.atomic import is_out_of_space
 from ..io.gguf_writer import pwrite_all
 from ..resources import available_cpus, available_memory
 from ..formats.warm import encoder_kinds
-from .gpu_stream import payload, timed
+from .gpu_stream import held_bytes, payload, timed
 from .tensors import ROW_CHUNK_BYTES, SourceContext, TensorJob, tensor_bytes
 
 if TYPE_CHECKING:
@@ -57,11 +57,15 @@ WORKER_EXIT_TIMEOUT = 10.0
 PR_SET_PDEATHSIG = 1
 #: Resident memory of a worker before its first tensor (Python, numpy, numba, quantkit): measured ~150 MB.
 WORKER_BASE_BYTES = 160 << 20
-#: Batches of a GPU stream queued behind the one being written (see _WriteBehind): how far the host queues work
-#: ahead of the GPU, so that the next tensor's first batches are read and queued before the GPU runs dry.
-WRITE_BEHIND = 4
-#: Tensors of a GPU stream still being written and hashed while the next one encodes (see WorkerPool._run_here).
-TENSORS_BEHIND = 2
+#: Bytes a GPU stream's pieces hold from their queuing until they are written, over all its tensors (see
+#: :class:`_InFlight`): how far the host queues work ahead of the GPU.  Far enough that the next tensors' first
+#: batches are read and queued before the GPU runs dry (measured at 8.76 GB: unbounded, the host ran up to ~760 MB
+#: ahead), and the bound on the device and pinned memory that work holds.
+IN_FLIGHT_BYTES = 1 << 30
+#: Tensors of a GPU stream still being written and hashed (a thread each) while the next ones encode (see
+#: WorkerPool._run_here): a layer's dozen tensors, most of them small, so that a large one's last batches never
+#: hold back the queuing of the next layer's.
+TENSORS_BEHIND = 16
 #: A worker holds a unit as float32 plus its importance, encoder scratch and encoded bytes: about 3x the unit.
 UNIT_MEMORY_FACTOR = 3
 
@@ -176,14 +180,36 @@ def start_tensor(context: SourceContext, job: TensorJob, put: Callable[["np.ndar
     return PendingTensor(job, start, written, digest, behind)
 
 
+class _InFlight:
+    """The bytes held by a process's pieces between their queuing and their write, at most :data:`IN_FLIGHT_BYTES`
+    (a piece larger than that alone)."""
+
+    def __init__(self):
+        self._held = 0
+        self._changed = threading.Condition()
+
+    def hold(self, nbytes: int) -> None:
+        with self._changed:
+            self._changed.wait_for(lambda: not self._held or self._held + nbytes <= IN_FLIGHT_BYTES)
+            self._held += nbytes
+
+    def free(self, nbytes: int) -> None:
+        with self._changed:
+            self._held -= nbytes
+            self._changed.notify_all()
+
+
+_IN_FLIGHT = _InFlight()
+
+
 class _WriteBehind:
     """Wait for a GPU stream's pieces (:func:`quantkit.convert.gpu_stream.payload`), ``put`` and hash them in a
     thread, in order, while the next batches are queued (on the CPU the encoders are the bound and the workers use
-    every core).  At most :data:`WRITE_BEHIND` pieces wait; the first failure is raised by the next :meth:`submit`
-    or by :meth:`close`."""
+    every core).  :meth:`submit` waits while the pieces of all tensors not yet written hold :data:`IN_FLIGHT_BYTES`;
+    the first failure is raised by the next :meth:`submit` or by :meth:`close`."""
 
     def __init__(self, put: Callable[["np.ndarray", int], None], digest):
-        self._queue: queue.Queue = queue.Queue(maxsize=WRITE_BEHIND)
+        self._queue: queue.Queue = queue.Queue()
         self._error: BaseException | None = None
         self.last_write: float | None = None
         self._thread = threading.Thread(target=self._run, args=(put, digest), daemon=True, name="quantkit-write")
@@ -191,23 +217,28 @@ class _WriteBehind:
 
     def _run(self, put, digest) -> None:
         while (item := self._queue.get()) is not None:
-            if self._error is None:
-                try:
-                    piece = payload(item[0])   # a GPU batch: waits for its download here, not in the producer
+            piece, at, held = item
+            try:
+                if self._error is None:
+                    piece = payload(piece)   # a GPU batch: waits for its download here, not in the producer
                     with timed("write"):
-                        put(piece, item[1])
+                        put(piece, at)
                     with timed("hash"):
                         digest.update(piece)
-                except BaseException as exc:  # noqa: BLE001 - raised in the producing thread
-                    self._error = exc
+            except BaseException as exc:  # noqa: BLE001 - raised in the producing thread
+                self._error = exc
+            finally:
+                _IN_FLIGHT.free(held)
             self.last_write = time.perf_counter()
             self._queue.task_done()
 
     def submit(self, piece, at: int) -> None:
         if self._error is not None:
             raise self._error
+        held = held_bytes(piece)
         with timed("wait_write_queue"):
-            self._queue.put((piece, at))
+            _IN_FLIGHT.hold(held)
+        self._queue.put((piece, at, held))
 
     def finished(self) -> bool:
         """Every piece submitted so far is written (or a write failed)."""

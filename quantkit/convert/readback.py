@@ -9,9 +9,10 @@ milliseconds, those passes cost more than half the encoding time again.  Here:
 * each payload is re-read and hashed as soon as it is reported written, in ``threads`` threads (any order);
 * one thread reads the file in order behind the tensors: the final header (once the source hashes are known:
   ``final_header()`` blocks until they are), then every byte up to the end of the last tensor done in file
-  order, flushing what it has read to the disk every :data:`SYNC_BYTES` so that the final fsync finds little
-  left.  Tensors produced in file order keep it right behind them; produced largest first, most of it waits for
-  the end, as the separate pass did.
+  order, asking another thread to flush what it has read to the disk every :data:`SYNC_BYTES` (one flush at a
+  time; the hash never waits for the disk) so that the final fsync finds little left.  Tensors produced in file
+  order keep it right behind them; produced largest first, most of it waits for the end, as the separate pass
+  did.
 
 What is read is what the file holds (``pread`` of the partial), never the bytes in memory that were written.
 """
@@ -58,6 +59,7 @@ class ReadBack:
             os.close(self._fd)
             raise partial_gone(partial)
         self._pool = ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="quantkit-verify")
+        self._syncer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="quantkit-sync")
         self._thread = threading.Thread(target=self._run, args=(final_header,), daemon=True,
                                         name="quantkit-file-hash")
         self._thread.start()
@@ -86,6 +88,7 @@ class ReadBack:
             header = final_header()
             digest = hashlib.sha256(header)
             at = synced = len(header)
+            flushing = None
             for t in self._order:
                 with self._cond:
                     while t.name not in self._done and not self._stopped:
@@ -93,10 +96,14 @@ class ReadBack:
                     if self._stopped:
                         return
                 at = self._hash(digest, at, self._layout.data_offset + t.offset + t.nbytes)
-                if at - synced >= SYNC_BYTES:
-                    _datasync(self._fd)
+                if at - synced >= SYNC_BYTES and (flushing is None or flushing.done()):
+                    if flushing is not None:
+                        flushing.result()
+                    flushing = self._syncer.submit(_datasync, self._fd)
                     synced = at
             self._hash(digest, at, self._layout.file_size)
+            if flushing is not None:
+                flushing.result()
             self._sha256 = digest.hexdigest()
         except BaseException as exc:  # noqa: BLE001 - raised by result(), in the converting thread
             self._error = exc
@@ -125,6 +132,7 @@ class ReadBack:
             self._cond.notify()
         self._pool.shutdown(wait=True, cancel_futures=True)
         self._thread.join()
+        self._syncer.shutdown(wait=True)   # a flush under way still uses the descriptor
         fd, self._fd = self._fd, None
         if fd is not None:
             os.close(fd)
