@@ -30,11 +30,15 @@ def machine() -> str:
 
 
 def commit() -> str:
+    """HEAD's short hash, "-dirty" when tracked files differ from it (the figures are then not HEAD's)."""
+    here = Path(__file__).parent
     try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              cwd=Path(__file__).parent, check=True).stdout.strip()
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=here,
+                              check=True).stdout.strip()
+        dirty = subprocess.run(["git", "diff", "--quiet", "HEAD", "--"], capture_output=True, cwd=here).returncode
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
+    return f"{head}-dirty" if dirty else head
 
 
 def interleaved_medians(fns: dict, repeats: int = 5, warmup: int = 1) -> dict:
