@@ -51,9 +51,9 @@ FILL_SLICE_BYTES = 8 << 20
 _TORCH_DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}
 
 #: Seconds this process's streams spent per step, summed over threads (``convert --report``'s ``stream_seconds``
-#: at ``-j 1``): where the converting thread works ("setup" a tensor, "queue" a batch) or waits ("wait_reader",
-#: "wait_write_queue"), the reader fills ("fill"), the write threads wait for the GPU ("wait_gpu"), write and
-#: hash.  The converting thread's work ("setup" + "queue") near the tensors phase means the host is the bound.
+#: at ``-j 1``): where the converting thread works ("setup" a tensor, "queue" a batch) or waits ("wait_reader";
+#: "wait_write_queue": the pieces not yet written hold ``pool.IN_FLIGHT_BYTES``), the reader fills ("fill"), the
+#: write threads wait for the GPU ("wait_gpu"), write and hash.  The converting thread's work ("setup" + "queue") near the tensors phase means the host is the bound.
 #: Parts of "setup" (counted in it too): "setup_pieces" (the pieces and their stored views), "setup_imatrix"
 #: (their importance, checked, and its upload), "setup_reader" (staging buffers, the reader's start, the copy
 #: stream).  After a tensor (quantkit.convert.pool): "release" (its source maps) and "wait_tensor_writes" (the
