@@ -53,7 +53,8 @@ _TORCH_DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}
 #: Seconds this process's streams spent per step, summed over threads (``convert --report``'s ``stream_seconds``
 #: at ``-j 1``): where the converting thread works ("setup" a tensor, "queue" a batch) or waits ("wait_reader";
 #: "wait_write_queue": the pieces not yet written hold ``pool.IN_FLIGHT_BYTES``), the reader fills ("fill"), the
-#: write threads wait for the GPU ("wait_gpu"), write and hash.  The converting thread's work ("setup" + "queue") near the tensors phase means the host is the bound.
+#: write threads wait for the GPU ("wait_gpu"), write and hash.  The converting thread's work ("setup" + "queue")
+#: near the tensors phase means the host is the bound.
 #: Parts of "setup" (counted in it too): "setup_pieces" (the pieces and their stored views), "setup_imatrix"
 #: (their importance, checked, and its upload), "setup_reader" (staging buffers, the reader's start, the copy
 #: stream).  After a tensor (quantkit.convert.pool): "release" (its source maps) and "wait_tensor_writes" (the
@@ -226,7 +227,7 @@ class PendingBytes:
     """A batch's encoded bytes on their way to the host.  :meth:`result` waits for them and raises the error of
     the batch's first failing row in its place: a non-finite weight, or a row ggml aborts on."""
 
-    def __init__(self, out, flags, done, spans: list[tuple[str, int, int]], qtype, source_nbytes: int = 0):
+    def __init__(self, out, flags, done, spans: list[tuple[str, int, int]], qtype, source_nbytes: int):
         self.nbytes = out.numel()
         self.held_bytes = source_nbytes + self.nbytes   # its stored bits on the device, its pinned download
         self._out, self._flags, self._done, self._spans, self._qtype = out, flags, done, spans, qtype
