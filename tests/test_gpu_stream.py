@@ -3,15 +3,17 @@ where there is one): the payload of every tensor equals the CPU path's, split in
 errors."""
 from __future__ import annotations
 
+import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
 
-from quantkit.convert import gpu_stream  # noqa: E402
+from quantkit.convert import gpu_stream, pool  # noqa: E402
 from quantkit.convert.execute import ConvertRequest, prepare  # noqa: E402
 from quantkit.convert.tensors import SourceContext, pieces, tensor_bytes  # noqa: E402
 from quantkit.errors import EncodeError  # noqa: E402
@@ -142,8 +144,6 @@ def test_non_finite_row_and_read_errors_come_back_in_place(tiny, tmp_path):
 def test_batch_errors_name_the_first_failing_piece_and_row_as_the_cpu_path(case):
     """The stream never waits for a batch: its rows' flags come back with its bytes, and the error raised is the
     CPU path's, piece by piece (IQ2_XXS rows whose weighted distances overflow: ggml aborts on them)."""
-    from types import SimpleNamespace
-
     from quantkit import encode
     from quantkit.convert.tensors import Piece
     from quantkit.testing import corpus
@@ -194,7 +194,7 @@ def test_read_error_is_raised_in_place_and_the_reader_stops(tiny, tmp_path, monk
     with pytest.raises(OSError, match="read failed"):
         next(stream)
     assert len(calls) == 2
-    assert not any(t.name == "quantkit-gpu-reader" for t in __import__("threading").enumerate())
+    assert not any(t.name == "quantkit-gpu-reader" for t in threading.enumerate())
 
 
 def test_convert_through_the_stream_writes_the_cpu_file(tiny, tmp_path, monkeypatch):
@@ -237,8 +237,6 @@ def test_convert_through_the_stream_writes_the_cpu_file(tiny, tmp_path, monkeypa
 def test_step_wall_time_counts_overlapping_threads_once():
     """Two threads inside one step at the same time: their seconds add up, the step's wall time counts the overlap
     once (what several threads writing into one file cost the run)."""
-    import threading
-
     both_inside = threading.Barrier(2)
     before_sum, before_wall = gpu_stream.STEP_SECONDS["test-step"], gpu_stream.STEP_WALL_SECONDS["test-step"]
 
@@ -260,9 +258,6 @@ def test_step_wall_time_counts_overlapping_threads_once():
 def test_write_behind_keeps_the_order_and_raises_the_first_write_failure(monkeypatch):
     """On a GPU, pieces are written and hashed in a thread: in order, and a failed write stops the tensor."""
     import hashlib
-    from types import SimpleNamespace
-
-    from quantkit.convert import pool
 
     pieces_out = [np.full(1000 + i, i, np.uint8) for i in range(6)]
     monkeypatch.setattr(pool, "tensor_bytes", lambda ctx, job: (p for p in pieces_out))
@@ -285,10 +280,6 @@ def test_next_tensor_encodes_while_earlier_ones_finish_writing(tmp_path, monkeyp
     """``-j 1`` on a GPU: a tensor's last writes overlap the next tensor's encode; every payload still lands at its
     offset with its hash, in the order given, and a write failing behind stops the run with that failure."""
     import hashlib
-    import threading
-    from types import SimpleNamespace
-
-    from quantkit.convert import pool
 
     sizes = [3000, 1, 5000, 700, 4096]
     payloads = {f"t{i}": np.random.default_rng(i).integers(0, 255, n, dtype=np.uint8) for i, n in enumerate(sizes)}
@@ -348,15 +339,9 @@ def test_warm_up_encodes_each_kind_and_never_builds_the_extension(monkeypatch, b
     assert all(shape[1] % 256 == 0 for _, _, shape in calls)
 
 
-
 def test_pieces_in_flight_are_bounded_in_bytes(monkeypatch):
     """A GPU stream's producer waits while the pieces not yet written hold IN_FLIGHT_BYTES (over all tensors); a
     piece larger than the bound goes alone, and every piece still lands in order."""
-    import threading
-    from types import SimpleNamespace
-
-    from quantkit.convert import pool
-
     pieces_out = [np.full(1000, i, np.uint8) for i in range(6)]
     monkeypatch.setattr(pool, "tensor_bytes", lambda ctx, job: (p for p in pieces_out))
     ctx = SimpleNamespace(device="cuda", release=lambda: None)
@@ -373,7 +358,7 @@ def test_pieces_in_flight_are_bounded_in_bytes(monkeypatch):
         producing.start()
         for _ in range(200):    # the producer stops once the held bytes reach the bound
             held_then.append(pool._IN_FLIGHT._held)
-            threading.Event().wait(0.005)
+            time.sleep(0.005)
         first_write.set()
         producing.join(10)
         assert not producing.is_alive()
