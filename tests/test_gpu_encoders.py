@@ -226,64 +226,87 @@ def test_convert_on_cuda_runs_one_job_unless_told(tmp_path, monkeypatch):
     assert seen == [("cuda", 1), ("cuda", 3), ("cpu", available_cpus())]
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+#: Builds of kq_search.cu's CUDA kernels: nvcc's on a GPU, and on the CPU the same CUDA code on emulated thread
+#: blocks (quantkit.testing.cuda_emulation), so CI runs the kernels' thread and warp code too.
+CUDA_BUILDS = [pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")),
+               "emulated"]
+
+
+def _cuda_build(build: str):
+    """(the extension, the device of its tensors) for a :data:`CUDA_BUILDS` entry."""
+    if build == "cuda":
+        ext = gpu_encode.search_extension("cuda")
+        assert ext is not None, "kq_search.cu did not build with this CUDA toolkit"
+        return ext, "cuda"
+    if gpu_encode.search_extension("cpu") is None:
+        pytest.skip("no C++ compiler for torch extensions")
+    from quantkit.testing.cuda_emulation import emulated_extension
+
+    return emulated_extension(), "cpu"
+
+
+def _same_floats(a, b) -> bool:
+    """Equal bits, any NaN as one (a NaN's payload differs between CUDA paths and never reaches the bytes)."""
+    return torch.equal(*(torch.where(torch.isnan(t), torch.full_like(t, float("nan")), t).view(torch.int32)
+                         for t in (a, b)))
+
+
+@pytest.mark.parametrize("build", CUDA_BUILDS)
 @pytest.mark.parametrize("n, nmax, use_mad", [(16, 3, True), (16, 3, False), (32, 15, False)])
-def test_fused_cuda_search_equals_eager_search(n, nmax, use_mad):
-    """kq_search.cu (what the CUDA encoders use) against the eager torch search on the same CUDA lanes."""
-    assert gpu_encode.search_extension("cuda") is not None, "kq_search.cu did not build with this CUDA toolkit"
+def test_fused_search_equals_eager_search(build, n, nmax, use_mad):
+    """kq_search.cu's qkx_kernel (make_qkx2/qkx3_quants, a thread per lane) against the eager torch search."""
+    ext, device = _cuda_build(build)
     rng = np.random.default_rng(n + nmax)
     x = corpus.family("mixed_blocks", 64, 4096, 3).reshape(-1, n).T.copy()
     x[:, :1000] = (rng.standard_normal((n, 1000)) * 0.02).astype(np.float32)
-    xt = torch.from_numpy(x).cuda()
-    wt = xt.abs() if use_mad else torch.from_numpy(rng.gamma(0.7, 1.0, x.shape).astype(np.float32)).cuda()
-    fused = gpu_encode.qkx_search(xt, wt, nmax, -0.9, 0.05, 36, use_mad)
+    xt = torch.from_numpy(x).to(device)
+    wt = xt.abs() if use_mad else torch.from_numpy(rng.gamma(0.7, 1.0, x.shape).astype(np.float32)).to(device)
+    fused = ext.qkx_search_lanes(xt, wt, nmax, float(np.float32(-0.9)), float(np.float32(0.05)), 36, use_mad)
     eager = gpu_encode.make_qkx_quants(xt, wt, nmax, -0.9, 0.05, 36, use_mad)
-    for what, a, b in zip(("quants", "scale", "min"), fused, eager):
-        a = a.to(b.dtype)
-        if b.is_floating_point():     # a NaN's payload differs between CUDA paths and never reaches the bytes
-            a, b = (torch.where(torch.isnan(t), torch.full_like(t, float("nan")), t).view(torch.int32)
-                    for t in (a, b))
-        bad = (a != b).nonzero()
-        assert bad.numel() == 0, (f"{what}: {bad.shape[0]} lanes differ, first {bad[0].tolist()}: fused "
-                                  f"{a[tuple(bad[0])].item()} eager {b[tuple(bad[0])].item()}")
+    assert torch.equal(fused[0], eager[0].to(torch.int32))
+    for what, a, b in zip(("scale", "min"), fused[1:], eager[1:]):
+        assert _same_floats(a, b), f"{what}: {int((a != b).sum())} lanes differ"
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+@pytest.mark.parametrize("build", CUDA_BUILDS)
 @pytest.mark.parametrize("n, nmax", [(8, 63), (16, 15)])
-def test_fused_cuda_qp_quants_equals_eager(n, nmax):
-    """kq_search.cu's make_qp_quants (the imatrix paths' sub-block scale quantization) against the eager one."""
-    assert gpu_encode.search_extension("cuda") is not None, "kq_search.cu did not build with this CUDA toolkit"
+def test_fused_qp_quants_equals_eager(build, n, nmax):
+    """kq_search.cu's qp_kernel (make_qp_quants, the imatrix paths' sub-block scale quantization) against the
+    eager one."""
+    ext, device = _cuda_build(build)
     rng = np.random.default_rng(n)
     x = np.abs(corpus.family("mixed_blocks", 64, 4096, 1)).reshape(n, -1)
     x[:, :500] = rng.gamma(0.5, 1.0, (n, 500))
     x[:, 500:520] = 0.0
     w = rng.gamma(0.7, 1.0, x.shape).astype(np.float32)
     w[:, 600:650] = 0.0
-    xt, wt = torch.from_numpy(np.ascontiguousarray(x, np.float32)).cuda(), torch.from_numpy(w).cuda()
-    fused = gpu_encode.qp_quants(xt, nmax, wt)
+    xt = torch.from_numpy(np.ascontiguousarray(x, np.float32)).to(device)
+    wt = torch.from_numpy(w).to(device)
+    fused = ext.qp_quants_lanes(xt, wt, nmax)
     eager = gpu_encode.make_qp_quants(xt, nmax, wt)
     assert torch.equal(fused[0], eager[0].to(torch.int32))
-    canon = [torch.where(torch.isnan(s), torch.full_like(s, float("nan")), s).view(torch.int32) for s in
-             (fused[1], eager[1])]
-    assert torch.equal(*canon)
+    assert _same_floats(fused[1], eager[1])
 
 
+@pytest.mark.parametrize("build", ["cpu", "emulated"])
 @pytest.mark.parametrize("qtype", [GGMLType.IQ2_XXS, GGMLType.Q4_K, GGMLType.Q2_K], **by_name)
-def test_fused_encoders_cpu_build_match_ggml(ggml, qtype, monkeypatch):
-    """kq_search.cu's whole-encode kernels (what CUDA runs for IQ2_XXS and the K-quant imatrix paths), built from
-    the same source for the CPU (-ffp-contract=off): ggml's bytes on the parity corpus, aborts included.  This is
-    CI's check of the kernels' arithmetic; the CUDA tests above run the CUDA build."""
+def test_fused_encoders_on_the_cpu_match_ggml(ggml, build, qtype, monkeypatch):
+    """kq_search.cu built for the CPU, two ways: its CPU branches (the per-lane functions in loops; "cpu") and its
+    CUDA kernels on emulated thread blocks ("emulated"): the whole-encode kernels (IQ2_XXS; Q2_K and Q4_K with
+    importance) and, without importance, the K-quant lane searches give ggml's bytes on the parity corpus, aborts
+    included.  This is CI's check of the kernels; the CUDA tests run nvcc's build."""
     if gpu_encode.search_extension("cpu") is None:
         pytest.skip("no C++ compiler for torch extensions")
     monkeypatch.setattr(gpu_encode, "FUSED_SEARCH_ON", {"cpu", "cuda"})
+    if build == "emulated":
+        monkeypatch.setitem(gpu_encode._EXTENSIONS, "cpu", _cuda_build(build)[0])
     reports = []
     for fam in corpus.FAMILIES:
         for n in (256, 1536):
             x = corpus.family(fam, 3, n, 0)
             for variant, im in _imatrix_cases(qtype, n).items():
-                if im is not None:
-                    report = _check(ggml, qtype, x, im, "cpu", f"{qtype.name} fused cpu {fam} {variant} n={n}")
-                    reports += [report] if report else []
+                report = _check(ggml, qtype, x, im, "cpu", f"{qtype.name} {build} {fam} {variant} n={n}")
+                reports += [report] if report else []
     assert not reports, "\n".join(reports[:3])
 
 

@@ -299,7 +299,8 @@ def make_qkx_quants(xt: torch.Tensor, wt: torch.Tensor, nmax: int, rmin: float, 
 #: Device types on which the K-quant searches run as the fused kernels of ``kq_search.cu`` (one thread per
 #: sub-block / super-block, compiled at first use with -fmad=false and round-to-nearest intrinsics; ~1 minute on
 #: a fresh machine, then torch's extension cache) instead of the eager :func:`make_qkx_quants` /
-#: :func:`make_qp_quants`; both give the same bytes (tests/test_gpu_encoders.py compares them on CUDA).
+#: :func:`make_qp_quants`; both give the same bytes (tests/test_gpu_encoders.py compares them on CUDA;
+#: tests/test_cuda_emulated.py runs the CUDA kernels on emulated thread blocks where there is no GPU).
 FUSED_SEARCH_ON = {"cuda"}
 _SEARCH_DECL = ("std::vector<torch::Tensor> qkx_search_lanes(torch::Tensor xt, torch::Tensor wt, int64_t nmax, "
                 "double rmin, double rdelta, int64_t nstep, bool use_mad);\n"
@@ -307,7 +308,7 @@ _SEARCH_DECL = ("std::vector<torch::Tensor> qkx_search_lanes(torch::Tensor xt, t
                 "std::vector<torch::Tensor> iq2_xxs_encode(torch::Tensor x, torch::Tensor qw, torch::Tensor kmap3, "
                 "torch::Tensor grid_codes, torch::Tensor nb_index);\n"
                 "torch::Tensor kquant_imatrix_encode(torch::Tensor x, torch::Tensor qw, int64_t sub);")
-_SEARCH_FUNCTIONS = ["qkx_search_lanes", "qp_quants_lanes", "iq2_xxs_encode", "kquant_imatrix_encode"]
+SEARCH_FUNCTIONS = ["qkx_search_lanes", "qp_quants_lanes", "iq2_xxs_encode", "kquant_imatrix_encode"]
 
 
 _EXTENSIONS: dict[str, object] = {}
@@ -363,9 +364,9 @@ def search_extension(device_type: str):
             try:
                 if device_type == "cuda":
                     ext = load_inline(name, cpp_sources=[_SEARCH_DECL], cuda_sources=[source],
-                                      functions=_SEARCH_FUNCTIONS, extra_cuda_cflags=["-O3", "-fmad=false"])
+                                      functions=SEARCH_FUNCTIONS, extra_cuda_cflags=["-O3", "-fmad=false"])
                 else:
-                    ext = load_inline(name, cpp_sources=[source], functions=_SEARCH_FUNCTIONS,
+                    ext = load_inline(name, cpp_sources=[source], functions=SEARCH_FUNCTIONS,
                                       extra_cflags=["-O2", "-ffp-contract=off", "-fno-fast-math"])
             except Exception:  # noqa: BLE001  (a missing toolkit: OSError, RuntimeError, CalledProcessError…)
                 ext = None
