@@ -288,6 +288,16 @@ def test_fused_qp_quants_equals_eager(build, n, nmax):
     assert _same_floats(fused[1], eager[1])
 
 
+def _fused_on_the_cpu(build: str, monkeypatch) -> None:
+    """Route the CPU's encoders through kq_search.cu built for the CPU: its CPU branches ("cpu") or its CUDA kernels
+    on emulated thread blocks ("emulated")."""
+    if gpu_encode.search_extension("cpu") is None:
+        pytest.skip("no C++ compiler for torch extensions")
+    monkeypatch.setattr(gpu_encode, "FUSED_SEARCH_ON", {"cpu", "cuda"})
+    if build == "emulated":
+        monkeypatch.setitem(gpu_encode._EXTENSIONS, "cpu", _cuda_build(build)[0])
+
+
 @pytest.mark.parametrize("build", ["cpu", "emulated"])
 @pytest.mark.parametrize("qtype", [GGMLType.IQ2_XXS, GGMLType.Q4_K, GGMLType.Q2_K], **by_name)
 def test_fused_encoders_on_the_cpu_match_ggml(ggml, build, qtype, monkeypatch):
@@ -295,11 +305,7 @@ def test_fused_encoders_on_the_cpu_match_ggml(ggml, build, qtype, monkeypatch):
     CUDA kernels on emulated thread blocks ("emulated"): the whole-encode kernels (IQ2_XXS; Q2_K and Q4_K with
     importance) and, without importance, the K-quant lane searches give ggml's bytes on the parity corpus, aborts
     included.  This is CI's check of the kernels; the CUDA tests run nvcc's build."""
-    if gpu_encode.search_extension("cpu") is None:
-        pytest.skip("no C++ compiler for torch extensions")
-    monkeypatch.setattr(gpu_encode, "FUSED_SEARCH_ON", {"cpu", "cuda"})
-    if build == "emulated":
-        monkeypatch.setitem(gpu_encode._EXTENSIONS, "cpu", _cuda_build(build)[0])
+    _fused_on_the_cpu(build, monkeypatch)
     reports = []
     for fam in corpus.FAMILIES:
         for n in (256, 1536):
@@ -310,12 +316,16 @@ def test_fused_encoders_on_the_cpu_match_ggml(ggml, build, qtype, monkeypatch):
     assert not reports, "\n".join(reports[:3])
 
 
-@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("device", [*DEVICES, "emulated"])
 @pytest.mark.parametrize("qtype", sorted(WITH_IMATRIX, key=lambda t: t.name), **by_name)
-def test_rows_with_their_own_importance_match_ggml_per_piece(ggml, qtype, device):
+def test_rows_with_their_own_importance_match_ggml_per_piece(ggml, qtype, device, monkeypatch):
     """One pass over several pieces, each row with its piece's importance (``imatrix[rows, n]``, as
-    ``convert --device cuda`` encodes a tensor's experts): ggml's bytes for each piece encoded alone with its own."""
-    n = 256 if device == "cpu" else 1536
+    ``convert --device cuda`` encodes a tensor's experts): ggml's bytes for each piece encoded alone with its own.
+    "emulated": the CUDA kernels on the CPU (:func:`_fused_on_the_cpu`)."""
+    n = 256 if device == "cpu" else 1536        # the eager IQ2_XXS search is slow on the CPU
+    if device == "emulated":
+        _fused_on_the_cpu(device, monkeypatch)
+        device = "cpu"
     pieces = [corpus.family(fam, 2, n, seed) for seed, fam in enumerate(corpus.FAMILIES[:4])]
     importances = [corpus.imatrix("random", n, seed) for seed in range(len(pieces))]
     importances[1] = corpus.imatrix("with_zeros", n, 1)
