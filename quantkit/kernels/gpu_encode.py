@@ -299,8 +299,8 @@ def make_qkx_quants(xt: torch.Tensor, wt: torch.Tensor, nmax: int, rmin: float, 
 #: Device types on which the K-quant searches run as the fused kernels of ``kq_search.cu`` (one thread per
 #: sub-block / super-block, compiled at first use with -fmad=false and round-to-nearest intrinsics; ~1 minute on
 #: a fresh machine, then torch's extension cache) instead of the eager :func:`make_qkx_quants` /
-#: :func:`make_qp_quants`; both give the same bytes (tests/test_gpu_encoders.py compares them on CUDA;
-#: tests/test_cuda_emulated.py runs the CUDA kernels on emulated thread blocks where there is no GPU).
+#: :func:`make_qp_quants`; both give the same bytes (tests/test_gpu_encoders.py compares them on CUDA, and where
+#: there is no GPU runs the CUDA kernels on emulated thread blocks: quantkit.testing.cuda_emulation).
 FUSED_SEARCH_ON = {"cuda"}
 _SEARCH_DECL = ("std::vector<torch::Tensor> qkx_search_lanes(torch::Tensor xt, torch::Tensor wt, int64_t nmax, "
                 "double rmin, double rdelta, int64_t nstep, bool use_mad);\n"
