@@ -190,6 +190,11 @@ def test_worker_processes_write_the_same_bytes(qwen, tmp_path):
                      "--report", out.with_suffix(".json"), jobs=jobs)
         assert result.exit_code == 0, result.output
     assert sha256_file(single) == sha256_file(pooled)
+    # one worker has nobody to balance with: it takes the tensors in the file's order, the whole-file hash right
+    # behind it (several take the largest first)
+    in_file = GGUFFile(single).tensors
+    assert [d["name"] for d in json.loads(single.with_suffix(".json").read_text())["produced"]] == sorted(
+        in_file, key=lambda n: in_file[n].offset)
     report = json.loads(pooled.with_suffix(".json").read_text())
     assert report["jobs"] == min(2, available_cpus()) and len(report["produced"]) == report["tensors"]
     f = GGUFFile(pooled)

@@ -21,7 +21,7 @@ Steps (:func:`convert`):
    both are checked against this layout (the journal's layout hash and source files' size and mtime, then each
    source file's SHA-256 against the journal's, waiting for this run's own hashes, the partial's size and header
    bytes, and the SHA-256 of every payload the journal lists).
-7. **Payloads**: the remaining tensors, largest first, in worker processes (:mod:`quantkit.convert.pool`; at
+7. **Payloads**: the remaining tensors, largest first (with one worker in the file's order), in worker processes (:mod:`quantkit.convert.pool`; at
    most one per CPU and what the memory holds), each written at its planned offset and journaled with its
    SHA-256 as it completes; a progress bar shows tensors, bytes and the ETA.  Meanwhile background threads hash
    the source files (:class:`~quantkit.convert.source.Hashing`; the only time the source is hashed: the journal
@@ -327,7 +327,7 @@ def _order(jobs: dict[str, TensorJob], names) -> list[str]:
 
 def _file_order(layout: Layout, names) -> list[str]:
     """In the file's order: the whole-file hash (:class:`~.readback.ReadBack`) follows right behind.  On a GPU,
-    where no tensor takes long, this costs no balance between workers."""
+    where no tensor takes long, and with one worker, this costs no balance between workers."""
     return sorted(names, key=lambda n: layout.tensor(n).offset)
 
 
@@ -466,7 +466,8 @@ def _execute(prepared: Prepared, request: ConvertRequest, out: Path, clock: _Clo
                         {n: layout.data_offset + t.offset for n, t in layout.tensors.items()},
                         prepared.imatrix_shapes, request.allow_synthetic_imatrix, identity, request.device)
     todo = [n for n in jobs if n not in done]
-    todo = _order(jobs, todo) if request.device == "cpu" else _file_order(layout, todo)
+    balance = request.device == "cpu" and prepared.workers > 1
+    todo = _order(jobs, todo) if balance else _file_order(layout, todo)
     produced: list[TensorDone] = []
     final: dict[str, Layout] = {}
 
