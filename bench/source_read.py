@@ -41,7 +41,7 @@ def drop_page_cache() -> None:
     Path("/proc/sys/vm/drop_caches").write_text("1\n")
 
 
-def stream_fill(path: Path, dst: np.ndarray, threads: int, pool) -> int:
+def stream_fill(path: Path, dst: np.ndarray, pool) -> int:
     with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ) as m:
         src = np.frombuffer(m, np.uint8)
         gpu_stream._fill(dst, [SimpleNamespace(rows=src)])
@@ -58,7 +58,7 @@ def pread_into(fd: int, view: memoryview, offset: int) -> None:
         done += got
 
 
-def pread_fill(path: Path, dst: np.ndarray, threads: int, pool) -> int:
+def pread_fill(path: Path, dst: np.ndarray, pool) -> int:
     size = path.stat().st_size
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -71,7 +71,7 @@ def pread_fill(path: Path, dst: np.ndarray, threads: int, pool) -> int:
     return size
 
 
-def pread_sequential(path: Path, dst: np.ndarray, threads: int, pool) -> int:
+def pread_sequential(path: Path, dst: np.ndarray, pool) -> int:
     size = path.stat().st_size
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -112,9 +112,9 @@ def main() -> None:
                 if args.cold:
                     drop_page_cache()
                 else:
-                    METHODS[name](path, dst, args.threads, pool)   # warm: this very copy, just before
+                    METHODS[name](path, dst, pool)   # warm: this very copy, just before
                 start = time.perf_counter()
-                size = METHODS[name](path, dst, args.threads, pool)
+                size = METHODS[name](path, dst, pool)
                 speed = size / (time.perf_counter() - start) / 1e9
                 speeds[name].append(speed)
                 emit({"name": f"source read {name}", "cache": "cold" if args.cold else "warm", "file": path.name,

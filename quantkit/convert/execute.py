@@ -21,17 +21,17 @@ Steps (:func:`convert`):
    both are checked against this layout (the journal's layout hash and source files' size and mtime, then each
    source file's SHA-256 against the journal's, waiting for this run's own hashes, the partial's size and header
    bytes, and the SHA-256 of every payload the journal lists).
-7. **Payloads**: the remaining tensors, largest first (with one worker in the file's order), in worker processes (:mod:`quantkit.convert.pool`; at
-   most one per CPU and what the memory holds), each written at its planned offset and journaled with its
-   SHA-256 as it completes; a progress bar shows tensors, bytes and the ETA.  Meanwhile background threads hash
-   the source files (:class:`~quantkit.convert.source.Hashing`; the only time the source is hashed: the journal
-   records these hashes once they are all known), so reading the source twice overlaps the encoding instead of
-   preceding it, and read the partial back behind the tensors
+7. **Payloads**: the remaining tensors, largest first (one worker: in the file's order), in worker processes
+   (:mod:`quantkit.convert.pool`; at most one per CPU and what the memory holds), each written at its planned offset
+   and journaled with its SHA-256 as it completes; a progress bar shows tensors, bytes and the ETA.  Meanwhile
+   background threads hash the source files (:class:`~quantkit.convert.source.Hashing`; the only time the source is
+   hashed: the journal records these hashes once they are all known), so reading the source twice overlaps the
+   encoding instead of preceding it, and read the partial back behind the tensors
    (:class:`~quantkit.convert.readback.ReadBack`): each payload against its journal hash, and the whole file's
-   SHA-256 with the final header, in file order.  With ``device`` cuda the tensors stream
-   through the GPU (:mod:`quantkit.convert.gpu_stream`) and those threads number half the CPUs.  With
-   ``executor="ray"`` the tensors are Ray tasks on a cluster instead (:mod:`quantkit.convert.raypool`: same
-   interface, so journal and resume are the same).
+   SHA-256 with the final header, in file order.  With ``device`` cuda the tensors stream through the GPU
+   (:mod:`quantkit.convert.gpu_stream`) and those threads number half the CPUs.  With ``executor="ray"`` the tensors
+   are Ray tasks on a cluster instead (:mod:`quantkit.convert.raypool`: same interface, so journal and resume are the
+   same).
 8. **Finish**: every tensor accounted for and read back, the header with the real hashes replaces the pending
    one and is checked against the layout, the journal notes the rename, the partial is fsynced and renamed to
    ``out``; the journal is removed.

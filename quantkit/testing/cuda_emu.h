@@ -243,12 +243,10 @@ inline float __fmul_rn(float a, float b) { return a * b; }
 inline float __fdiv_rn(float a, float b) { return a / b; }
 inline float __fsqrt_rn(float a) { return std::sqrt(a); }
 inline int __float_as_int(float v) { int i; std::memcpy(&i, &v, 4); return i; }
-inline float __int_as_float(int i) { float v; std::memcpy(&v, &i, 4); return v; }
 
 struct __half { uint16_t bits; };
 inline __half __ushort_as_half(unsigned short h) { return __half{h}; }
 inline float __half2float(__half h) { return c10::detail::fp16_ieee_to_fp32_value(h.bits); }
-inline __half __float2half_rn(float v) { return __half{c10::detail::fp16_ieee_from_fp32_value(v)}; }
 
 // The host side of kq_search.cu's launches: two multiprocessors of one resident block each, so that the persistent
 // kernels' grid-stride loops run more than once on small inputs.
