@@ -23,7 +23,6 @@ import json
 import re
 import shutil
 import subprocess
-import sys
 import tempfile
 import threading
 import time

@@ -19,7 +19,6 @@ import hashlib
 import json
 import shutil
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path

@@ -667,9 +667,8 @@ def first_present(hp: Mapping[str, Any], keys: Sequence[str]) -> Any:
     return None
 
 
-# Mirrors of the converter's ExpertGatingFuncType and RopeScalingType values.
+# Mirrors of the converter's ExpertGatingFuncType values.
 GATING_FUNCS = {"softmax": 1, "sigmoid": 2, "sqrtsoftplus": 4}
-ROPE_SCALING = {"linear": "linear", "yarn": "yarn", "su": "longrope", "longrope": "longrope"}
 
 
 def rope_parameters(hp: Mapping[str, Any]) -> dict[str, Any]:

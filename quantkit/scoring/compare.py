@@ -68,7 +68,6 @@ DEFAULT_SEED = 0
 CONFIDENCE = 0.95
 #: Index matrix elements drawn per block (bounds memory to ~8 bytes x this).
 BLOCK_ELEMENTS = 1 << 22
-VERDICTS = ("better", "worse", "no established difference")
 PASS, FAIL, WARN, NO_REFERENCE = "pass", "fail", "warn", "no API reference"
 GATE_VERDICTS = ("no regression", "regression")
 

@@ -50,8 +50,6 @@ QUANT_LEVELS = 65535.0
 KLD_FLOOR = -16.0
 #: Rows processed at once (bounds temporaries to ROW_BLOCK x n_vocab floats).
 ROW_BLOCK = 64
-#: llama-perplexity's limit below which it prints no summary (we note it, but compute anyway).
-LLAMA_MIN_COUNT = 100
 KLD_PERCENTILES = (0.999, 0.99, 0.95, 0.90)
 KLD_LOW_PERCENTILES = (0.10, 0.05, 0.01, 0.001)
 DP_PERCENTILES = (0.999, 0.99, 0.95, 0.90, 0.75)

@@ -28,8 +28,6 @@ import re
 from dataclasses import dataclass, field
 from typing import Mapping
 
-SCOPES = ("main", "mtp")
-
 #: Tensor classes whose 2-D/3-D weights are linear layers a sidecar may re-encode.
 LINEAR_CLASSES = frozenset({
     "output", "attn_q", "attn_kv", "attn_output", "compressor", "indexer", "kda_qk", "kda_v", "kda_output",

@@ -76,7 +76,6 @@ class AssembleResult:
     size: int
     parts: int
     resumed_parts: int
-    copied_bytes: int
     problems_repaired: list[str] = field(default_factory=list)
 
 
@@ -233,7 +232,7 @@ def _copy(plan: Plan, fd: int, partial: Path, done: set[int], journal: Path, pro
     extra = [whole] if whole is not None else []
     if os.fstat(fd).st_size != m.file.size:
         os.ftruncate(fd, m.file.size)
-    result = AssembleResult(m.file.name, m.file.size, len(m.parts), 0, 0)
+    result = AssembleResult(m.file.name, m.file.size, len(m.parts), 0)
     with progress_bar(m.file.size, progress, m.file.name) as bar:
         if plan.header:
             os.pwrite(fd, plan.header, 0)
@@ -269,7 +268,6 @@ def _copy(plan: Plan, fd: int, partial: Path, done: set[int], journal: Path, pro
             done.add(seg.index)
             syncer.then(_journal_part, syncer, fd, partial, journal, m, frozenset(done), seg.index)
             syncer.check()
-            result.copied_bytes += seg.length
     if whole is not None and whole.hexdigest() != m.file.sha256:
         raise CorruptDataError(f"the merged file's SHA-256 is {whole.hexdigest()}, the manifest says {m.file.sha256} "
                                f"(every shard matched its own hash: the manifest does not describe these shards)",
