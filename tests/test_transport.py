@@ -399,6 +399,22 @@ def test_validate_checks_a_shard_set_from_any_shard(model, shards):
     assert "shard 6 of 6 is missing" in result.output and "split.no = 2" in result.output
 
 
+def test_a_shard_set_is_structure_only_and_says_so(model, shards, tmp_path):
+    """A shard set's verdict never reads as a payload check: it says what it covers, refuses the options that ask
+    for a comparison with the source (exit 2, naming them) instead of ignoring them, and a shard name that is
+    not there is an input that cannot be used (exit 2), not a failed check."""
+    result = cli("validate", shards.part_path(0))
+    assert result.exit_code == 0 and "valid (structure only: no shard's bytes compared" in result.output, \
+        result.output
+    for options in (["--source", str(tmp_path)], ["--payload", "full"]):
+        result = cli("validate", shards.part_path(0), *options)
+        assert result.exit_code == 2 and f"{options[0]}" in result.output and "merge it" in result.output, \
+            result.output
+    typo = shards.part_path(0).with_name("typo-00001-of-00002.gguf")
+    result = cli("validate", typo)
+    assert result.exit_code == 2 and "no such file" in result.output and str(typo) in result.output, result.output
+
+
 def test_a_second_split_into_the_same_directory_is_refused(blob, tmp_path):
     """Two splits of one name into one directory would share the parts' partial files (each recording its own
     hashes over whatever bytes won): the second is refused while the first holds the manifest's lock."""

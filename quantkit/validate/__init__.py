@@ -72,7 +72,9 @@ def validate(artifact: str | os.PathLike, *, source: str | None = None, recipe: 
     if is_manifest(path):
         return validate_manifest(path, payload)
     if is_shard_name(path):
-        return validate_shards(path)
+        asked = {"--source": source, "--recipe": recipe, "--imatrix": imatrix, "--target": target,
+                 "--payload full": payload == "full" or None}
+        return validate_shards(path, [option for option, value in asked.items() if value is not None])
     if path.suffix in SIDECAR_SUFFIXES:
         report = _sidecar(path, payload, seed)
     else:

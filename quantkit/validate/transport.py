@@ -8,6 +8,8 @@ none`` stops after the sizes.
 A shard (``<stem>-00001-of-00003.gguf``, any of the set): every shard of the set present and readable, each
 saying it is shard ``k`` of ``N`` (``split.no``, ``split.count``), the first holding the file's metadata and the
 others only the split keys, and the tensors of all shards adding up to ``split.tensors.count`` with no name twice.
+That is structure only, and the verdict says so: no shard's bytes are compared with anything; options that ask
+for a comparison (``--source`` ...) are refused, not ignored.
 """
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ import hashlib
 import re
 from pathlib import Path
 
-from ..errors import CorruptDataError, FormatError, MissingSourceError
+from ..errors import CorruptDataError, FormatError, MissingSourceError, ValidationError
 from ..io.gguf_reader import GGUFFile
 from ..transport.assemble import check_part_file, mismatch_error, plan_assembly
 from ..transport.manifest import load_manifest
@@ -89,11 +91,23 @@ def _hash_parts(m, size_problems: list[str]):
     return hashed, whole, why
 
 
-def validate_shards(path: Path) -> Report:
+SHARDS_SCOPE = ("structure only: no shard's bytes compared (validate FILE.transport.json to prove every shard's "
+                "SHA-256, or merge the shards and validate the file against its source)")
+
+
+def validate_shards(path: Path, against: list[str]) -> Report:
+    """The shard set ``path`` belongs to, checked for structure; ``against`` names the options that ask for more
+    (``--source`` ...), which a shard set cannot give: refused rather than silently ignored."""
+    if against:
+        raise ValidationError(f"{' and '.join(against)}: a llama.cpp shard set is checked for structure only; to "
+                              f"compare its payload, merge it (llama-gguf-split --merge, or quantkit transport "
+                              f"assemble with its manifest) and validate the merged file", path=path)
     match = SHARD_NAME.match(path.name)
     stem, count = match["stem"], int(match["count"])
+    if not path.is_file():   # the file named: an input that is not there (its siblings are the report's business)
+        raise MissingSourceError("no such file", path=path)
     paths = [path.with_name(shard_name(stem, i, count)) for i in range(count)]
-    report = Report(str(path), f"gguf split shards ({count})", "none", 0)
+    report = Report(str(path), f"gguf split shards ({count})", "none", 0, scope=SHARDS_SCOPE)
     missing = [f"{p}: shard {i + 1} of {count} is missing" for i, p in enumerate(paths) if not p.is_file()]
     report.checks.append(check("shards.present", missing, f"{count} shards present"))
     key_problems, tensor_problems, names, declared = [], [], {}, None
