@@ -72,6 +72,31 @@ def test_npy_logits_of_the_reference_pass_and_a_missing_top1_fails(tiny, tmp_pat
     assert code == 0, output
 
 
+def test_logits_of_no_model_or_another_fail_where_no_position_is_confident(tiny, tiny_checkpoints, tmp_path,
+                                                                           prompt_file):
+    """A tiny model is never confident, so the top-8 rule alone passed all-zero logits and another model's: the
+    top-1 agreement floor and the mean KLD bound fail them, each named; the bounds are the user's to set."""
+    from quantkit.runtime import load_model, logits
+
+    path, model = tiny
+    other = load_model(tiny_checkpoints.get("deepseek_v3", "per-expert", "f32"))
+    try:
+        foreign = logits(other, PROMPT)[:, :model.vocab_size]
+    finally:
+        other.close()
+    assert foreign.shape[1] == model.vocab_size
+    for name, engine in [("zeros", np.zeros((len(PROMPT), model.vocab_size), np.float32)), ("other", foreign)]:
+        np.save(tmp_path / f"{name}.npy", engine)
+        code, output = run(path, "--logits", tmp_path / f"{name}.npy", "--tokens", prompt_file)
+        assert code == 1 and "parity: DIVERGENCE" in output, output
+        assert "top-1 agreement" in output.split("logits: FAIL")[1] and "(0 confident)" in output, output
+        code, output = run(path, "--logits", tmp_path / f"{name}.npy", "--tokens", prompt_file, "--min-top1", "0",
+                           "--max-mean-kld", "100")
+        assert code == 0, output
+    code, output = run(path, "--logits", tmp_path / "zeros.npy", "--tokens", prompt_file, "--min-top1", "0")
+    assert code == 1 and "mean KLD" in output.split("logits: FAIL")[1], output
+
+
 def test_llama_perplexity_logits_file(tiny, tmp_path):
     """A base file in llama-perplexity's format (quantkit's writer, proven byte-identical elsewhere) of the
     reference's own chunks: every top-1 agrees, KLD is the 16-bit quantization's alone; a file of another model's

@@ -29,6 +29,10 @@ _file = click.Path(exists=True, dir_okay=False, path_type=Path)
               "(instead of --prompt)")
 @click.option("--confident", type=click.FloatRange(0, 1), default=0.5, show_default=True,
               help="a reference top-1 at least this probable must be in the engine's top 8")
+@click.option("--min-top1", type=click.FloatRange(0, 1), default=0.5, show_default=True,
+              help="smallest share of positions whose top-1 tokens agree that passes")
+@click.option("--max-mean-kld", type=click.FloatRange(min=0), default=0.01, show_default=True,
+              help="largest mean KLD (nats) of the engine's distributions from the reference's that passes")
 @click.option("--cosine-bar", type=click.FloatRange(-1, 1), default=0.9997, show_default=True,
               help="smallest per-layer cosine of hidden states that passes")
 @_with(_rendering_options)
@@ -36,8 +40,8 @@ _file = click.Path(exists=True, dir_okay=False, path_type=Path)
 @click.option("--tokenizer", type=click.Path(exists=True), help="tokenizer directory (default: the model's)")
 @ARITHMETIC_OPTION
 @click.option("--json", "as_json", is_flag=True, help="print the report as JSON")
-def parity(model, logits_dump, streams, hidden, prompt, tokens_file, confident, cosine_bar, rendering,
-           chat_template_kwargs, device, tokenizer, arithmetic, as_json):
+def parity(model, logits_dump, streams, hidden, prompt, tokens_file, confident, min_top1, max_mean_kld, cosine_bar,
+           rendering, chat_template_kwargs, device, tokenizer, arithmetic, as_json):
     """Compare an engine's output on MODEL (GGUF or checkpoint) with quantkit's reference: exit 0 when every
     check passes, 1 on a divergence, 2 when an input cannot be used."""
     from ..scoring.parity import (compare_hidden, compare_logits, compare_stream, read_hidden_dump,
@@ -81,7 +85,7 @@ def parity(model, logits_dump, streams, hidden, prompt, tokens_file, confident, 
         if dump is not None:
             source = RuntimeSource(runtime, model_identity(model, codec)) if dump[0] == "llama" else None
             result = compare_logits(*dump, reference, tokens, runtime.vocab_size, confident=confident,
-                                    kld_against=lambda path, each: kld_against(source, codec, path,
+                                    min_top1=min_top1, max_mean_kld=max_mean_kld, kld_against=lambda path, each: kld_against(source, codec, path,
                                                                                runtime.vocab_size, each))
             report["logits"] = result.to_json()
             lines += result.report_lines()

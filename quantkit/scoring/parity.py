@@ -19,7 +19,14 @@ Three kinds of engine output, each read with every check before the model runs:
 Per position: the KLD of the engine's distribution from the reference's, ``sum p_engine (log p_engine - log
 p_reference)`` (the engine's file is llama-perplexity's base, so its direction is used throughout), whether both
 top-1 tokens agree, and the rule **a confident reference top-1 (probability >= ``confident``, default .5) missing
-from the engine's top 8 is a bug**: any such position fails the comparison.
+from the engine's top 8 is a bug**: any such position fails the comparison.  Over all positions, the top-1
+agreement must reach ``min_top1`` (default .5) and the mean KLD stay within ``max_mean_kld`` (default .01 nats):
+an engine computing the same weights differs from the reference by its arithmetic only (mean KLD ~1e-6 to 1e-3),
+while a quantization a step coarser already costs ~.01-.03 nats.  Near-ties make the agreement noisy where
+distributions are flat (a tiny model's logits with N(0, .05) noise agree on .875 of positions), hence the low
+floor: it separates the same weights from logits of another model or of none, which agree on ~0.  Both fail
+even where no position is confident (a tiny model's nearly flat distributions gave all-zero logits a mean KLD of
+.049 and another model's .104, with no confident position for the top-8 rule).
 
 **(b) sampled token streams** (:func:`read_stream`): a JSON object ``{"tokens": [...], "seed": int, "temperature",
 "top_k", "top_p", "presence_penalty", "frequency_penalty", "min_p", "law"}`` (settings default to
@@ -55,6 +62,8 @@ from ..sampling import LAW_NAMES, Sampler, SamplingParams, first_divergence
 from .kld import MAGIC, KldAccumulator, KldStats
 
 CONFIDENT = 0.5
+MIN_TOP1 = 0.5
+MAX_MEAN_KLD = 0.01
 TOP_SLOTS = 8
 COSINE_BAR = 0.9997
 CORNER = 3
@@ -81,7 +90,10 @@ class LogitsParity:
     """Per-position comparison of engine and reference distributions (module doc, (a))."""
 
     kind: str
+    min_top1: float = MIN_TOP1
+    max_mean_kld: float = MAX_MEAN_KLD
     positions: int = 0
+    confident_positions: int = 0
     same_top: int = 0
     kld: list[float] | None = field(default_factory=list)
     misses: list[dict] = field(default_factory=list)
@@ -89,8 +101,29 @@ class LogitsParity:
     llama_stats: KldStats | None = None
 
     @property
+    def top1_agreement(self) -> float | None:
+        return self.same_top / self.positions if self.positions else None
+
+    @property
+    def mean_kld(self) -> float | None:
+        return float(np.mean(self.kld)) if self.kld else None
+
+    @property
+    def failures(self) -> list[str]:
+        """Why the comparison fails, one phrase per broken rule (module doc, (a)); empty when it passes."""
+        out = []
+        if self.misses:
+            out.append(f"{len(self.misses)} confident reference top-1 tokens missing from the engine's top "
+                       f"{TOP_SLOTS}")
+        if self.top1_agreement is not None and self.top1_agreement < self.min_top1:
+            out.append(f"top-1 agreement {self.top1_agreement:.6f} below {self.min_top1}")
+        if self.mean_kld is not None and self.mean_kld > self.max_mean_kld:
+            out.append(f"mean KLD {self.mean_kld:.6f} above {self.max_mean_kld}")
+        return out
+
+    @property
     def passed(self) -> bool:
-        return not self.misses
+        return not self.failures
 
     def add(self, reference: np.ndarray, engine_logprobs: np.ndarray, offset: int, confident: float) -> None:
         """Account for reference logits and engine log-probabilities ``[n, vocab]`` of positions ``offset...``."""
@@ -103,7 +136,9 @@ class LogitsParity:
     def _tops(self, ref: np.ndarray, engine_top: np.ndarray, offset: int, confident: float) -> None:
         ref_top = ref.argmax(axis=1)
         self.same_top += int((ref_top == engine_top[:, 0]).sum())
-        for i in np.flatnonzero(np.exp(ref[np.arange(len(ref)), ref_top]) >= confident):
+        confident_rows = np.flatnonzero(np.exp(ref[np.arange(len(ref)), ref_top]) >= confident)
+        self.confident_positions += len(confident_rows)
+        for i in confident_rows:
             if ref_top[i] not in engine_top[i]:
                 self.misses.append({"position": offset + int(i), "reference_top1": int(ref_top[i]),
                                     "reference_probability": float(np.exp(ref[i, ref_top[i]])),
@@ -112,7 +147,9 @@ class LogitsParity:
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {"kind": self.kind, "positions": self.positions, "passed": self.passed,
-                               "top1_agreement": self.same_top / self.positions if self.positions else None,
+                               "failures": self.failures, "top1_agreement": self.top1_agreement,
+                               "min_top1": self.min_top1, "max_mean_kld": self.max_mean_kld,
+                               "confident_positions": self.confident_positions,
                                "confident_top1_missing_from_engine_top8": self.misses}
         if self.kld is not None and self.kld:
             out.update(mean_kld=float(np.mean(self.kld)), max_kld=float(np.max(self.kld)), kld=self.kld)
@@ -125,8 +162,9 @@ class LogitsParity:
         return out
 
     def report_lines(self) -> list[str]:
-        agreement = self.same_top / self.positions if self.positions else float("nan")
-        line = f"logits ({self.kind}): {self.positions} positions, top-1 agreement {agreement:.6f}"
+        agreement = self.top1_agreement if self.positions else float("nan")
+        line = (f"logits ({self.kind}): {self.positions} positions ({self.confident_positions} confident), top-1 "
+                f"agreement {agreement:.6f}")
         if self.kld:
             line += f", mean KLD {np.mean(self.kld):.6f}, max KLD {np.max(self.kld):.6f}"
         if self.max_logprob_delta is not None:
@@ -139,9 +177,7 @@ class LogitsParity:
                          f"{miss['reference_probability']:.4f}) missing from the engine's top {TOP_SLOTS}")
         if len(self.misses) > 10:
             lines.append(f"  ... {len(self.misses) - 10} more")
-        lines.append("logits: " + ("pass" if self.passed else f"FAIL ({len(self.misses)} confident reference "
-                                                               f"top-1 tokens missing from the engine's top "
-                                                               f"{TOP_SLOTS})"))
+        lines.append("logits: " + ("pass" if self.passed else f"FAIL ({'; '.join(self.failures)})"))
         return lines
 
 
@@ -322,11 +358,12 @@ def _check_ids(tokens: Sequence[int], n_vocab: int, what: str) -> None:
 
 
 def compare_logits(kind: str, content: Any, reference: Logits, tokens: Sequence[int] | None, n_vocab: int, *,
-                   confident: float = CONFIDENT, kld_against: Callable | None = None) -> LogitsParity:
+                   confident: float = CONFIDENT, min_top1: float = MIN_TOP1, max_mean_kld: float = MAX_MEAN_KLD,
+                   kld_against: Callable | None = None) -> LogitsParity:
     """Compare an engine's logits dump with the reference (module doc, (a)).  ``tokens``: the sequence for
     ``npy`` and the prompt for ``ds4`` (a llama-perplexity file holds its own); ``kld_against``:
     :func:`.score.kld_against` bound to the reference source and codec, for llama-perplexity files."""
-    result = LogitsParity(kind)
+    result = LogitsParity(kind, min_top1=min_top1, max_mean_kld=max_mean_kld)
     if kind == "llama":
         def each(rows, records, targets):
             per_position = KldAccumulator()         # llama.cpp's per-token KLD, one definition
