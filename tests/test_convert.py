@@ -461,6 +461,26 @@ def test_nan_in_weights(qwen, tmp_path, jobs):
     assert run(*args, "--force").exit_code == 0 and leftovers(out) == {"q.gguf"}
 
 
+@pytest.mark.parametrize("qtype, value", [("F16", 1e5), ("Q8_0", 1e7)])
+def test_a_finite_weight_beyond_the_types_range_is_refused(qwen, tmp_path, qtype, value):
+    """A finite BF16 weight above F16's 65504 (or one whose Q8_0 block scale overflows F16) would be written as
+    Inf, which llama.cpp refuses to load and validate fails: convert stops naming the tensor and row instead of
+    reporting success."""
+    src = copy_checkpoint(qwen, tmp_path / "ckpt")
+
+    def huge(a):
+        a = a.copy()
+        a[3, 7] = np.array(value, dtype=ml_dtypes.bfloat16)
+        return a
+    rewrite_tensor(src / "model.safetensors", "model.layers.0.self_attn.q_proj.weight", huge)
+    recipe = write_recipe(tmp_path / "r.toml", f'name = "wide"\narchitectures = ["qwen3_moe"]\n[defaults]\n'
+                                               f'type = "{qtype}"\n')
+    out = tmp_path / "q.gguf"
+    line = one_line_error(run(src, "-o", out, "--recipe", recipe, "--pre-tokenizer", PRE))
+    assert "blk.0.attn_q.weight" in line and "row 3" in line and f"encoded as {qtype}" in line, line
+    assert not out.exists()
+
+
 @pytest.fixture(scope="module")
 def reference(qwen, tmp_path_factory) -> tuple[Path, Path]:
     """An uninterrupted Q2 conversion (bootstrap importance) and its recipe."""

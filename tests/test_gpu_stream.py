@@ -262,7 +262,7 @@ def test_write_behind_keeps_the_order_and_raises_the_first_write_failure(monkeyp
     pieces_out = [np.full(1000 + i, i, np.uint8) for i in range(6)]
     monkeypatch.setattr(pool, "tensor_bytes", lambda ctx, job: (p for p in pieces_out))
     ctx = SimpleNamespace(device="cuda", release=lambda: None)
-    job = SimpleNamespace(name="t", nbytes=sum(p.nbytes for p in pieces_out))
+    job = SimpleNamespace(name="t", kind="copy", qtype=GGMLType.I8, nbytes=sum(p.nbytes for p in pieces_out))
     written = []
     done = pool.produce_tensor(ctx, job, lambda piece, at: written.append((at, piece.tobytes())))
     assert b"".join(w for _, w in written) == b"".join(p.tobytes() for p in pieces_out)
@@ -284,7 +284,7 @@ def test_next_tensor_encodes_while_earlier_ones_finish_writing(tmp_path, monkeyp
     sizes = [3000, 1, 5000, 700, 4096]
     payloads = {f"t{i}": np.random.default_rng(i).integers(0, 255, n, dtype=np.uint8) for i, n in enumerate(sizes)}
     offsets = dict(zip(payloads, np.cumsum([0] + sizes[:-1]).tolist()))
-    jobs = {name: SimpleNamespace(name=name, nbytes=p.nbytes) for name, p in payloads.items()}
+    jobs = {name: SimpleNamespace(name=name, kind="copy", qtype=GGMLType.I8, nbytes=p.nbytes) for name, p in payloads.items()}
     slow_first = threading.Event()
 
     def pieces_of(ctx, job):
@@ -345,7 +345,7 @@ def test_pieces_in_flight_are_bounded_in_bytes(monkeypatch):
     pieces_out = [np.full(1000, i, np.uint8) for i in range(6)]
     monkeypatch.setattr(pool, "tensor_bytes", lambda ctx, job: (p for p in pieces_out))
     ctx = SimpleNamespace(device="cuda", release=lambda: None)
-    job = SimpleNamespace(name="t", nbytes=6000)
+    job = SimpleNamespace(name="t", kind="copy", qtype=GGMLType.I8, nbytes=6000)
     for limit, most in ((2500, 2000), (500, 1000)):
         monkeypatch.setattr(pool, "IN_FLIGHT_BYTES", limit)
         first_write, held_then, written = threading.Event(), [], []

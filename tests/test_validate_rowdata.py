@@ -10,7 +10,7 @@ import pytest
 from gguf.constants import GGML_QUANT_SIZES
 
 from quantkit.formats.registry import GGMLType
-from quantkit.validate.rowdata import SCALE_FIELDS, check_row_data, invalid_blocks
+from quantkit.formats.rowdata import SCALE_FIELDS, check_row_data, invalid_blocks
 
 TYPES = [t for t in GGMLType if t in GGML_QUANT_SIZES]
 #: f16 / bf16 / f32 / e8m0 bit patterns around the special values, and ordinary ones.

@@ -40,7 +40,7 @@ from dataclasses import dataclass
 from multiprocessing.connection import wait
 from typing import TYPE_CHECKING, Callable, Iterable, Iterator
 
-from ..errors import ConcurrentWriteError, FormatError, OutOfSpaceError, QuantkitError
+from ..errors import ConcurrentWriteError, EncodeError, FormatError, OutOfSpaceError, QuantkitError
 from ..io.atomic import is_out_of_space
 from ..io.gguf_writer import pwrite_all
 from ..resources import available_cpus, available_memory
@@ -158,6 +158,7 @@ def start_tensor(context: SourceContext, job: TensorJob, put: Callable[["np.ndar
     start = time.perf_counter()
     digest = hashlib.sha256()
     written = 0
+    put = _refusing_invalid_blocks(job, put)
     behind = _WriteBehind(put, digest) if context.device != "cpu" else None
     try:
         with contextlib.closing(tensor_bytes(context, job)) as produced:
@@ -178,6 +179,31 @@ def start_tensor(context: SourceContext, job: TensorJob, put: Callable[["np.ndar
         with timed("release") if behind is not None else contextlib.nullcontext():   # a GPU stream's steps only
             context.release()
     return PendingTensor(job, start, written, digest, behind)
+
+
+def _refusing_invalid_blocks(job: TensorJob, put: Callable[["np.ndarray", int], None]):
+    """``put`` behind the check ggml's loader makes (:func:`quantkit.formats.rowdata.check_row_data`): a finite
+    weight beyond what the type can hold (above 65504 in F16; a block's F16 scale overflowing in Q8_0 at ~8.3e6)
+    encodes as Inf, which llama.cpp refuses to load and ``validate`` fails; refused here, naming the row, before
+    the bytes are written.  F32 outputs are the checked input itself, and integer types and NVFP4 have no
+    invalid values."""
+    from ..formats.rowdata import SCALE_FIELDS, check_row_data
+    from ..formats.registry import GGMLType, layout
+
+    if job.kind not in ("encode", "copy") or job.qtype == GGMLType.F32 or not SCALE_FIELDS.get(job.qtype):
+        return put
+    row_bytes = layout(job.qtype).row_bytes(int(job.output.shape[-1]))
+    type_size = layout(job.qtype).type_size
+
+    def put_checked(piece: "np.ndarray", at: int) -> None:
+        problem = check_row_data(job.qtype, piece)
+        if problem is not None:
+            row = (at + problem.first_block * type_size) // row_bytes
+            raise EncodeError(f"row {row}: {problem.what} once encoded as {job.qtype.name} (a weight's magnitude "
+                              f"exceeds what the type holds); choose a wider type for this tensor in the recipe",
+                              tensor=job.name)
+        put(piece, at)
+    return put_checked
 
 
 class _InFlight:

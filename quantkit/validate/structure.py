@@ -12,7 +12,7 @@ file the reader accepted:
 - ``structure.padding``: the padding after the header and after each payload is zero bytes (both writers write
   zeros).  Padding after payloads is read only when payloads are read in full (not in ``sample`` mode);
 - ``structure.scales``: every block's scales are finite, as ggml's ``ggml_validate_row_data``
-  (:mod:`quantkit.validate.rowdata`), over the bytes the audit reads: every payload byte, or in ``sample`` mode the
+  (:mod:`quantkit.formats.rowdata`), over the bytes the audit reads: every payload byte, or in ``sample`` mode the
   sampled regions only;
 - ``structure.metadata``: ``general.architecture`` a non-empty string and ``<arch>.block_count`` present; keys
   llama.cpp reads have the types gguf-py writes (:data:`KEY_TYPES`); tokenizer arrays agree in length and token ids
@@ -40,7 +40,7 @@ from ..io.gguf import KV, ArrayOf, GGUFTensor, align, type_name
 from ..io.gguf_reader import GGUFFile
 from ..io.gguf_writer import plan_layout
 from .report import Check, check
-from .rowdata import check_row_data
+from ..formats.rowdata import check_row_data
 
 #: Payload bytes read and scanned at a time (bounds memory when scanning whole tensors).
 SCAN_CHUNK_BYTES = 64 << 20

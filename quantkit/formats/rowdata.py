@@ -37,7 +37,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..formats.registry import GGMLType, layout
+from .registry import GGMLType, layout
 
 QK_K = 256
 
