@@ -155,6 +155,28 @@ def test_killed_between_rename_and_journal_removal(qwen, recipe, reference, tmp_
     assert leftovers(out) == {"q.gguf"} and sha256_file(out) == sha256_file(reference)
 
 
+def test_interrupted_while_recording_the_release_manifest(qwen, recipe, reference, tmp_path, monkeypatch):
+    """Ctrl-C after the rename, while the release manifest is written: the journal stays (it goes last), the
+    message says the file is complete and --resume finishes its records; it said the partial was kept, and
+    --resume then refused the existing output, leaving a release without its manifest."""
+    from quantkit import names
+
+    out = tmp_path / "q.gguf"
+    real = names.release_manifest
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(names, "release_manifest", interrupted)
+    result = run(*args_for(qwen, out, recipe))
+    assert result.exit_code == 130 and "q.gguf is complete; run again with --resume" in result.stderr, result.stderr
+    assert leftovers(out) == {"q.gguf", "q.gguf.journal"}
+    monkeypatch.setattr(names, "release_manifest", real)
+    result = run(*args_for(qwen, out, recipe, "--resume"))
+    assert result.exit_code == 0 and "already complete" in result.output, result.output
+    assert leftovers(out) == {"q.gguf"} and sha256_file(out) == sha256_file(reference)
+    assert json.loads(names.manifest_path(out).read_text())["sha256"] == sha256_file(reference)
+
+
 def test_killed_before_any_tensor_resumes(qwen, recipe, reference, tmp_path, monkeypatch):
     """A partial whose journal lists no tensor yet (killed while the header was being written: short, not yet
     sized) is started over by --resume instead of being refused."""

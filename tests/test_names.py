@@ -256,11 +256,12 @@ def test_convert_refuses_an_existing_manifest_without_force_before_any_work(conv
     source, *_ = converted
     taken = tmp_path / "taken.json"
     taken.write_text("{}")
-    result = CliRunner().invoke(main, ["convert", str(source), "-o", str(tmp_path / "x.gguf"), "--recipe",
-                                       "tiny-moe-f16", "--pre-tokenizer", PRE, "--release-manifest", str(taken),
-                                       "--no-progress", "-j", "1"])
-    assert result.exit_code == 2 and "release manifest" in result.stderr and taken.read_text() == "{}"
-    assert not (tmp_path / "x.gguf").exists()
+    for resume in ([], ["--resume"]):   # --resume continues a conversion; it does not license replacing files
+        result = CliRunner().invoke(main, ["convert", str(source), "-o", str(tmp_path / "x.gguf"), "--recipe",
+                                           "tiny-moe-f16", "--pre-tokenizer", PRE, "--release-manifest", str(taken),
+                                           "--no-progress", "-j", "1", *resume])
+        assert result.exit_code == 2 and "release manifest" in result.stderr and taken.read_text() == "{}"
+        assert not (tmp_path / "x.gguf").exists()
 
 
 def test_convert_replaces_its_own_stale_manifest(converted, tmp_path):

@@ -94,28 +94,34 @@ def convert(source, out, recipe, imatrix, bootstrap, allow_synthetic_imatrix, jo
         return
     check_outputs(prepared, request, report)
     manifest = manifest or names.manifest_path(out)
+    # a quantkit release manifest is replaced (this output's own, stale); any other file only with --force
     check_output(manifest, inputs=[*prepared.inputs, out, *([report] if report else [])],
-                 overwrite=force or resume or names.is_release_manifest(manifest), what="release manifest")
+                 overwrite=force or names.is_release_manifest(manifest), what="release manifest")
+    written = {}
+
+    def records(result) -> None:
+        """The release manifest and the report, written before convert removes its journal (see execute)."""
+        if result.sha256 is not None:   # read back while it was written (quantkit.convert.readback)
+            sha256 = result.sha256
+            remember_artifact_sha256(result.path, sha256)
+        else:   # an earlier run finished it: read it
+            sha256, _ = artifact_sha256(result.path, progress=progress, reuse=False)
+        record = names.release_manifest(result.path, sha256, suggested)
+        with atomic_output(manifest, overwrite=True) as tmp:   # checked above, before the work
+            tmp.write_text(json.dumps(record, indent=1) + "\n")
+        if report is not None:
+            with atomic_output(report, overwrite=force) as tmp:
+                tmp.write_text(json.dumps({"name_tag": prepared.plan.name_tag, "suggested_name": suggested,
+                                           "sha256": sha256, "release_manifest": str(manifest),
+                                           "prepare_seconds": planned, **result.report()}, indent=1) + "\n")
+        written["sha256"] = sha256
+
     try:
-        result = execute(prepared, request)
+        result = execute(prepared, request, completed=records)
     except KeyboardInterrupt:
-        click.echo("interrupted: the partial output and its journal are kept; run again with --resume to continue",
-                   err=True)
+        click.echo(f"interrupted: {_interrupted_state(out, recorded=bool(written))}", err=True)
         sys.exit(EXIT_INTERRUPTED)
-    if result.sha256 is not None:   # read back while it was written (quantkit.convert.readback)
-        sha256 = result.sha256
-        remember_artifact_sha256(result.path, sha256)
-    else:   # an earlier run finished it: read it
-        sha256, _ = artifact_sha256(result.path, progress=progress, reuse=False)
-    record = names.release_manifest(result.path, sha256, suggested)
-    with atomic_output(manifest, overwrite=True) as tmp:   # checked above, before the work
-        tmp.write_text(json.dumps(record, indent=1) + "\n")
-    if report is not None:
-        with atomic_output(report, overwrite=force) as tmp:
-            tmp.write_text(json.dumps({"name_tag": prepared.plan.name_tag, "suggested_name": suggested,
-                                       "sha256": sha256, "release_manifest": str(manifest), "prepare_seconds": planned,
-                                       **result.report()},
-                                      indent=1) + "\n")
+    sha256 = written["sha256"]
     if result.finished_earlier:
         click.echo(f"{result.path} was already complete (an earlier run finished it)")
     else:
@@ -123,6 +129,20 @@ def convert(source, out, recipe, imatrix, bootstrap, allow_synthetic_imatrix, jo
                    + (f", {result.resumed} from the journal" if result.resumed else "")
                    + f") in {result.wall_seconds:.1f} s with {result.jobs} job{'s' if result.jobs > 1 else ''}")
     click.echo(f"sha256 {sha256}; release manifest {manifest}")
+
+
+def _interrupted_state(out: Path, recorded: bool) -> str:
+    """What an interrupted convert left, and what to run next (``recorded``: its release manifest is written)."""
+    from ..convert.journal import journal_path
+    from ..io.gguf_writer import PARTIAL_SUFFIX
+
+    if out.with_name(out.name + PARTIAL_SUFFIX).exists():
+        return "the partial output and its journal are kept; run again with --resume to continue"
+    if journal_path(out).exists():
+        return f"{out.name} is complete; run again with --resume to finish its records (release manifest)"
+    if recorded:
+        return f"{out.name} and its release manifest were written"
+    return "before any output was written; nothing is kept"
 
 
 def _suggested_name(prepared, label: str | None) -> str | None:

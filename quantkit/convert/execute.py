@@ -56,7 +56,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Iterable
+from typing import Callable, Iterable
 
 from ..arch import get_arch
 from ..errors import (MissingSourceError, OutOfSpaceError, OutputExistsError, QuantkitError, UnsupportedError,
@@ -361,8 +361,11 @@ def check_outputs(prepared: Prepared, request: ConvertRequest, report: Path | No
         check_output(report, inputs=[*prepared.inputs, out], overwrite=request.force, what="report")
 
 
-def execute(prepared: Prepared, request: ConvertRequest) -> ConvertResult:
-    """Steps 3-8 (see the module docstring), holding the output's lock throughout."""
+def execute(prepared: Prepared, request: ConvertRequest,
+            completed: Callable[[ConvertResult], None] | None = None) -> ConvertResult:
+    """Steps 3-8 (see the module docstring), holding the output's lock throughout.  ``completed(result)`` runs
+    once the output has its name and before the journal is removed (the CLI writes the release manifest there): a
+    run interrupted in between leaves the journal's ``renaming`` line, so ``--resume`` finishes it."""
     out = Path(request.out)
     check_outputs(prepared, request)
     clock = _Clock()
@@ -375,7 +378,7 @@ def execute(prepared: Prepared, request: ConvertRequest) -> ConvertResult:
             with _pool(prepared, request) as pool:
                 warming = _check_device(prepared, request)
                 clock.lap("device")
-                return _execute(prepared, request, out, clock, pool, stats, hashing)
+                return _execute(prepared, request, out, clock, pool, stats, hashing, completed)
         except OSError as exc:
             if is_out_of_space(exc):
                 raise out_of_space(exc.filename or out.with_name(out.name + PARTIAL_SUFFIX)) from None
@@ -422,7 +425,7 @@ def _helper_threads(prepared: Prepared, request: ConvertRequest) -> int:
 
 
 def _execute(prepared: Prepared, request: ConvertRequest, out: Path, clock: _Clock, pool, stats: list[FileHash],
-             hashing: Hashing) -> ConvertResult:
+             hashing: Hashing, completed: Callable[[ConvertResult], None] | None) -> ConvertResult:
     helpers = _helper_threads(prepared, request)
     steps_before, walls_before = Counter(STEP_SECONDS), Counter(STEP_WALL_SECONDS)
     plan, source, jobs = prepared.plan, prepared.source, prepared.jobs
@@ -442,9 +445,9 @@ def _execute(prepared: Prepared, request: ConvertRequest, out: Path, clock: _Clo
                                 f"{layout.tensor(name).nbytes}", tensor=name)
     fingerprint = hashlib.sha256(layout.header).hexdigest()
     if request.resume and not request.force and _finished_earlier(out, partial, jpath, layout, fingerprint, stats):
-        jpath.unlink()
-        return ConvertResult(out, layout.file_size, len(jobs), len(jobs), [], clock.total(), prepared.workers,
-                             clock.phases, finished_earlier=True)
+        result = ConvertResult(out, layout.file_size, len(jobs), len(jobs), [], clock.total(), prepared.workers,
+                               clock.phases, finished_earlier=True)
+        return _complete(result, completed, jpath)
     resuming = _check_output(out, partial, jpath, request)
     journaled = read_journal(jpath, fingerprint, stats) if resuming else JournalState()
     resuming = bool(journaled.done)   # a partial with no tensor journaled yet holds nothing worth keeping
@@ -524,13 +527,22 @@ def _execute(prepared: Prepared, request: ConvertRequest, out: Path, clock: _Clo
     finally:
         journal.close()
     writer.finish()
-    jpath.unlink(missing_ok=True)
     clock.lap("finish")
     steps, walls = ({step: seconds - before[step] for step, seconds in counter.items() if seconds != before[step]}
                     for counter, before in ((STEP_SECONDS, steps_before), (STEP_WALL_SECONDS, walls_before)))
-    return ConvertResult(out, layout.file_size, len(jobs), len(jobs) - len(todo), produced, clock.total(),
-                         prepared.workers, clock.phases, sha256=sha256, stream_seconds=steps,
-                         stream_wall_seconds=walls)
+    result = ConvertResult(out, layout.file_size, len(jobs), len(jobs) - len(todo), produced, clock.total(),
+                           prepared.workers, clock.phases, sha256=sha256, stream_seconds=steps,
+                           stream_wall_seconds=walls)
+    return _complete(result, completed, jpath)
+
+
+def _complete(result: ConvertResult, completed: Callable[[ConvertResult], None] | None, jpath: Path) -> ConvertResult:
+    """The caller's records of a renamed output, then the journal's removal: the last step, so that whatever
+    interrupts the records leaves a run that ``--resume`` finishes."""
+    if completed is not None:
+        completed(result)
+    jpath.unlink(missing_ok=True)
+    return result
 
 
 def convert(request: ConvertRequest) -> ConvertResult:
