@@ -33,10 +33,15 @@ default run by as much).  So when libggml-base and libggml-cpu load (llama-cpp-p
 packed weight (or ``weight[e]`` of one) whose GGUF tensors hold whole rows unchanged is one ``ggml_mul_mat`` on the
 stored payload (:func:`ggml_product`; the weight repacked as llama.cpp places it by default, :data:`REPACK`), and
 ``F.silu`` and ``sigmoid`` are ggml's (its exponentials are not torch's); the rest keeps the rounding emulation.
-:mod:`.mla` runs latent attention's products and softmax in ggml too.  On llama.cpp-made Q4_K_M files of the tiny
+:mod:`.mla` runs latent attention's products and softmax in ggml too (DeepSeek V3's, and GLM-5.3's sparse one
+over its indexer's selection).  On llama.cpp-made Q4_K_M files of the tiny
 Qwen3-MoE and DeepSeek V3 every token's NLL then agrees with llama.cpp's within 1e-7 (tests/test_foreign.py), and
-``parity`` prints llama-perplexity's Mean KLD and Same top p (tests/test_parity.py).  Not in ggml yet: rope, norms,
-GLM's hyper-connection mixing and gated-delta recurrence (the tiny GLM-5.3's Q4_K_M: 33 of 47 tokens within 1e-3).
+``parity`` prints llama-perplexity's Mean KLD and Same top p (tests/test_parity.py).  Not in ggml yet: rope, norms
+other than :data:`GGML_RMS_NORMS` / :data:`UNWEIGHTED_RMS_NORMS`, GLM's hyper-connection mixing (its stream sums
+differ from ggml's by an ulp, which can flip a later Q8_0 rounding) and gated-delta recurrence, DeepSeek V4's
+attention (sliding window, compressed entries, sinks: ~5e-5 from llama.cpp's at the first layer's output, enough to
+flip a near-tie in a later layer's expert choice on the tiny V4's F16 file).  On the tiny GLM-5.3's F16 file every
+logit is within 1e-3 of llama.cpp's (tests/test_ggml_cpu_interop.py).
 """
 from __future__ import annotations
 
@@ -228,21 +233,27 @@ def _ggml_linear(ggml, x: torch.Tensor, w) -> torch.Tensor | None:
 #: transformers RMSNorm classes computing ``weight * x / sqrt(mean(x²) + eps)`` (the form ggml's ``rms_norm``
 #: followed by ``mul`` computes; other architectures' norms keep transformers' arithmetic).
 PLAIN_RMS_NORMS = ("Qwen3MoeRMSNorm", "DeepseekV3RMSNorm")
+#: Norms :func:`ggml_activations` also computes as ggml does: GLM-5.3-Flash's plain RMSNorm (the same form), and its
+#: unweighted one (hyper-connections' ``input_norm``: ``x / sqrt(mean(x²) + eps)``, ggml's ``rms_norm`` alone).
+GGML_RMS_NORMS = PLAIN_RMS_NORMS + ("Glm5NextTextRMSNorm",)
+UNWEIGHTED_RMS_NORMS = ("Glm5NextTextUnweightedRMSNorm",)
 
 
-def _rms_norm_forward(module):
+def _rms_norm_forward(module, weighted: bool = True):
     """ggml's ``rms_norm`` arithmetic: Σ of float32 squares accumulated in double, the mean rounded to float32,
-    ``scale = 1/sqrtf(mean + eps)``, then ``x * scale`` and ``* weight``.  (transformers sums in float32 and uses
-    ``rsqrt``: a one-ulp difference there can flip a later Q8_K rounding, which moves a tiny model's NLL by
-    ~0.01.)"""
+    ``scale = 1/sqrtf(mean + eps)``, then ``x * scale`` and (``weighted``) ``* weight``.  (transformers sums in
+    float32 and uses ``rsqrt``: a one-ulp difference there can flip a later Q8_K rounding, which moves a tiny
+    model's NLL by ~0.01.)"""
+    eps = module.variance_epsilon if weighted else module.eps
+
     def forward(hidden_states):
         x = hidden_states.float()
         mean = ((x * x).double().sum(-1, keepdim=True) / x.shape[-1]).float()
         # sqrtf is correctly rounded; torch's float32 sqrt on the CPU is not always (an ulp off), the float64
         # root rounded to float32 is
-        root = torch.sqrt((mean + module.variance_epsilon).double()).float()
+        root = torch.sqrt((mean + eps).double()).float()
         scale = _divide(1.0, root)
-        return module.weight * (x * scale)
+        return module.weight * (x * scale) if weighted else (x * scale).to(hidden_states.dtype)
     return forward
 
 
@@ -256,8 +267,10 @@ def ggml_activations(module=None):
     for m in module.modules() if module is not None else ():
         if is_latent_attention(m):
             m.forward = absorbed_forward(m)
-        elif type(m).__name__ in PLAIN_RMS_NORMS:
+        elif type(m).__name__ in GGML_RMS_NORMS:
             m.forward = _rms_norm_forward(m)
+        elif type(m).__name__ in UNWEIGHTED_RMS_NORMS:
+            m.forward = _rms_norm_forward(m, weighted=False)
         else:
             continue
         patched.append(m)

@@ -19,7 +19,10 @@ from .ggml_arithmetic import activation_type, engine, ggml_product, round_activa
 
 
 #: transformers MLA classes whose forward :func:`absorbed_forward` reproduces (others keep their own forward).
-LATENT_ATTENTIONS = ("DeepseekV3Attention",)
+LATENT_ATTENTIONS = ("DeepseekV3Attention", "Glm5NextTextAttention")
+#: Of those, the nope-only sparse ones (GLM-5.3-Flash: the indexer's selection as the mask; llama.cpp's
+#: ``glm5-next`` graph), whose forward :func:`sparse_absorbed_forward` reproduces.
+SPARSE_LATENT_ATTENTIONS = ("Glm5NextTextAttention",)
 
 
 def is_latent_attention(module) -> bool:
@@ -101,8 +104,56 @@ def _part_activation_types(weight) -> tuple[str, str]:
     return by_suffix.get("attn_k_b", whole), by_suffix.get("attn_v_b", whole)
 
 
+def sparse_absorbed_forward(module):
+    """A forward for a GLM-5.3-Flash attention module (:data:`SPARSE_LATENT_ATTENTIONS`) that attends in the latent
+    space as llama.cpp's ``glm5-next`` graph does (``build_dsa_layer``, no flash attention): each head's query
+    through its ``attn_k_b`` matrix, scores against the normalized latent, ggml's softmax with the indexer's
+    selection (its own or the previous full layer's) as the mask and ``kq_scale = 1/sqrtf(qk_head_dim)``, the
+    latent output through ``attn_v_b``.  transformers expands the latent into per-head keys and values instead:
+    with ggml's activation rounding that moves the attention output by ~1e-4, enough to flip a near-tie in a later
+    layer's expert routing (the tiny GLM-5.3's F16 file: 0.51 nat at one token against llama.cpp).  Without
+    libggml, or without both ``attn_k_b`` and ``attn_v_b``, transformers' forward runs."""
+    theirs = type(module).forward.__get__(module)
+    parts = _absorbed_parts(module.kv_b_proj.weight)
+    kq_scale = float(np.float32(1.0) / np.sqrt(np.float32(module.qk_head_dim)))        # 1.0f / sqrtf(n_embd_head_k)
+    heads, v_dim, rank = module.num_heads, module.v_head_dim, module.kv_lora_rank
+
+    def forward(hidden_states, attention_mask, past_key_values=None, prev_topk_indices=None, **kwargs):
+        ggml = engine()
+        if ggml is None or parts is None or module.qk_rope_head_dim:
+            return theirs(hidden_states, attention_mask, past_key_values=past_key_values,
+                          prev_topk_indices=prev_topk_indices, **kwargs)
+        batch, length = hidden_states.shape[:-1]
+        q_resid = module.q_a_layernorm(module.q_a_proj(hidden_states))
+        q_nope = module.q_b_proj(q_resid).view(batch, length, heads, module.qk_head_dim).transpose(1, 2)
+        compressed = module.kv_a_proj_with_mqa(hidden_states)
+        latent = module.kv_a_layernorm(compressed[..., :rank]).view(batch, 1, length, rank)
+        k_rot = compressed[..., rank:].reshape(batch, 1, length, 0)
+        if past_key_values is not None:
+            latent, k_rot = past_key_values.update(latent, k_rot, module.layer_idx)
+        if module.indexer is not None:
+            topk_indices = module.indexer(hidden_states=hidden_states, q_resid=q_resid,
+                                          attention_mask=attention_mask, past_key_values=past_key_values)
+        elif prev_topk_indices is None:
+            raise ValueError("Shared DSA layers require top-k indices from a previous full indexer layer.")
+        else:
+            topk_indices = prev_topk_indices
+        # [batch, 1, length, keys]: boolean (visible) for sdpa, additive (0 / large negative) for eager
+        visible = module.build_attention_mask_from_topk(topk_indices, q_nope, latent.shape[-2])[:, 0]
+        blocked = ~visible if visible.dtype == torch.bool else visible < 0
+        mask = np.where(blocked.cpu().numpy(), np.float32(-np.inf), np.float32(0.0)).astype(np.float32)
+        out = _engine_attention(ggml, module.kv_b_proj.weight.assembler.store, parts, q_nope, q_nope[..., :0],
+                                latent, k_rot, mask, kq_scale)
+        out = out.transpose(1, 2).reshape(batch, length, heads * v_dim)
+        return module.o_proj(out), None, topk_indices if module.next_skip_topk else None
+
+    return forward
+
+
 def absorbed_forward(module):
     """A forward for ``module`` (see :func:`is_latent_attention`) that attends in the latent space."""
+    if type(module).__name__ in SPARSE_LATENT_ATTENTIONS:
+        return sparse_absorbed_forward(module)
     from transformers.models.deepseek_v3.modeling_deepseek_v3 import apply_rotary_pos_emb, \
         apply_rotary_pos_emb_interleave
 
