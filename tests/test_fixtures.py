@@ -309,6 +309,18 @@ def test_cli_capture_score_kld_compare(tmp_path, text_model):
     out = runner.invoke(main, ["score", str(folder), str(fx), str(b), "--ctx", "16", "--kld-base", str(base)])
     assert out.exit_code == 0, out.output
     assert "Same top p: 100.000 ±" in out.output and "Mean    KLD:" in out.output
+    # existing outputs are replaced only with --force, and a capture refuses its existing directory before it runs
+    table = b.read_bytes()
+    for existing in (["-o", str(b)], ["-o", str(tmp_path / "new.tsv"), "--save-logits", str(base)]):
+        out = runner.invoke(main, ["score", str(folder), str(fx), "--ctx", "16", *existing])
+        assert out.exit_code == 2 and "exists" in out.output and "--force" in out.output, out.output
+    assert b.read_bytes() == table and not (tmp_path / "new.tsv").exists()
+    out = runner.invoke(main, ["score", str(folder), str(fx), str(b), "--ctx", "16", "--kld-base", str(base),
+                               "--force"])
+    assert out.exit_code == 0, out.output
+    out = runner.invoke(main, ["fixture", "capture", str(tmp_path / "no-model"), "--prompts", str(prompts),
+                               "--tokens", "3", "--label", "0731", "-o", str(fx), "--rendering", "raw"])
+    assert out.exit_code == 2 and "output exists" in out.output, out.output
     assert read_table(b).trailer[-1].startswith("kld_summary ")
     out = runner.invoke(main, ["compare", str(a), str(b)])
     assert out.exit_code == 0 and "verdict=no established difference" in out.output

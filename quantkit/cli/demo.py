@@ -59,7 +59,7 @@ def demo(ctx, workdir, jobs):
             tables[name] = out / f"{model.stem}.tsv"
             ctx.invoke(score, model=str(model), fixture_dir=str(examples.example_fixture_dir()),
                        out=str(tables[name]), ctx=SCORE_CTX, device="cpu", allow_cross_checkpoint=False,
-                       kld_base=None, save_logits=None, tokenizer=None)
+                       kld_base=None, save_logits=None, tokenizer=None, force=True)
         _step("compare: F16 control (old) vs Q2 candidate (new)")
         if run_compare(tables["F16 control"], tables["Q2 candidate"]):
             click.echo("(`quantkit compare` exits 1 on this pair: a 2-bit model regresses against its F16 control, "

@@ -108,10 +108,13 @@ def capture(source, prompts, tokens, top_logprobs, label, out, rendering, chat_t
     require_runtime("quantkit fixture capture")
     sampling = (sampling_params(temperature, top_k, top_p, presence_penalty, frequency_penalty, min_p), seed, law) \
         if sample else None
+    from ..errors import OutputExistsError
     from ..fixtures.capture import capture_fixture, read_prompts
     from ..fixtures.directory import check_label
     from ..scoring.loading import describe_model, load_source
 
+    if Path(out).exists() and not force:   # before the model runs (write_fixture checks again at its end)
+        raise OutputExistsError("output exists; refusing to replace it", path=out)
     prompt_list = read_prompts(prompts)
     codec, identity = describe_model(source, tokenizer=tokenizer)
     check_label(identity, label)
@@ -235,9 +238,10 @@ def check(path):
 @click.option("--support", type=click.Path(exists=True, dir_okay=False, path_type=Path),
               help="a support (drafter) GGUF meant for MODEL: refused unless it comes from MODEL's checkpoint "
                    "(recorded in the table)")
+@click.option("--force", is_flag=True, help="replace an existing table (and --save-logits file)")
 @executor_options
 def score(model, fixture_dir, out_arg, out, ctx, device, allow_cross_checkpoint, kld_base, save_logits, tokenizer,
-          sidecars, label, table_format, arithmetic, dtype, batch, support, executor, address, jobs):
+          sidecars, label, table_format, arithmetic, dtype, batch, support, force, executor, address, jobs):
     """Score MODEL (GGUF or checkpoint) on FIXTURE; write the per-case table -o OUT.tsv."""
     out = one_output(out, out_arg)
     require_runtime("quantkit score")
@@ -256,9 +260,11 @@ def score(model, fixture_dir, out_arg, out, ctx, device, allow_cross_checkpoint,
 
     # before the long work: the outputs are writable and are none of the inputs (or each other)
     inputs = input_files([model, fixture_dir, kld_base, tokenizer])
-    check_output(out, inputs=inputs, overwrite=True, what="score table")
+    check_output(out, inputs=inputs, overwrite=force, what="score table")
+    if table_format != "quantkit":
+        check_output(sidecar_path(out), inputs=inputs, overwrite=force, what="score table's identity record")
     if save_logits is not None:
-        check_output(save_logits, inputs=[*inputs, out], overwrite=True, what="--save-logits file")
+        check_output(save_logits, inputs=[*inputs, out], overwrite=force, what="--save-logits file")
     if kld_base is not None and not os.access(kld_base, os.R_OK):
         raise click.BadParameter(f"{kld_base}: not readable", param_hint="--kld-base")
     from ..validate.support import require_pair
