@@ -227,6 +227,18 @@ def test_llama_quantize_q4_k_m_is_proven_byte_for_byte(q4_k_m, arch, tmp_path):
     assert sampled.exit_code == 0, sampled.output
 
 
+def test_llama_cpp_deepseek_v4_is_proven_with_its_integer_table(converted, tmp_path):
+    """llama.cpp's conversion of the official DeepSeek V4 layout (FP4 experts dequantized to F32) carries the hash
+    routing table ``ffn_gate_tid2eid`` as I32: proven as the copy it is, where it was "unproven: quantkit cannot
+    encode I32" and every llama.cpp-made V4 file failed validation."""
+    source, path = converted("deepseek_v4")
+    with GGUFFile(path) as f:
+        total = len(f.tensors)
+        assert any(t.type.name == "I32" for t in f.tensors.values())
+    result = validate(path, "--source", source, "--payload", "full")
+    assert result.exit_code == 0 and f"valid ({total} of {total} tensors proven)" in result.output, result.output
+
+
 def every_matrix_imatrix(path: Path, gguf_path: Path) -> Path:
     """A seeded imatrix observing every matrix (expert) of every block weight of ``gguf_path``."""
     from quantkit.imatrix import Entry, make_imatrix, save_imatrix

@@ -86,9 +86,11 @@ class ForeignPlan(SourceFileHashes):
 
 
 
-def _lossless(qtype: GGMLType, encoding: str) -> str:
+def _lossless(qtype: GGMLType, encoding: str, output: OutputTensor) -> str:
     if qtype == GGMLType.MXFP4 and encoding == "fp4-e8m0":
         return "mxfp4-repack"
+    if qtype == GGMLType.I32 and output.dtype == "int32":   # an integer table (V4's hash routing), as convert copies it
+        return "copy"
     return "encode"
 
 
@@ -97,7 +99,7 @@ def _job(name: str, qtype: GGMLType, output: OutputTensor, encoding: str, imatri
     """The job proving one tensor, or None and why it cannot be proven (``imatrix_used``: the imatrix file the
     artifact records, when it records one)."""
     fmt = get_format(qtype)
-    kind = _lossless(qtype, encoding)
+    kind = _lossless(qtype, encoding, output)
     if kind == "encode" and not fmt.can_encode:
         return None, f"quantkit cannot encode {qtype.name}"
     if kind == "encode" and fmt.imatrix is not ImatrixUse.IGNORED and imatrix is None and imatrix_used is not None:
