@@ -481,6 +481,22 @@ def test_a_finite_weight_beyond_the_types_range_is_refused(qwen, tmp_path, qtype
     assert not out.exists()
 
 
+def test_outputs_written_into_the_source_directory_are_not_part_of_its_identity(qwen, tmp_path):
+    """A conversion written into the checkpoint's own directory leaves its release manifest and report there: the
+    next conversion of that directory records the same source and writes the same bytes, and the first one
+    validates (they recorded the manifest as a source file: the outputs differed and validate failed)."""
+    src = copy_checkpoint(qwen, tmp_path / "ckpt")
+    args = ("--recipe", "q8_0", "--pre-tokenizer", PRE)
+    assert run(src, "-o", tmp_path / "before.gguf", *args).exit_code == 0
+    inside = src / "inside.gguf"
+    result = run(src, "-o", inside, *args, "--report", src / "inside-report.json")
+    assert result.exit_code == 0 and (src / "inside.release.json").is_file(), result.output
+    assert run(src, "-o", tmp_path / "after.gguf", *args).exit_code == 0
+    assert (tmp_path / "after.gguf").read_bytes() == (tmp_path / "before.gguf").read_bytes()
+    validated = CliRunner().invoke(main, ["validate", str(inside), "--source", str(src), "--payload", "full"])
+    assert validated.exit_code == 0, validated.output
+
+
 @pytest.fixture(scope="module")
 def reference(qwen, tmp_path_factory) -> tuple[Path, Path]:
     """An uninterrupted Q2 conversion (bootstrap importance) and its recipe."""

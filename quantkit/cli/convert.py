@@ -111,7 +111,8 @@ def convert(source, out, recipe, imatrix, bootstrap, allow_synthetic_imatrix, jo
             tmp.write_text(json.dumps(record, indent=1) + "\n")
         if report is not None:
             with atomic_output(report, overwrite=force) as tmp:
-                tmp.write_text(json.dumps({"name_tag": prepared.plan.name_tag, "suggested_name": suggested,
+                tmp.write_text(json.dumps({"format": "quantkit-convert-report", "version": 1,
+                                           "name_tag": prepared.plan.name_tag, "suggested_name": suggested,
                                            "sha256": sha256, "release_manifest": str(manifest),
                                            "prepare_seconds": planned, **result.report()}, indent=1) + "\n")
         written["sha256"] = sha256

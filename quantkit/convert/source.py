@@ -7,7 +7,10 @@ revision is the snapshot's commit hash, also for a local path that lies inside a
 (``.../snapshots/<commit>/``); for any other local path it is unknown.
 
 Provenance files (:func:`provenance_files`): the safetensors shards the checkpoint reads, plus the top-level
-configuration and tokenizer files (:data:`PROVENANCE_PATTERNS`).  Their SHA-256 is read from the Hugging Face
+configuration and tokenizer files (:data:`PROVENANCE_PATTERNS`), less the JSON files quantkit itself writes
+(release and transport manifests, reports, score records, swapset manifests: :func:`written_by_quantkit`), so
+that an output written into the checkpoint's directory does not change the identity of the next conversion or
+fail a validation.  Their SHA-256 is read from the Hugging Face
 cache when the file is a link to a blob named by its SHA-256 (the hub names large (LFS) blobs by the SHA-256 of
 their content and checks it on download); every other file is hashed, in ``jobs`` background threads
 (:class:`Hashing`; hashlib releases the GIL on large buffers) while the conversion encodes.  These are the only
@@ -18,6 +21,7 @@ prove equal bytes), besides putting them in the header.
 from __future__ import annotations
 
 import fnmatch
+import json
 import os
 import re
 import threading
@@ -36,6 +40,11 @@ DOWNLOAD_PATTERNS = ("*.safetensors", *PROVENANCE_PATTERNS)
 _REPO_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*(@[A-Za-z0-9._/-]+)?$")
 _COMMIT = re.compile(r"^[0-9a-f]{40}$")
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
+#: The top-level marks of the JSON files quantkit writes ("format": "quantkit-release", -validation, -transport,
+#: -convert-report, -score-sidecar ...; swapset manifests: "schema": "quantkit.swapset"), and the largest file
+#: searched for them (a model's tokenizer.json is larger and is none of them).
+_QUANTKIT_MARKS = (b'"quantkit-', b'"quantkit.')
+_LARGEST_QUANTKIT_JSON = 64 << 20
 
 
 @dataclass(frozen=True)
@@ -92,9 +101,28 @@ def provenance_files(source: ResolvedSource, shard_paths: Iterable[Path]) -> lis
     files = {Path(p) for p in shard_paths}
     if source.path.is_dir():
         for entry in source.path.iterdir():
-            if entry.is_file() and any(fnmatch.fnmatch(entry.name, pattern) for pattern in PROVENANCE_PATTERNS):
+            if entry.is_file() and any(fnmatch.fnmatch(entry.name, pattern) for pattern in PROVENANCE_PATTERNS) \
+                    and not written_by_quantkit(entry):
                 files.add(entry)
     return sorted(files, key=lambda p: p.name)
+
+
+def written_by_quantkit(path: Path) -> bool:
+    """Whether ``path`` is a JSON object quantkit wrote: its top-level ``format`` starts with ``quantkit-`` or its
+    ``schema`` with ``quantkit.`` (the bytes are searched first, so a model's own JSON files are rarely parsed)."""
+    if path.suffix != ".json":
+        return False
+    try:
+        if path.stat().st_size > _LARGEST_QUANTKIT_JSON:
+            return False
+        data = path.read_bytes()
+        if not any(mark in data for mark in _QUANTKIT_MARKS):
+            return False
+        record = json.loads(data)
+    except (OSError, ValueError):
+        return False
+    return isinstance(record, dict) and (str(record.get("format", "")).startswith("quantkit-")
+                                         or str(record.get("schema", "")).startswith("quantkit."))
 
 
 def _blob_sha256(path: Path) -> str | None:
