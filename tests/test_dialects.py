@@ -11,6 +11,7 @@ import pytest
 from click.testing import CliRunner
 
 from quantkit.arch.dialects import (DS4, LLAMA_CPP, dialect_of, to_dialect_name, to_llamacpp_name)
+from quantkit.arch.transforms import get_step
 from quantkit.cli import main
 from quantkit.convert.execute import ConvertRequest, convert, execute, prepare
 from quantkit.convert.plan import build_plan
@@ -211,6 +212,30 @@ def test_redialect_round_trip_is_byte_identical(converted, tmp_path, arch):
     from_ds4 = tmp_path / "from_ds4.gguf"
     redialect(converted[arch, DS4], from_ds4, to=LLAMA_CPP)
     assert from_ds4.read_bytes() == llama.read_bytes()
+
+
+@pytest.mark.parametrize("arch", ["glm5-next", "deepseek4"])
+def test_redialect_to_ds4_writes_the_file_convert_writes(converted, tmp_path, arch):
+    """llama.cpp -> ds4 is ``convert --dialect ds4``'s file byte for byte -- key order, a stash without convert's
+    provenance keys, payloads -- except GLM's A_log: a float32 A_log below 1 in magnitude shares its -exp(A_log)
+    with its neighbours, so the log of llama.cpp's ssm_a may be a neighbour of the checkpoint's; it must still map
+    to the same ssm_a bytes."""
+    out = tmp_path / "ds4.gguf"
+    redialect(converted[arch, LLAMA_CPP], out, to=DS4)
+    ours = np.frombuffer(out.read_bytes(), np.uint8).copy()
+    theirs = np.frombuffer(converted[arch, DS4].read_bytes(), np.uint8).copy()
+    assert ours.size == theirs.size
+    with GGUFFile(out) as f:
+        a_logs = [(name, f.data_offset + t.offset, t.nbytes) for name, t in f.tensors.items()
+                  if name.endswith(".kda_a_log.weight")]
+    assert bool(a_logs) == (arch == "glm5-next")
+    neg_exp = get_step("neg_exp")
+    for name, start, nbytes in a_logs:
+        ours_a, theirs_a = (a[start:start + nbytes].view("<f4") for a in (ours, theirs))
+        assert neg_exp.apply(ours_a, {}).tobytes() == neg_exp.apply(theirs_a, {}).tobytes(), name
+        ours[start:start + nbytes] = theirs[start:start + nbytes]
+    differ = np.flatnonzero(ours != theirs)
+    assert differ.size == 0, f"{differ.size} bytes differ from convert --dialect ds4's, the first at {differ[0]}"
 
 
 def test_redialect_refuses_an_unmapped_tensor_by_name(converted, tmp_path):

@@ -50,6 +50,7 @@ import numpy as np
 from gguf.constants import GGUFValueType, LlamaFileType
 
 from .. import __version__
+from ..arch.dialects import STASH_PREFIX
 from ..formats.registry import GGMLType
 from ..imatrix.bootstrap import BOOTSTRAP_KEY, CALIBRATION_KEY, expert_ranges
 from ..io.gguf import KV, ArrayOf
@@ -200,6 +201,14 @@ def provenance_metadata(*, jobs: Sequence[TensorJob], recipe, recipe_tag: str, s
     return entries
 
 
+def is_provenance_key(key: str) -> bool:
+    """Whether ``key`` is one :func:`provenance_metadata` writes (``quantkit.dialect.*`` is a dialect's stash,
+    written by the translation, not provenance)."""
+    if key.startswith(STASH_PREFIX):
+        return False
+    return key in ("general.file_type", "general.quantization_version") or key.startswith(("quantize.", "quantkit."))
+
+
 def merged_metadata(base: Iterable[tuple[str, KV]], extra: Iterable[tuple[str, KV]]) -> list[tuple[str, KV]]:
     """``base`` then ``extra``; a key in both keeps its first position and takes ``extra``'s value."""
     merged: dict[str, KV] = dict(base)
@@ -209,4 +218,4 @@ def merged_metadata(base: Iterable[tuple[str, KV]], extra: Iterable[tuple[str, K
 
 
 __all__ = ["QUANTIZATION_VERSION", "bootstrap_entries", "calibration_by_class", "checkpoint_identity", "file_type",
-           "merged_metadata", "overall_calibration", "provenance_metadata"]
+           "is_provenance_key", "merged_metadata", "overall_calibration", "provenance_metadata"]
