@@ -11,7 +11,6 @@ import pytest
 from click.testing import CliRunner
 
 from quantkit.arch.dialects import (DS4, LLAMA_CPP, dialect_of, to_dialect_name, to_llamacpp_name)
-from quantkit.arch.transforms import get_step
 from quantkit.cli import main
 from quantkit.convert.execute import ConvertRequest, convert, execute, prepare
 from quantkit.convert.plan import build_plan
@@ -36,8 +35,7 @@ def _rows(name: str) -> list[dict[str, str]]:
                                                       delimiter="\t")]
 
 
-@pytest.fixture(scope="module")
-def glm_checkpoint(tmp_path_factory):
+def _tiny_glm(out: Path, seed: int = 0) -> Path:
     """The tiny GLM-5.3-Flash with an indexer on every sparse-attention layer (ds4's dialect cannot say 'shared')."""
     from quantkit.testing import tiny_models
 
@@ -52,18 +50,28 @@ def glm_checkpoint(tmp_path_factory):
     tiny_models._cached_model.cache_clear()
     tiny_models.ARCHS["glm5_next"] = dataclasses.replace(original, make_config=make_config)
     try:
-        return tiny_models.save_tiny_checkpoint("glm5_next", tmp_path_factory.mktemp("glm") / "ckpt")
+        return tiny_models.save_tiny_checkpoint("glm5_next", out, seed=seed)
     finally:
         tiny_models.ARCHS["glm5_next"] = original
         tiny_models._cached_model.cache_clear()
 
 
 @pytest.fixture(scope="module")
-def converted(tmp_path_factory, tiny_checkpoints, glm_checkpoint):
+def glm_checkpoint(tmp_path_factory):
+    return _tiny_glm(tmp_path_factory.mktemp("glm") / "ckpt")
+
+
+@pytest.fixture(scope="module")
+def sources(tiny_checkpoints, glm_checkpoint):
+    """arch -> (model_type, the tiny checkpoint)."""
+    return {"glm5-next": ("glm5_next", glm_checkpoint),
+            "deepseek4": ("deepseek_v4", tiny_checkpoints.get("deepseek_v4"))}
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory, sources):
     """(arch, dialect) -> a Q8_0 GGUF of the tiny model in that dialect."""
     out = tmp_path_factory.mktemp("dialects")
-    sources = {"glm5-next": ("glm5_next", glm_checkpoint),
-               "deepseek4": ("deepseek_v4", tiny_checkpoints.get("deepseek_v4"))}
     files = {}
     for arch, (model_type, source) in sources.items():
         for dialect in (LLAMA_CPP, DS4):
@@ -200,42 +208,63 @@ def test_deepseek_v4_ds4_census(converted):
 
 
 @pytest.mark.parametrize("arch", ["glm5-next", "deepseek4"])
-def test_redialect_round_trip_is_byte_identical(converted, tmp_path, arch):
-    llama = converted[arch, LLAMA_CPP]
-    ds4 = tmp_path / "ds4.gguf"
-    back = tmp_path / "back.gguf"
-    there = redialect(llama, ds4, to=DS4)
-    assert there.source_dialect == LLAMA_CPP
-    redialect(ds4, back, to=LLAMA_CPP)
+def test_redialect_round_trip_is_byte_identical(converted, sources, tmp_path, arch):
+    llama, ds4 = converted[arch, LLAMA_CPP], converted[arch, DS4]
+    there, back = tmp_path / "ds4.gguf", tmp_path / "back.gguf"
+    assert redialect(llama, there, to=DS4, source=sources[arch][1]).source_dialect == LLAMA_CPP
+    redialect(there, back, to=LLAMA_CPP)
     assert back.read_bytes() == llama.read_bytes()
-    # and a file converted in ds4's dialect is, in llama.cpp's, the file converted in llama.cpp's
-    from_ds4 = tmp_path / "from_ds4.gguf"
-    redialect(converted[arch, DS4], from_ds4, to=LLAMA_CPP)
+    # and a file converted in ds4's dialect is, in llama.cpp's, the file converted in llama.cpp's, and back
+    from_ds4, again = tmp_path / "from_ds4.gguf", tmp_path / "again.gguf"
+    redialect(ds4, from_ds4, to=LLAMA_CPP)
     assert from_ds4.read_bytes() == llama.read_bytes()
+    redialect(from_ds4, again, to=DS4, source=sources[arch][1])
+    assert again.read_bytes() == ds4.read_bytes()
 
 
 @pytest.mark.parametrize("arch", ["glm5-next", "deepseek4"])
-def test_redialect_to_ds4_writes_the_file_convert_writes(converted, tmp_path, arch):
+def test_redialect_to_ds4_writes_the_file_convert_writes(converted, sources, tmp_path, arch):
     """llama.cpp -> ds4 is ``convert --dialect ds4``'s file byte for byte -- key order, a stash without convert's
-    provenance keys, payloads -- except GLM's A_log: a float32 A_log below 1 in magnitude shares its -exp(A_log)
-    with its neighbours, so the log of llama.cpp's ssm_a may be a neighbour of the checkpoint's; it must still map
-    to the same ssm_a bytes."""
+    provenance keys, payloads, GLM's A_log read from --source (DeepSeek V4, which has none, needs no source) -- and
+    validates in full against the checkpoint."""
     out = tmp_path / "ds4.gguf"
-    redialect(converted[arch, LLAMA_CPP], out, to=DS4)
-    ours = np.frombuffer(out.read_bytes(), np.uint8).copy()
-    theirs = np.frombuffer(converted[arch, DS4].read_bytes(), np.uint8).copy()
+    source = str(sources[arch][1])
+    glm = arch == "glm5-next"
+    result = CliRunner().invoke(main, ["redialect", str(converted[arch, LLAMA_CPP]), "--to", "ds4", "-o", str(out),
+                                       *(["--source", source] if glm else [])])
+    assert result.exit_code == 0, result.output
+    assert ("read from the source checkpoint" in result.output) == glm, result.output
+    ours = np.frombuffer(out.read_bytes(), np.uint8)
+    theirs = np.frombuffer(converted[arch, DS4].read_bytes(), np.uint8)
     assert ours.size == theirs.size
-    with GGUFFile(out) as f:
-        a_logs = [(name, f.data_offset + t.offset, t.nbytes) for name, t in f.tensors.items()
-                  if name.endswith(".kda_a_log.weight")]
-    assert bool(a_logs) == (arch == "glm5-next")
-    neg_exp = get_step("neg_exp")
-    for name, start, nbytes in a_logs:
-        ours_a, theirs_a = (a[start:start + nbytes].view("<f4") for a in (ours, theirs))
-        assert neg_exp.apply(ours_a, {}).tobytes() == neg_exp.apply(theirs_a, {}).tobytes(), name
-        ours[start:start + nbytes] = theirs[start:start + nbytes]
     differ = np.flatnonzero(ours != theirs)
     assert differ.size == 0, f"{differ.size} bytes differ from convert --dialect ds4's, the first at {differ[0]}"
+    result = CliRunner().invoke(main, ["validate", str(out), "--source", source, "--payload", "full"])
+    assert result.exit_code == 0, result.output
+
+
+def test_redialect_to_ds4_refuses_glm_without_its_source(converted, sources, tmp_path):
+    """llama.cpp's ssm_a = -exp(A_log) does not determine A_log: without the checkpoint the file was made from (or
+    with another one: a different seed, another architecture) GLM is refused in one line, nothing written."""
+    llama = str(converted["glm5-next", LLAMA_CPP])
+    out = tmp_path / "ds4.gguf"
+    other = _tiny_glm(tmp_path / "other", seed=1)
+    runs = {"none": [], "seed 1": ["--source", str(other)], "V4": ["--source", str(sources["deepseek4"][1])]}
+    for what, extra in runs.items():
+        result = CliRunner().invoke(main, ["redialect", llama, "--to", "ds4", "-o", str(out), *extra])
+        assert result.exit_code == 2, (what, result.output)
+        assert len(result.output.strip().splitlines()) == 1 and "Traceback" not in result.output, result.output
+        assert not out.exists() and not out.with_name(out.name + ".partial").exists()
+        if what == "none":
+            assert "tensor 'blk.0.ssm_a'" in result.output and "--source CKPT" in result.output, result.output
+        elif what == "seed 1":
+            assert "tensor 'blk.0.ssm_a'" in result.output and str(other) in result.output, result.output
+        else:
+            assert "not the checkpoint the file was made from" in result.output, result.output
+    # the source is read, never written
+    before = {p.name: p.read_bytes() for p in sources["glm5-next"][1].iterdir() if p.is_file()}
+    redialect(llama, out, to=DS4, source=sources["glm5-next"][1])
+    assert {p.name: p.read_bytes() for p in sources["glm5-next"][1].iterdir() if p.is_file()} == before
 
 
 def test_redialect_refuses_an_unmapped_tensor_by_name(converted, tmp_path):

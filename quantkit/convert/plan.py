@@ -44,8 +44,8 @@ import numpy as np
 
 from ..arch import ROW_TABLE_CLASSES, OutputTensor, get_arch
 from ..arch import transforms
-from ..arch.dialects import (LAYOUT_A_LOG, LAYOUT_CONV, LLAMA_CPP, arch_dialect, is_native, relaid_dialect,
-                              relaid_metadata, relaid_tensors, translate)
+from ..arch.dialects import (LAYOUT_A_LOG, LAYOUT_CONV, LLAMA_CPP, TensorMove, arch_dialect, is_native,
+                              relaid_dialect, relaid_metadata, relaid_tensors, translate)
 from ..errors import RecipeError, SourceError, UnsupportedError
 from ..formats.api import tensor_nbytes
 from ..formats.registry import GGMLType, ImatrixUse, get_format
@@ -493,18 +493,21 @@ def in_dialect(plan: Plan, dialect: str) -> Plan:
         raise SourceError(f"{native[0].name}: a tensor built in the {dialect} dialect's names needs the table to "
                           f"keep the plan's order (a bug in the dialect tables)")
     by_name = {t.name: t for t in translated}
-    tensors = []
-    for move in translation.moves:
-        t = by_name[move.source]
-        swap = _DIALECT_STEPS.get(move.layout, {})
-        sources = tuple(replace(m, transform=tuple(swap.get(s, s) for s in m.transform if swap.get(s, s)))
-                        for m in t.output.sources)
-        tensors.append(replace(t, output=replace(t.output, gguf_name=move.name, shape=move.shape, sources=sources),
-                               llama_cpp_name=move.source))
+    tensors = [replace(by_name[move.source], output=dialect_output(by_name[move.source].output, move),
+                       llama_cpp_name=move.source) for move in translation.moves]
     if native:   # the dialect keeps the plan's order: put them back where the plan has them
         moved = iter(tensors)
         tensors = [t if is_native(table, t.name) else next(moved) for t in plan.tensors]
     return replace(plan, tensors=tensors, metadata=translation.metadata, dialect=dialect)
+
+
+def dialect_output(output: OutputTensor, move: TensorMove) -> OutputTensor:
+    """The llama.cpp-dialect tensor ``output`` as ``move`` writes it in another dialect: its name and shape there,
+    built from the same sources through the steps that dialect stores (:data:`_DIALECT_STEPS`)."""
+    swap = _DIALECT_STEPS.get(move.layout, {})
+    sources = tuple(replace(m, transform=tuple(swap.get(s, s) for s in m.transform if swap.get(s, s)))
+                    for m in output.sources)
+    return replace(output, gguf_name=move.name, shape=move.shape, sources=sources)
 
 
 def _arch_of_plan(plan: Plan) -> str:

@@ -12,8 +12,8 @@ Library API (used by ``quantkit convert --dialect``, ``quantkit redialect`` and 
     to_llamacpp_name("blk.0.kda_q.weight", "glm5-next")         # -> "blk.0.attn_q.weight"
     to_dialect_name("blk.0.attn_q.weight", "glm5-next", "ds4", linear_layers={0})
     translate(metadata, tensors, to="ds4")     # -> Translation(metadata, moves): the whole re-dialect plan
-    convert_payload(move, raw_bytes)           # a tensor's payload in the target dialect (bytes unchanged
-                                               # unless move.layout is LAYOUT_A_LOG)
+    convert_payload(move, raw_bytes, to)       # a tensor's payload in dialect `to` (bytes unchanged unless
+                                               # move.layout is LAYOUT_A_LOG: ds4's A_log -> llama.cpp's only)
 
 ``dialect_of`` recognizes ds4 by the keys only ds4 writes (``glm5-next.layer_types`` ...).  For ``deepseek4`` the
 dialects share every tensor name and key ds4.c reads but ``deepseek4.vocab_size``, which ds4.c requires and
@@ -23,8 +23,9 @@ Lossless round trips.  What one dialect holds and the other cannot say (llama.cp
 ``glm5-next.rope.freq_base``; a tensor order; a value the inverse mapping would not reproduce) is kept in the
 output under ``quantkit.dialect.<source dialect>.`` (``.kv.<key>`` values, ``.keys`` and ``.tensors`` orders),
 found by translating back and comparing; translating back consumes it.  So llama.cpp -> ds4 -> llama.cpp
-reproduces the file byte for byte.  ds4 engines read keys by name and ignore the ``quantkit.`` namespace, as they
-ignore quantkit's provenance keys.
+reproduces the file byte for byte.  One payload is not the input's bytes: GLM's A_log, whose llama.cpp form
+``-exp(A_log)`` several float32 ``A_log`` share, so ds4's comes from the checkpoint (``redialect --source``).
+ds4 engines read keys by name and ignore the ``quantkit.`` namespace, as they ignore quantkit's provenance keys.
 """
 from __future__ import annotations
 
@@ -586,9 +587,10 @@ def _neg_exp(a: np.ndarray) -> np.ndarray:
 
 
 def convert_payload(move: TensorMove, raw: bytes | memoryview | np.ndarray, to: str) -> bytes:
-    """The payload of ``move`` in dialect ``to``: the input bytes, except ``LAYOUT_A_LOG`` (F32 values mapped
-    between ``-exp(A_log)`` and ``A_log``; refused, naming the tensor, when the result would not map back to the
-    same bytes)."""
+    """The payload of ``move`` in dialect ``to``: the input bytes, except ``LAYOUT_A_LOG``: ds4's F32 ``A_log`` to
+    llama.cpp's ``-exp(A_log)``, as ``convert`` computes it (the ``neg_exp`` step).  The other way is refused: below
+    1 in magnitude several float32 ``A_log`` share one ``-exp(A_log)``, so ds4's ``A_log`` comes from the source
+    checkpoint (:func:`quantkit.convert.redialect.source_payloads`)."""
     data = bytes(raw if not isinstance(raw, np.ndarray) else raw.tobytes())
     if move.layout != LAYOUT_A_LOG:
         return data
@@ -596,15 +598,10 @@ def convert_payload(move: TensorMove, raw: bytes | memoryview | np.ndarray, to: 
     if GGMLType(move.type) is not GGMLType.F32:
         raise FormatError(f"A_log tensors are F32 in both dialects, found {GGMLType(move.type).name}",
                           tensor=move.source)
-    x = np.frombuffer(data, "<f4")
-    if to == LLAMA_CPP:
-        return _neg_exp(x).astype("<f4").tobytes()
-    with np.errstate(invalid="ignore", divide="ignore"):
-        a = np.log(np.negative(x.astype(np.float64))).astype(np.float32)
-    if not np.array_equal(_neg_exp(a).view(np.uint32), x.view(np.uint32)):
-        raise FormatError("-exp(A_log) does not map back to the same float32 bytes from its log; "
-                          "convert ds4's A_log from the source checkpoint instead", tensor=move.source)
-    return a.astype("<f4").tobytes()
+    if to != LLAMA_CPP:
+        raise FormatError("-exp(A_log) does not determine A_log (several float32 A_log share each value): ds4's "
+                          "A_log comes from the source checkpoint", tensor=move.source)
+    return _neg_exp(np.frombuffer(data, "<f4")).astype("<f4").tobytes()
 
 
 __all__ = ["DIALECTS", "DS4", "LAYOUT_A_LOG", "LAYOUT_CONV", "LAYOUT_SAME", "LLAMA_CPP", "ArchDialect", "KeyRow",
