@@ -548,3 +548,16 @@ def test_split_killed_at_a_seeded_point_leaves_only_complete_parts_and_no_manife
         if part.name in named:
             assert sha256(out / part.name) == part.sha256, part.name
     assert split_file(blob, out, parse_size("250kB"), force=True).file.sha256 == byte_parts.file.sha256
+
+
+def test_a_split_its_readers_would_refuse_is_refused_before_any_part(blob, tmp_path, monkeypatch):
+    """More byte parts than a transport manifest may list (assemble and validate refuse such a manifest): exit 2
+    naming the part size, with nothing written."""
+    from quantkit.transport import manifest, split
+
+    monkeypatch.setattr(split, "MAX_PARTS", 4)
+    out = tmp_path / "parts"
+    result = cli("transport", "split", blob, "--bytes", "--part-size", "100kB", "-o", out, "--no-progress")
+    assert result.exit_code == 2 and "--part-size gives" in result.output and "(4)" in result.output, result.output
+    assert not out.exists() or not list(out.iterdir())
+    assert manifest.MAX_PARTS == 1 << 20

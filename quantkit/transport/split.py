@@ -21,12 +21,12 @@ from pathlib import Path
 
 from gguf.constants import GGUFValueType
 
-from ..errors import FormatError, OutOfSpaceError, OutputExistsError, UnsupportedError
+from ..errors import FormatError, OutOfSpaceError, OutputExistsError, QuantkitError, UnsupportedError
 from ..io.atomic import atomic_output, check_output, commit_partial, is_out_of_space, output_lock
 from ..io.gguf import KV, align
 from ..io.gguf_reader import GGUFFile
 from ..io.gguf_writer import plan_layout, pwrite_all
-from .manifest import Entry, Manifest, manifest_name
+from .manifest import MAX_PARTS, Entry, Manifest, manifest_name
 from .stream import Syncer, copy_range, progress_bar
 
 SPLIT_NO, SPLIT_COUNT, SPLIT_TENSORS_COUNT = "split.no", "split.count", "split.tensors.count"
@@ -37,6 +37,12 @@ SPLIT_KEYS = (SPLIT_NO, SPLIT_TENSORS_COUNT, SPLIT_COUNT)
 SPLIT_ALIGNMENT = 32
 #: ``split.no`` and ``split.count`` are UINT16.
 MAX_SHARDS = 0xFFFF
+
+
+def _check_count(count: int, most: int, what: str, source: Path) -> None:
+    """Before anything is written: a split its readers would refuse is a bad --part-size (exit 2)."""
+    if count > most:
+        raise QuantkitError(f"--part-size gives {count:,} {what} ({most:,}); use a larger part size", path=source)
 
 
 def shard_name(stem: str, index: int, count: int) -> str:
@@ -143,6 +149,7 @@ def split_bytes(source: Path, out_dir: Path, part_size: int, *, force: bool = Fa
                 progress: bool = False) -> Manifest:
     size = source.stat().st_size
     count = max(1, -(-size // part_size))
+    _check_count(count, MAX_PARTS, "parts, more than a transport manifest holds", source)
     names = [byte_part_name(source.name, i, count) for i in range(count)]
     _check_outputs(out_dir, [*names, manifest_name(source.name)], source, force)
     _check_space(out_dir, size)
@@ -212,9 +219,7 @@ def split_gguf(source: Path, out_dir: Path, part_size: int, *, force: bool = Fal
             raise UnsupportedError(f"merging shards would not give back this file ({problem}); split it as bytes "
                                    f"(--bytes)", path=source)
         runs = _shard_runs(f, part_size)
-        if len(runs) > MAX_SHARDS:
-            raise UnsupportedError(f"{len(runs)} shards, more than llama.cpp's {MAX_SHARDS}; use a larger part size",
-                                   path=source)
+        _check_count(len(runs), MAX_SHARDS, "shards, more than llama.cpp's split keys count", source)
         stem = source.name[:-len(".gguf")] if source.name.endswith(".gguf") else source.name
         names = [shard_name(stem, i, len(runs)) for i in range(len(runs))]
         _check_outputs(out_dir, [*names, manifest_name(source.name)], source, force)
