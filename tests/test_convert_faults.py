@@ -591,3 +591,24 @@ def test_too_many_jobs_are_lowered_with_a_note(qwen, recipe, tmp_path):
     result = run(*args_for(qwen, out, recipe, "--dry-run"), jobs=1000)
     assert result.exit_code == 0, result.output
     assert "note: using" in result.stderr and "instead of 1000" in result.stderr and not leftovers(out)
+
+
+def test_workers_starting_ignore_ctrl_c_and_leave_quietly_when_the_parent_goes():
+    """A Ctrl-C reaches the terminal's whole process group: a worker still starting its interpreter printed a
+    KeyboardInterrupt traceback from multiprocessing's spawn (and died); one whose parent closed the pipe printed a
+    BrokenPipeError or EOFError traceback.  Now a worker is born ignoring SIGINT and ends quietly (exit 0)."""
+    from quantkit.convert.pool import WorkerPool
+
+    workers = WorkerPool(2)
+    try:
+        for w in workers._workers:   # at once: each is still importing, before its own code can ignore SIGINT
+            os.kill(w.process.pid, signal.SIGINT)
+        time.sleep(1.0)
+        assert all(w.process.is_alive() for w in workers._workers)
+        for w in workers._workers:
+            w.conn.close()
+        for w in workers._workers:
+            w.process.join(30)
+        assert [w.process.exitcode for w in workers._workers] == [0, 0]
+    finally:
+        workers.close(terminate=True)

@@ -348,6 +348,15 @@ def _die_with_parent() -> None:
 
 
 def _worker_main(conn) -> None:
+    """A worker's life; a parent gone away (its pipe closed: killed, or stopping) ends it quietly, not with a
+    traceback on the terminal the user's Ctrl-C or kill came from."""
+    try:
+        _serve(conn)
+    except (BrokenPipeError, ConnectionResetError, EOFError):
+        pass
+
+
+def _serve(conn) -> None:
     _die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)   # the parent handles Ctrl-C and terminates its workers
     import numba
@@ -386,6 +395,22 @@ def _worker_main(conn) -> None:
                 conn.send(("error", name, _portable(exc)))
     finally:
         writer.close()
+
+
+@contextlib.contextmanager
+def _sigint_ignored():
+    """SIGINT ignored while workers start: they inherit it, so a Ctrl-C to the terminal's process group cannot
+    interrupt their interpreter's start-up (a KeyboardInterrupt traceback from multiprocessing's spawn, before
+    :func:`_serve` ignores it itself).  The parent's own Ctrl-C in this window of a few milliseconds is lost.
+    Only the main thread may change signal handlers; elsewhere nothing changes."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 class _Worker:
@@ -442,7 +467,8 @@ class WorkerPool:
         self._workers: list[_Worker] = []
         if self.jobs > 1:
             context = multiprocessing.get_context("spawn")
-            self._workers = [_Worker(context, i) for i in range(self.jobs)]
+            with _sigint_ignored():
+                self._workers = [_Worker(context, i) for i in range(self.jobs)]
         self._started = False
 
     def run(self, setup: WorkerSetup, names: Iterable[str]) -> Iterator[TensorDone]:
