@@ -8,6 +8,8 @@
 """
 from __future__ import annotations
 
+import json
+
 import click
 import pytest
 from click.testing import CliRunner
@@ -71,3 +73,22 @@ def test_validate_report_and_its_former_name(tmp_path):
         report = tmp_path / f"r{flag.strip('-')}.json"
         result = runner.invoke(main, ["validate", str(artifact), "--structure-only", flag, str(report)])
         assert result.exit_code == 2 and report.is_file(), result.output
+
+
+@pytest.mark.parametrize("args", [["convert", "x", "-o", "y.gguf", "--recipe", "q8_0", "-j", "0"], ["nosuch"],
+                                  ["validate"], ["score", "m.gguf", ".", "--ctx", "5", "--bogus"]])
+def test_a_bad_option_or_argument_is_one_line(args):
+    """A bad option, a missing argument or an unknown command is one line naming it and the help to read, exit
+    2, as every other error (click printed the usage, a hint and a blank line around it)."""
+    result = CliRunner().invoke(main, args)
+    lines = result.stderr.strip().splitlines()
+    assert result.exit_code == 2 and len(lines) == 1, result.stderr
+    assert lines[0].startswith("error: ") and lines[0].endswith("--help)"), lines[0]
+
+
+def test_a_recipe_directory_and_a_checkpoint_without_config_are_named(tmp_path):
+    header = json.dumps({"w": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}}).encode()
+    (tmp_path / "model.safetensors").write_bytes(len(header).to_bytes(8, "little") + header + bytes(4))
+    for args, expected in [(["--recipe", str(tmp_path)], "is a directory"), (["--recipe", "q8_0"], "no config.json")]:
+        result = CliRunner().invoke(main, ["convert", str(tmp_path), "-o", str(tmp_path / "o.gguf"), *args])
+        assert result.exit_code == 2 and expected in result.stderr, result.stderr

@@ -249,7 +249,7 @@ def _qwen4exp(r: KeyReader, c: dict) -> None:
     if sparse == [0]:
         raise UnsupportedError("every attention layer has compression ratio 0 (llama.cpp's converter writes that for "
                                "qwen4_exp: its QSA indexer never engages), which transformers' Qwen4-Exp cannot run; "
-                               "pass config= to run the model as transformers does", path=r.path,
+                               "convert the checkpoint with quantkit, whose file records the model's own settings", path=r.path,
                                field=r.full("attention.compress_ratios"))
     c["indexer_compress_ratio"] = sparse[0]
     c["linear_value_head_dim"] = r.get("ssm.inner_size") // c["linear_num_value_heads"]

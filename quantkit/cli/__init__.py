@@ -116,6 +116,10 @@ class _Group(click.Group):
             result = super().invoke(ctx)
             sys.stdout.flush()   # a closed pipe shows here, not at interpreter exit
             return result
+        except click.UsageError as exc:   # one line, as every other error (click adds usage and a blank line)
+            where = exc.ctx.command_path if exc.ctx is not None else ctx.command_path
+            click.echo(f"error: {' '.join(exc.format_message().split())} (see {where} --help)", err=True)
+            sys.exit(exc.exit_code)
         except (click.exceptions.Exit, click.ClickException, click.Abort):
             raise
         except KeyboardInterrupt:

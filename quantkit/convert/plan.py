@@ -387,7 +387,8 @@ def build_plan(source: str | os.PathLike | Checkpoint, recipe: Recipe | str | os
     with contextlib.nullcontext(source) if isinstance(source, Checkpoint) else open_checkpoint(source) as ckpt:
         model_type = ckpt.config.get("model_type")
         if not isinstance(model_type, str):
-            raise SourceError(f"config.json gives no model_type (found {model_type!r})", path=ckpt.path,
+            raise SourceError("no config.json in the checkpoint" if not ckpt.has_config else
+                              f"config.json gives no model_type (found {model_type!r})", path=ckpt.path,
                               field="model_type")
         arch = get_arch(model_type)
         recipe.check_architecture(model_type)

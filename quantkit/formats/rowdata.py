@@ -112,8 +112,8 @@ def _bad(kind: str, v: np.ndarray) -> np.ndarray:
     return v == _E8M0_NAN
 
 
-_DESCRIBE = {"f16": "f16 scale is Inf or NaN", "iq1m": "f16 scale is Inf or NaN", "bf16": "value is Inf or NaN",
-             "f32": "value is Inf or NaN", "f64": "value is Inf or NaN", "e8m0": "E8M0 scale is 0xFF (NaN)"}
+_DESCRIBE = {"f16": "f16 scale is Inf or NaN", "iq1m": "f16 scale is Inf or NaN", "f32": "f32 scale is Inf or NaN",
+             "e8m0": "E8M0 scale is 0xFF (NaN)"}
 
 
 def invalid_blocks(qtype: "GGMLType | int | str", data: np.ndarray) -> np.ndarray:
@@ -145,5 +145,7 @@ def check_row_data(qtype: "GGMLType | int | str", data: np.ndarray) -> RowDataPr
     if not bad.any():
         return None
     first = int(np.argmax(bad))
+    if fmt.qtype in (GGMLType.F16, GGMLType.BF16, GGMLType.F32, GGMLType.F64):   # a value, not a block's scale
+        return RowDataProblem(first, int(bad.sum()), "value is Inf or NaN")
     kinds = sorted({kind for _, kind in fields})
     return RowDataProblem(first, int(bad.sum()), " or ".join(_DESCRIBE[k] for k in kinds))

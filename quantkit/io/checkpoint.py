@@ -164,6 +164,7 @@ class Checkpoint:
                  files: list[SafetensorsFile], where: dict[str, SafetensorsFile]):
         self.path = path
         self.config = config
+        self.has_config = config_found
         self._files = files
         self._where = where
         self.metadata: dict = dict(files[0].metadata) if files else {}

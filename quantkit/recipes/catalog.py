@@ -48,6 +48,8 @@ def load_recipe(spec: str | os.PathLike) -> Recipe:
     path = Path(spec)
     if path.is_file():
         return _read(path)
+    if path.is_dir():
+        raise RecipeError("is a directory; a recipe is a TOML file or a shipped recipe's name", path=path)
     if isinstance(spec, str) and os.sep not in spec:
         for directory in NAMED_DIRS:
             named = directory / f"{spec}{RECIPE_SUFFIX}"

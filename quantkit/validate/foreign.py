@@ -136,7 +136,8 @@ def foreign_plan(f: GGUFFile, source: str, imatrix: str | None) -> tuple[Foreign
     with open_checkpoint(resolved.path) as ckpt:
         model_type = ckpt.config.get("model_type")
         if not isinstance(model_type, str):
-            raise SourceError(f"config.json gives no model_type (found {model_type!r})", path=ckpt.path,
+            raise SourceError("no config.json in the checkpoint" if not ckpt.has_config else
+                              f"config.json gives no model_type (found {model_type!r})", path=ckpt.path,
                               field="model_type")
         table = get_arch(model_type)
         amap = table.bind(ckpt.config, mtp_dialect=dialect_of(f.metadata) if _keeps_mtp(f, table.gguf_arch) else None)

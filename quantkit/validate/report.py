@@ -117,7 +117,7 @@ class Report:
             if c.failed and len(c.items) > 1:
                 lines += [f"          - {item}" for item in c.items[:ITEMS_SHOWN]]
                 if len(c.items) > ITEMS_SHOWN:
-                    lines.append(f"          … {len(c.items) - ITEMS_SHOWN} more (--json lists them)")
+                    lines.append(f"          … {len(c.items) - ITEMS_SHOWN} more (--report FILE lists them)")
         lines += [f"  note: {note}" for note in self.notes]
         failed = sum(c.failed for c in self.checks)
         scope = [self.scope] if self.scope else []

@@ -162,7 +162,7 @@ def arch_dialect(arch: str, dialect: str = DS4) -> ArchDialect | None:
         raise UnsupportedError(f"no ds4 dialect for {arch}: {ds4.UNSUPPORTED[arch]}", field="dialect")
     if arch not in ds4.ARCHS:
         raise UnsupportedError(f"no ds4 dialect for architecture {arch!r}; ds4 tables exist for "
-                               f"{', '.join(sorted(ds4.ARCHS))}", field="dialect")
+                               f"{', '.join(sorted({*ds4.ARCHS, *ds4.RELAID}))}", field="dialect")
     return ds4.ARCHS[arch]
 
 
