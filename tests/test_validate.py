@@ -299,6 +299,14 @@ def test_the_source_must_be_known(artifact, tmp_path):
     assert "records no source repository" in line and "--source" in line
 
 
+def test_another_models_source_is_one_line_not_a_list_of_differences(artifact, tiny_checkpoints):
+    """A source of another architecture does not belong to the artifact (exit 2, one line naming both), where
+    validate listed every tensor and key as a difference (exit 1)."""
+    _, gguf = artifact("qwen3_moe", "q8_0")
+    line = one_line_error(validate(gguf, "--source", tiny_checkpoints.get("deepseek_v3", "per-expert", "bf16"))[0])
+    assert "the artifact is a 'qwen3moe' model, the source a 'deepseek_v3' one" in line, line
+
+
 def test_scales_padding_and_size(artifact, tmp_path):
     src, gguf = artifact("qwen3_moe", "q8_0")
     with GGUFFile(gguf) as f:

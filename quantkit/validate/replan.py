@@ -40,7 +40,7 @@ from ..convert.execute import ConvertRequest, Prepared, file_layout, prepare
 from ..convert.provenance import provenance_metadata
 from ..convert.source import FileHash, ResolvedSource, hash_files, resolve_source
 from ..convert.tensors import TensorJob
-from ..errors import MissingSourceError, RecipeError, SourceError, UnsupportedError
+from ..errors import MissingSourceError, RecipeError, SourceError, UnsupportedError, ValidationError
 from ..imatrix.bootstrap import BOOTSTRAP_KEY, CALIBRATION_KEY
 from ..io.atomic import sha256_file
 from ..io.gguf import KV, ArrayOf, type_name
@@ -230,6 +230,17 @@ def _expected_provenance(f: GGUFFile, prepared: Prepared, jobs: dict[str, Tensor
     return [(k, expected[k]) for k in order]
 
 
+def _require_same_architecture(f: GGUFFile, candidate: "Replan", resolved: ResolvedSource) -> None:
+    """Another model's checkpoint is an input that does not belong (exit 2, one line), not a list of every tensor
+    that differs."""
+    key = "general.architecture"
+    ours, theirs = f.metadata.get(key), candidate.layout.metadata.get(key)
+    if ours is not None and theirs is not None and ours.value != theirs.value:
+        raise ValidationError(f"the artifact is a {ours.value!r} model, the source a {candidate.model_type!r} one "
+                              f"({theirs.value!r}): not the checkpoint it was made from", path=resolved.path,
+                              field="model_type")
+
+
 def replan(f: GGUFFile, *, source: str | None = None, recipe: str | None = None, imatrix: str | None = None
            ) -> Replan:
     """Re-plan ``f`` from its source and recipe (see the module docstring)."""
@@ -253,6 +264,7 @@ def replan(f: GGUFFile, *, source: str | None = None, recipe: str | None = None,
             failure = failure or exc
             continue
         candidate = _candidate(f, prepared, resolved, recipe_from, imatrix_path, recorded_hashes)
+        _require_same_architecture(f, candidate, resolved)
         if _same_kv(candidate.layout.metadata.get(BOOTSTRAP_KEY), f.metadata.get(BOOTSTRAP_KEY)):
             return candidate
         fallback = fallback or candidate
