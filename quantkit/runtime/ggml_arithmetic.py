@@ -32,16 +32,18 @@ default run by as much).  So when libggml-base and libggml-cpu load (llama-cpp-p
 :func:`engine`), the mode hands ggml the operations where its arithmetic is its own: every ``F.linear`` with a
 packed weight (or ``weight[e]`` of one) whose GGUF tensors hold whole rows unchanged is one ``ggml_mul_mat`` on the
 stored payload (:func:`ggml_product`; the weight repacked as llama.cpp places it by default, :data:`REPACK`), and
-``F.silu`` and ``sigmoid`` are ggml's (its exponentials are not torch's); the rest keeps the rounding emulation.
+``F.silu`` and ``sigmoid`` are ggml's (its exponentials are not torch's), and DeepSeek V4's grouped ``o_a_proj`` is
+ggml's 3-D product, one ``ggml_mul_mat`` per group (:func:`_grouped_forward`); the rest keeps the rounding emulation.
 :mod:`.mla` runs latent attention's products and softmax in ggml too (DeepSeek V3's, and GLM-5.3's sparse one
 over its indexer's selection).  On llama.cpp-made Q4_K_M files of the tiny
 Qwen3-MoE and DeepSeek V3 every token's NLL then agrees with llama.cpp's within 1e-7 (tests/test_foreign.py), and
 ``parity`` prints llama-perplexity's Mean KLD and Same top p (tests/test_parity.py).  Not in ggml yet: rope, norms
 other than :data:`GGML_RMS_NORMS` / :data:`UNWEIGHTED_RMS_NORMS`, GLM's hyper-connection mixing (its stream sums
 differ from ggml's by an ulp, which can flip a later Q8_0 rounding) and gated-delta recurrence, DeepSeek V4's
-attention (sliding window, compressed entries, sinks: ~5e-5 from llama.cpp's at the first layer's output, enough to
-flip a near-tie in a later layer's expert choice on the tiny V4's F16 file).  On the tiny GLM-5.3's F16 file every
-logit is within 1e-3 of llama.cpp's (tests/test_ggml_cpu_interop.py).
+attention products and softmax (sliding window, compressed entries, sinks) and its rope (~2 ulps from ggml's), and
+the Walsh-Hadamard rotation llama.cpp applies to V4's queries, keys and attention output when the head size equals
+the indexer's (the tiny V4's: an identity in exact arithmetic).  On the tiny GLM-5.3's and DeepSeek V4's F16 files
+every logit is within 1e-3 of llama.cpp's (tests/test_ggml_cpu_interop.py).
 """
 from __future__ import annotations
 
@@ -175,19 +177,24 @@ def engine():
 
 
 def ggml_product(ggml, gguf_name: str, store, x: torch.Tensor, index: int | None = None, *,
-                 expert: bool = True) -> torch.Tensor:
+                 expert: bool = True, groups: int | None = None) -> torch.Tensor:
     """``x @ W.T`` by ggml's CPU backend, ``W`` GGUF tensor ``gguf_name`` (its slice ``index`` of the leading axis
     when given) as stored in the file: ggml rounds the activations and picks its kernel itself.  A slice of a 3-D
     tensor multiplies as llama.cpp's ``MUL_MAT_ID`` runs one expert, unless ``expert=False`` (MLA's per-head
-    ``attn_k_b`` / ``attn_v_b``: a batched ``MUL_MAT``)."""
+    ``attn_k_b`` / ``attn_v_b``: a batched ``MUL_MAT``).  ``groups``: the 2-D tensor's rows are that many equal
+    blocks, ``index`` one of them (llama.cpp's 3-D view of DeepSeek V4's ``attn_output_a``, a batched ``MUL_MAT``
+    of a weight the CPU backend never repacks: its repacked kernels take 2-D weights only)."""
     weights = store.weights
     stored = weights.tensors[gguf_name]
     payload = weights.data(gguf_name)
+    rows = stored.shape[-2] if len(stored.shape) >= 2 else 1
+    if groups is not None:
+        payload, rows = payload.reshape(groups, -1, payload.shape[-1]), rows // groups
     if index is not None:
         payload = payload[index]
-    rows = stored.shape[-2] if len(stored.shape) >= 2 else 1
     flat = x.detach().reshape(-1, x.shape[-1]).float().cpu().numpy()
-    out = ggml.mul_mat(GGMLType[stored.qtype.name], np.ascontiguousarray(payload), rows, flat, repack=REPACK,
+    out = ggml.mul_mat(GGMLType[stored.qtype.name], np.ascontiguousarray(payload), rows, flat,
+                       repack=REPACK and groups is None,
                        expert=index is not None and len(stored.shape) == 3 and expert)
     return torch.from_numpy(out).reshape(*x.shape[:-1], rows).to(x.device, x.dtype)
 
@@ -233,10 +240,41 @@ def _ggml_linear(ggml, x: torch.Tensor, w) -> torch.Tensor | None:
 #: transformers RMSNorm classes computing ``weight * x / sqrt(mean(x²) + eps)`` (the form ggml's ``rms_norm``
 #: followed by ``mul`` computes; other architectures' norms keep transformers' arithmetic).
 PLAIN_RMS_NORMS = ("Qwen3MoeRMSNorm", "DeepseekV3RMSNorm")
-#: Norms :func:`ggml_activations` also computes as ggml does: GLM-5.3-Flash's plain RMSNorm (the same form), and its
-#: unweighted one (hyper-connections' ``input_norm``: ``x / sqrt(mean(x²) + eps)``, ggml's ``rms_norm`` alone).
-GGML_RMS_NORMS = PLAIN_RMS_NORMS + ("Glm5NextTextRMSNorm",)
-UNWEIGHTED_RMS_NORMS = ("Glm5NextTextUnweightedRMSNorm",)
+#: Norms :func:`ggml_activations` also computes as ggml does: GLM-5.3-Flash's and DeepSeek V4's plain RMSNorms (the
+#: same form), and their unweighted ones (hyper-connections' ``input_norm``, V4's per-head query norm:
+#: ``x / sqrt(mean(x²) + eps)``, ggml's ``rms_norm`` alone).
+GGML_RMS_NORMS = PLAIN_RMS_NORMS + ("Glm5NextTextRMSNorm", "DeepseekV4RMSNorm")
+UNWEIGHTED_RMS_NORMS = ("Glm5NextTextUnweightedRMSNorm", "DeepseekV4UnweightedRMSNorm")
+
+
+#: transformers block-diagonal products: DeepSeek V4's ``o_a_proj`` (group ``g`` of the heads times rows ``g`` of the
+#: weight), which llama.cpp runs as one ``ggml_mul_mat`` of the weight viewed 3-D (:func:`_grouped_forward`).
+GROUPED_LINEARS = ("DeepseekV4GroupedLinear",)
+
+
+def _grouped_forward(module):
+    """``DeepseekV4GroupedLinear``'s product in ggml, each group by its block of the GGUF tensor's rows; without
+    libggml (or a weight not whole in one GGUF tensor), transformers' with the activations rounded.  (transformers'
+    ``bmm`` of a view of the weight is a product the function mode does not see: its activations went unrounded,
+    1e-4 from llama.cpp's F16 product on the tiny V4's first layer.)"""
+    from .packed import PackedTensor
+
+    theirs = type(module).forward.__get__(module)
+    weight, groups = module.weight, module.n_groups
+    kind = weight_activation_type(weight)
+    whole = isinstance(weight, PackedTensor) and len(weight.plan.parts) == 1 and not weight.plan.sliced \
+        and weight.plan.parts[0].rows is None and not weight.plan.parts[0].values
+    name = weight.plan.parts[0].gguf_name if whole else None
+
+    def forward(x):
+        ggml = engine()
+        if ggml is None or name is None or not x.numel():
+            return theirs(round_activations(x, kind) if kind else x)
+        by_group = x.reshape(-1, groups, x.shape[-1])
+        out = [ggml_product(ggml, name, weight.assembler.store, by_group[:, g], g, groups=groups)
+               for g in range(groups)]
+        return torch.stack(out, dim=1).reshape(*x.shape[:-1], -1)
+    return forward
 
 
 def _rms_norm_forward(module, weighted: bool = True):
@@ -271,6 +309,8 @@ def ggml_activations(module=None):
             m.forward = _rms_norm_forward(m)
         elif type(m).__name__ in UNWEIGHTED_RMS_NORMS:
             m.forward = _rms_norm_forward(m, weighted=False)
+        elif type(m).__name__ in GROUPED_LINEARS:
+            m.forward = _grouped_forward(m)
         else:
             continue
         patched.append(m)
