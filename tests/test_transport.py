@@ -561,3 +561,17 @@ def test_a_split_its_readers_would_refuse_is_refused_before_any_part(blob, tmp_p
     assert result.exit_code == 2 and "--part-size gives" in result.output and "(4)" in result.output, result.output
     assert not out.exists() or not list(out.iterdir())
     assert manifest.MAX_PARTS == 1 << 20
+
+
+def test_a_shard_is_not_run_as_a_whole_model(shards, tmp_path):
+    """generate and score on one shard of a split file said the config did not match the tensors (the first
+    shard) or that there was no architecture (the others): they name the shard and say to merge first (exit 3)."""
+    from quantkit.examples import example_fixture_dir
+
+    for i in (0, 1):
+        shard = shards.part_path(i)
+        for args in (["generate", shard, "--prompt", "x", "-n", "1", "--rendering", "raw"],
+                     ["score", shard, example_fixture_dir(), "-o", tmp_path / "s.tsv", "--ctx", "64"]):
+            result = cli(*args)
+            assert result.exit_code == 3 and f"shard {i + 1} of 6" in result.output and "merge them first" in \
+                result.output, result.output

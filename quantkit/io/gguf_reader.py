@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 from gguf.constants import GGUFValueType
 
-from ..errors import FormatError, MissingSourceError, TruncatedFileError
+from ..errors import FormatError, MissingSourceError, TruncatedFileError, UnsupportedError
 from .gguf import (ALIGNMENT_KEY, KV, MAGIC, MAX_DIMS, MIN_KV_BYTES, MIN_TENSOR_INFO_BYTES, READ_VERSIONS,
                    SCALAR_DTYPES, ArrayOf, GGUFTensor, align, check_alignment, check_tensor_geometry,
                    check_tensor_name, min_value_bytes)
@@ -293,6 +293,16 @@ class GGUFFile:
         flat = np.frombuffer(self._map, np.uint8, t.nbytes, self.data_offset + t.offset) if t.nbytes \
             else np.frombuffer(b"", np.uint8)
         return flat.reshape(*t.shape[:-1], t.row_bytes)
+
+    def require_whole_model(self) -> None:
+        """Refuse one shard of a llama.cpp split file (``split.count`` > 1) where a whole model is needed: the
+        first shard holds the metadata and only some tensors, the others no metadata at all."""
+        count = self.metadata.get("split.count")
+        if count is not None and count.value != 1:
+            number = self.metadata["split.no"].value + 1 if "split.no" in self.metadata else "?"
+            raise UnsupportedError(f"shard {number} of {count.value} of a llama.cpp split file; running a model "
+                                   f"from its shards is not implemented: merge them first (llama-gguf-split --merge, "
+                                   f"or quantkit transport assemble with its manifest)", path=self.path)
 
     def ggml_layout_problem(self) -> str | None:
         """Where the payload placement departs from the contiguous, declaration-ordered layout that ggml's

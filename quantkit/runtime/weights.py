@@ -77,6 +77,7 @@ class GGUFWeights:
         self.path = Path(path)
         self.file = GGUFFile(self.path)
         try:
+            self.file.require_whole_model()
             # llama.cpp's names whatever the file's dialect; payloads are read under the stored names
             view = llama_cpp_view(self.file.metadata, self.file.tensors)
             self._stored, self._relaid = view.stored, view.relaid

@@ -188,6 +188,10 @@ def load_tokenizer(path: str | os.PathLike, tokenizer: str | os.PathLike | None 
     if tokenizer is not None:
         return _tokenizer_dir(Path(tokenizer), "")
     if is_gguf(path):
+        from ..io.gguf_reader import GGUFFile
+
+        with GGUFFile(path) as f:   # before transformers reads it: a shard has no tokenizer to rebuild
+            f.require_whole_model()
         return _gguf_tokenizer(Path(path))
     from ..convert.source import resolve_source
 
