@@ -30,7 +30,9 @@ Pieces:
   :data:`quantkit.scoring.source.DS4_NAME_LABEL` reads it); ``...`` marks a name quoted with its end elided.  A
   split part ends ``-00001-of-00002`` (llama.cpp's shard names) after all of that.
 - the **model** is everything before the first fragment; a name without fragments is a model name with at most a
-  label (``model-0731.gguf``).
+  label (``model-0731.gguf``).  A support (drafter) file's model ends in its kind's word (:data:`SUPPORT_WORDS`),
+  as ds4 publishes its MTP drafter (``DeepSeek-V4-Flash-MTP-Q4K-Q8_0-F32.gguf``): a drafter and its target made
+  with one recipe never get one name.
 
 Claims are checked most-specific first: a ranged claim (``Layers37-42Q4KExperts``, ``blk78Q2K``) beats an
 unranged one for the tensors in its range, then a claim for fewer classes beats one for more (``Q2KDown`` beats
@@ -64,6 +66,9 @@ EXTENSIONS = (".gguf", ".safetensors", ".json")
 ROUTED = frozenset({"routed_gate", "routed_up", "routed_down"})
 CALIBRATION = "imatrix"
 ELIDED = "..."
+#: ``convert --support`` kind -> the word after the model name (ds4's ``DeepSeek-V4-Flash-MTP-...``; DSpark as
+#: DeepSeek spells its drafter).  Neither parses as a fragment: the name reads back with the word in its model.
+SUPPORT_WORDS = {"mtp": "MTP", "dspark": "DSpark"}
 
 
 def _classes(name: str) -> frozenset[str]:
@@ -321,14 +326,16 @@ def _ud_fragments(text: str) -> tuple[Fragment, ...] | None:
 # -- rendering from a recipe ---------------------------------------------------------------------------------------
 
 def suggest(model: str, tag: str, *, calibration: str | None = None, label: str | None = None,
-            extension: str = ".gguf") -> ArtifactName:
+            support: str | None = None, extension: str = ".gguf") -> ArtifactName:
     """The ``ds4``-style name of a file of ``model`` made with a recipe whose name tag
-    (:func:`quantkit.recipes.name_tag`) is ``tag``; ``calibration`` ``"imatrix"`` when an imatrix was used."""
+    (:func:`quantkit.recipes.name_tag`) is ``tag``; ``calibration`` ``"imatrix"`` when an imatrix was used;
+    ``support`` the kind of a support (drafter) file (its word joins the model's: :data:`SUPPORT_WORDS`)."""
     start, matches = _scan(tag)
     if start != 0 or not matches or matches[-1].end() != len(tag):
         raise FormatError(f"name tag {tag!r} is not in the artifact-name grammar")
     parsed = _ds4(tag, "")
-    return replace(parsed, model=_file_safe(model), calibration=calibration, label=label and _file_safe(label),
+    model = _file_safe(model) + (f"-{SUPPORT_WORDS[support]}" if support is not None else "")
+    return replace(parsed, model=model, calibration=calibration, label=label and _file_safe(label),
                    extension=extension)
 
 
@@ -573,5 +580,5 @@ def release_manifest(path: Path, sha256: str, suggested: str | None) -> dict[str
 
 
 __all__ = ["ArtifactName", "CLASSIFIED", "Claim", "Fragment", "LABEL_CLASSES", "MANIFEST_SUFFIX", "STYLES",
-           "TYPE_SPELLINGS", "contradictions", "is_release_manifest", "manifest_path", "model_name", "parse",
-           "release_manifest", "restyle", "suggest", "tensor_classes"]
+           "SUPPORT_WORDS", "TYPE_SPELLINGS", "contradictions", "is_release_manifest", "manifest_path", "model_name",
+           "parse", "release_manifest", "restyle", "suggest", "tensor_classes"]

@@ -144,6 +144,24 @@ def test_shipped_recipe_tags_render_the_seed_names():
         "DeepSeek-V4.1-Flash-IQ2_XXS-Q2_K-imatrix.gguf"
 
 
+def test_a_support_files_name_carries_its_kind_and_parses_back():
+    """A drafter made with its target's recipe never gets the target's name: its kind's word ends the model, as
+    in ds4's DeepSeek-V4-Flash-MTP-Q4K-Q8_0-F32.gguf, and the name claims what the target's would."""
+    from quantkit.convert.plan import SUPPORT_KINDS
+    from quantkit.names import SUPPORT_WORDS
+
+    assert set(SUPPORT_WORDS) == set(SUPPORT_KINDS)
+    tag = "Q4KExperts-AProjQ8-SExpQ8-OutQ8"
+    target = suggest("DeepSeek-V4-Flash", tag, label="0731")
+    drafters = {kind: suggest("DeepSeek-V4-Flash", tag, label="0731", support=kind) for kind in SUPPORT_KINDS}
+    assert drafters["mtp"].render() == "DeepSeek-V4-Flash-MTP-Q4KExperts-AProjQ8-SExpQ8-OutQ8-0731.gguf"
+    assert drafters["dspark"].render() == "DeepSeek-V4-Flash-DSpark-Q4KExperts-AProjQ8-SExpQ8-OutQ8-0731.gguf"
+    for name in drafters.values():
+        assert parse(name.render()) == name and name.claims == target.claims and name.label == "0731"
+    assert len({n.render() for n in (target, *drafters.values())}) == 1 + len(drafters)
+    assert parse("DeepSeek-V4-Flash-MTP-Q4K-Q8_0-F32.gguf").model == "DeepSeek-V4-Flash-MTP"
+
+
 def test_model_name_from_repo_snapshot_or_directory(tmp_path):
     assert model_name("deepseek-ai/DeepSeek-V4-Flash", tmp_path) == "DeepSeek-V4-Flash"
     snap = tmp_path / "models--zai-org--GLM-5.3-Flash" / "snapshots" / "84c6a6aa"

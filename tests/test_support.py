@@ -207,6 +207,39 @@ def test_dspark_support_file_loads_in_llama_cpp_and_pairs_only_with_its_checkpoi
     assert bad.exit_code == 1 and "from another one" in bad.output, bad.output
 
 
+def _suggested(result) -> str:
+    """The name convert's ``name`` line suggests (not its ``name tag`` line)."""
+    return next(line.split()[1] for line in result.output.splitlines() if line.split()[:1] == ["name"]
+                and line.split()[1] != "tag")
+
+
+def test_drafters_are_named_apart_from_their_target_and_validate_under_that_name(v4_mtp, dspark, glm, tmp_path):
+    """Main file and drafters of one checkpoint and recipe get three names; a drafter renamed to its suggested name
+    passes validate's name check."""
+    import shutil
+
+    recipe = ["--recipe", "deepseek-v4-flash-q4k-experts", "--pre-tokenizer", "deepseek-v3", "--no-progress", "-j", "1"]
+    runs = {"main": (v4_mtp, []), "mtp": (v4_mtp, ["--support", "mtp"]), "dspark": (dspark[0], ["--support", "dspark"])}
+    suggested = {}
+    for key, (src, extra) in runs.items():
+        result = CliRunner().invoke(main, ["convert", str(src), "-o", str(tmp_path / f"{key}.gguf"), *recipe, *extra])
+        assert result.exit_code == 0, result.output
+        suggested[key] = _suggested(result)
+        assert json.loads((tmp_path / f"{key}.release.json").read_text())["suggested_name"] == suggested[key]
+    assert suggested["mtp"] == suggested["main"].replace("v4-", "v4-MTP-", 1)
+    assert suggested["dspark"].startswith("ds-DSpark-")
+    for key in ("mtp", "dspark"):
+        named = shutil.copyfile(tmp_path / f"{key}.gguf", tmp_path / suggested[key])
+        checked = CliRunner().invoke(main, ["validate", str(named), "--structure-only"])
+        assert checked.exit_code == 0, checked.output
+        assert any(line.split()[:2] == ["passed", "name.claims"] for line in checked.output.splitlines())
+    glm_src = glm[0]
+    glm_names = [_suggested(CliRunner().invoke(main, ["convert", str(glm_src), "-o", str(tmp_path / "g.gguf"),
+                                                      "--recipe", "q8_0", "--pre-tokenizer", PRE, "--dry-run",
+                                                      *extra])) for extra in ([], ["--support", "mtp"])]
+    assert glm_names == ["glm-Q8.gguf", "glm-MTP-Q8.gguf"]
+
+
 @pytest.mark.interop
 @pytest.mark.slow
 def test_dspark_support_file_equals_llama_cpp_dspark_export(dspark, tmp_path):

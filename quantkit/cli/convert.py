@@ -153,7 +153,8 @@ def _suggested_name(prepared, label: str | None) -> str | None:
 
     try:
         return names.suggest(names.model_name(prepared.source.repo_id, prepared.source.path), prepared.plan.name_tag,
-                             calibration="imatrix" if prepared.imatrix is not None else None, label=label).render()
+                             calibration="imatrix" if prepared.imatrix is not None else None, label=label,
+                             support=prepared.plan.support).render()
     except FormatError:
         return None
 
