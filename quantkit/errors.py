@@ -55,6 +55,12 @@ class UnsupportedError(QuantkitError, NotImplementedError):
     """A valid request quantkit does not implement (an encoder for a type, an architecture)."""
 
 
+class SupportError(UnsupportedError):
+    """``convert --support KIND`` of a checkpoint that holds no such drafter, or whose map cannot write it
+    (field ``support``).  ``validate`` of a support file re-planned from such a source reads it as a source that is
+    not the drafter's checkpoint (the file records that quantkit made its kind from its own checkpoint)."""
+
+
 class EncodeError(QuantkitError, ValueError):
     """Input to an encoder is unusable: NaN/Inf, bad imatrix, row length not a multiple of the block."""
 

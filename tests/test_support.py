@@ -240,6 +240,21 @@ def test_drafters_are_named_apart_from_their_target_and_validate_under_that_name
     assert glm_names == ["glm-Q8.gguf", "glm-MTP-Q8.gguf"]
 
 
+def test_validate_refuses_a_drafters_source_without_that_drafter_in_one_line(v4_mtp, dspark, tmp_path):
+    """A drafter checked against a checkpoint that holds no drafter of its kind: inputs that do not belong
+    together (exit 2), one line naming the checkpoint, not a 'not implemented' (exit 3) about another map."""
+    pre = ["--pre-tokenizer", "deepseek-v3"]
+    mtp = convert(v4_mtp, tmp_path / "mtp.gguf", "q8_0", *pre, "--support", "mtp")
+    drafter = convert(dspark[0], tmp_path / "dspark.gguf", "q8_0", *pre, "--support", "dspark")
+    for support, source, lacks in ((mtp, dspark[0], "writes no MTP block"), (drafter, v4_mtp, "holds no DSpark")):
+        result = CliRunner().invoke(main, ["validate", str(support), "--source", str(source)])
+        assert result.exit_code == 2, result.output
+        lines = result.output.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith(f"error: {source}: field 'support': "), result.output
+        assert lacks in lines[0] and "not the checkpoint it was made from" in lines[0]
+        assert "qwen4_exp" not in lines[0] and "Traceback" not in result.output
+
+
 @pytest.mark.interop
 @pytest.mark.slow
 def test_dspark_support_file_equals_llama_cpp_dspark_export(dspark, tmp_path):

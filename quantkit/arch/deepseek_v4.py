@@ -37,7 +37,7 @@ from typing import Any, Mapping
 
 from gguf.constants import GGUFValueType
 
-from ..errors import SourceError, UnsupportedError
+from ..errors import SourceError, SupportError, UnsupportedError
 from .base import (Arch, Hparams, InputGroups, MetadataBuilder, MetadataInputs, column_part, drop, expert_rules,
                    require, rope_parameters, rule, text_hparams, text_model_metadata)
 
@@ -327,8 +327,8 @@ def dspark_normalize(config: Mapping[str, Any]) -> Hparams:
 
 def dspark_check(hp: Hparams) -> None:
     if has_mtp_block(hp):
-        raise UnsupportedError("--support dspark: this checkpoint holds no DSpark drafter (config.json has no "
-                               "dspark_* settings; its mtp.* are an MTP block: --support mtp)", field="support")
+        raise SupportError("this checkpoint holds no DSpark drafter (config.json has no dspark_* settings; its "
+                           "mtp.* are an MTP block: --support mtp)", field="support")
     check(hp)
     for key in ("dspark_block_size", "dspark_target_layer_ids", "dspark_noise_token_id"):
         require(hp, key, list if key == "dspark_target_layer_ids" else int)

@@ -42,11 +42,11 @@ from typing import Any, Iterable, Mapping
 
 import numpy as np
 
-from ..arch import ROW_TABLE_CLASSES, OutputTensor, get_arch
+from ..arch import ROW_TABLE_CLASSES, Arch, OutputTensor, get_arch
 from ..arch import transforms
 from ..arch.dialects import (LAYOUT_A_LOG, LAYOUT_CONV, LLAMA_CPP, TensorMove, arch_dialect, is_native,
                               relaid_dialect, relaid_metadata, relaid_tensors, translate)
-from ..errors import RecipeError, SourceError, UnsupportedError
+from ..errors import RecipeError, SourceError, SupportError, UnsupportedError
 from ..formats.api import tensor_nbytes
 from ..formats.registry import GGMLType, ImatrixUse, get_format
 from ..io.checkpoint import Checkpoint, open_checkpoint
@@ -442,41 +442,53 @@ def build_plan(source: str | os.PathLike | Checkpoint, recipe: Recipe | str | os
                 imatrix_entries=len(imatrix) if imatrix is not None else None, skipped=skipped,
                 unused_rules=[resolution.explain_unused(r) for r in resolution.unused_rules], resolution=resolution)
     if support is not None:
-        plan = support_plan(plan, support, amap.hp, shared=frozenset() if native_support else MTP_SHARED_TENSORS,
-                            own_arch=support in arch.support_archs)
+        plan = support_plan(plan, support, amap.hp, arch,
+                            shared=frozenset() if native_support else MTP_SHARED_TENSORS)
     if dialect == LLAMA_CPP:
         return plan
     table = relaid_dialect(arch.gguf_arch, dialect)
     return in_dialect(plan, dialect) if table is None else relaid_plan(plan, table, amap.hp, shapes)
 
 
-def support_plan(plan: Plan, kind: str, hp: Mapping[str, Any], shared: frozenset[str] = MTP_SHARED_TENSORS,
-                 own_arch: bool = False) -> Plan:
+def support_plan(plan: Plan, kind: str, hp: Mapping[str, Any], arch: Arch,
+                 shared: frozenset[str] = MTP_SHARED_TENSORS) -> Plan:
     """The plan of a support file: for ``mtp``, the NextN/MTP blocks (blocks from ``num_hidden_layers`` on, and
     tensors built from ``mtp.*`` alone) with the ``shared`` tensors -- the token embedding, output norm and head,
     as llama.cpp's converter exports a draft with ``--mtp``; none for ds4's MTP file, whose ``mtp.K.*`` are all
     ds4.c binds from it -- and the model's metadata; the executor records the target's checkpoint identity
-    (``quantkit.support.*``).  ``own_arch``: the plan is already the support file's own map's (the DSpark
-    drafter, :attr:`quantkit.arch.base.Arch.support_archs`), kept whole.  Refused when the architecture map writes
-    no MTP block from this checkpoint, and for ``dspark`` where no map has the drafter's tensors."""
+    (``quantkit.support.*``).  A kind with a map of its own in ``arch`` (the DSpark drafter,
+    :attr:`quantkit.arch.base.Arch.support_archs`) was planned by that map: kept whole.  Refused
+    (:class:`SupportError`, saying why) when the architecture map writes no MTP block from this checkpoint, and for
+    ``dspark`` where no map has the drafter's tensors."""
     if kind not in SUPPORT_KINDS:
         raise UnsupportedError(f"unknown support kind {kind!r}; known: {', '.join(SUPPORT_KINDS)}", field="support")
-    if own_arch:
+    if kind in arch.support_archs:
         return replace(plan, support=kind)
     if kind == "dspark":
-        raise UnsupportedError(f"--support dspark: the {plan.model_type} map has no DSpark drafter (DeepSeek V4's "
-                               f"is read from a checkpoint with dspark_* settings; V4.1's dspark.* have no public "
-                               f"GGUF layout)", field="support")
+        raise SupportError(f"the {plan.model_type} map has no DSpark drafter (DeepSeek V4's is read from a "
+                           f"checkpoint with dspark_* settings; V4.1's dspark.* have no public GGUF layout)",
+                           field="support")
     main = hp["num_hidden_layers"]
     blocks = [t for t in plan.tensors if (t.output.layer is not None and t.output.layer >= main)
               or all(m.hf_name.startswith("mtp.") for m in t.output.sources)]
     if not blocks:
-        raise UnsupportedError(f"--support mtp: the {plan.model_type} map writes no MTP block from this checkpoint "
-                               f"(num_nextn_predict_layers {hp.get('num_nextn_predict_layers', 0)}; the qwen4_exp "
-                               f"map drops mtp.*: neither llama.cpp nor ds4 has published a GGUF layout for it)",
-                               field="support")
+        raise SupportError(f"the {plan.model_type} map writes no MTP block from this checkpoint "
+                           f"({_no_mtp_block(arch, hp)})", field="support")
     kept = [t for t in plan.tensors if t.name in shared or t in blocks]
     return replace(plan, tensors=kept, support=kind)
+
+
+def _no_mtp_block(arch: Arch, hp: Mapping[str, Any]) -> str:
+    """Why ``arch`` wrote no MTP block from a checkpoint: its ``mtp.*`` are another drafter's, the map has no MTP
+    layout (its drop rule says why), or the checkpoint holds none."""
+    if not arch.mtp_applies(hp):   # DeepSeek V4 with dspark_* settings: mtp.* are the DSpark stages
+        other = next(iter(arch.support_archs), "another")
+        return f"its mtp.* are a {other} drafter, not an MTP block: --support {other}"
+    rules = [r for r in (*arch.rules, *arch.support_rules.get("mtp", ())) if r.tensor_class == "mtp"]
+    if not any(r.targets for r in rules):
+        dropped = next((r.dropped for r in rules if r.dropped), None)
+        return "the map has no MTP layout" + (f": {dropped}" if dropped else "")
+    return f"it holds none: num_nextn_predict_layers {hp.get('num_nextn_predict_layers') or 0}"
 
 
 #: Transform steps the ds4 dialect replaces: ds4 keeps A_log itself and [C, 1, K] convolutions.

@@ -11,7 +11,9 @@ What the re-plan needs comes from the artifact's provenance keys unless given (`
   recorded ``tokenizer.ggml.pre`` (tiny or retrained vocabularies hash to nothing llama.cpp knows);
 - **bootstrap importance** (``--bootstrap-importance`` of convert): inferred from ``quantkit.imatrix.calibration``;
   when that cannot tell (an imatrix plus bootstrapped tensors), both plans are made and the one whose
-  ``quantkit.imatrix.bootstrap`` matches the artifact is kept.
+  ``quantkit.imatrix.bootstrap`` matches the artifact is kept;
+- **support kind** (a drafter): ``quantkit.support.kind``; a source that holds no drafter of that kind, like a
+  source of another architecture, is not the checkpoint the artifact was made from (ValidationError, exit 2).
 
 The expected file is then laid out exactly as ``quantkit convert`` lays it out (plan metadata, then the provenance
 keys of :mod:`quantkit.convert.provenance`), with three kinds of key taken from the artifact rather than computed:
@@ -40,7 +42,8 @@ from ..convert.execute import ConvertRequest, Prepared, file_layout, prepare
 from ..convert.provenance import provenance_metadata
 from ..convert.source import FileHash, ResolvedSource, hash_files, resolve_source
 from ..convert.tensors import TensorJob
-from ..errors import MissingSourceError, RecipeError, SourceError, UnsupportedError, ValidationError
+from ..errors import (MissingSourceError, RecipeError, SourceError, SupportError, UnsupportedError,
+                      ValidationError)
 from ..imatrix.bootstrap import BOOTSTRAP_KEY, CALIBRATION_KEY
 from ..io.atomic import sha256_file
 from ..io.gguf import KV, ArrayOf, type_name
@@ -249,6 +252,7 @@ def replan(f: GGUFFile, *, source: str | None = None, recipe: str | None = None,
     imatrix_path = _imatrix(f, imatrix)
     pre = _pre_tokenizer(f, resolved.path)
     label = _string(f, "quantkit.checkpoint_label")
+    support = _string(f, "quantkit.support.kind")
     recorded_hashes = dict(zip(_strings(f, "quantkit.source.files"), _strings(f, "quantkit.source.sha256")))
 
     fallback: Replan | None = None
@@ -257,12 +261,15 @@ def replan(f: GGUFFile, *, source: str | None = None, recipe: str | None = None,
         request = ConvertRequest(source=str(resolved.path), out=Path(f.path), recipe=recipe_obj,
                                  imatrix=imatrix_path, bootstrap=bootstrap, allow_synthetic_imatrix=True,
                                  label=label, pre_tokenizer=pre, progress=False, dialect=dialect_of(f.metadata),
-                                 support=_string(f, "quantkit.support.kind"))
+                                 support=support)
         try:
             prepared = prepare(request)
         except RecipeError as exc:   # e.g. a type requires importance only bootstrap gives
             failure = failure or exc
             continue
+        except SupportError as exc:   # quantkit made this drafter from its checkpoint: this source lacks it
+            raise ValidationError(f"the artifact is a --support {support} drafter, but {exc.detail}: not the "
+                                  f"checkpoint it was made from", path=resolved.path, field="support") from None
         candidate = _candidate(f, prepared, resolved, recipe_from, imatrix_path, recorded_hashes)
         _require_same_architecture(f, candidate, resolved)
         if _same_kv(candidate.layout.metadata.get(BOOTSTRAP_KEY), f.metadata.get(BOOTSTRAP_KEY)):
