@@ -253,6 +253,40 @@ def test_record_keeps_the_comparison_in_the_manifest(scored):
     assert (d / f"{NV}.json").read_bytes() == before
 
 
+def _with_first_matches(table, out):
+    """``table`` with every case's first token matching: a baseline the sidecar's table (no first-token match on
+    the tiny model) regresses from on the first_token rule, whatever its NLL does."""
+    lines = []
+    for line in table.read_text().splitlines():
+        cols = line.split("\t")
+        if cols[0].startswith("case_"):
+            cols[5] = "1"
+        elif line.startswith("# summary "):
+            cols = [line.replace("first_match=0", f"first_match={len(PROMPTS)}")]
+        lines.append("\t".join(cols))
+    out.write_text("\n".join(lines) + "\n")
+    return out
+
+
+def test_record_records_the_gates_verdict_and_exits_1_on_a_regression(scored, tmp_path):
+    """The recorded verdict is the release gate's, as compare's exit code says: a sidecar that lowers NLL
+    (``comparison.verdict`` better) but fails a blocker rule is recorded, and reported, as a regression."""
+    d, _, tables = scored
+    baseline = _with_first_matches(tables["plain"], tmp_path / "plain-first.tsv")
+    gate = run("compare", baseline, tables[NV])
+    out = run("swapset", "record", d, NV, baseline, tables[NV])
+    assert gate.exit_code == out.exit_code == 1, out.output
+    quality = read_manifest(d / f"{NV}.json")["quality"]
+    assert quality["verdict"] == quality["comparison"]["gate"]["verdict"] == "regression"
+    assert quality["failed"] == quality["comparison"]["gate"]["failed"] and "first_token" in quality["failed"]
+    headline = out.output.strip().splitlines()[-1]
+    assert headline == (f"recorded in {NV}.json: verdict=regression (failed: {', '.join(quality['failed'])}); "
+                        f"nll verdict={quality['comparison']['verdict']}")
+    # no regression: exit 0, and the recorded verdict says so
+    assert run("swapset", "record", d, NV, tables["plain"], tables[NV]).exit_code == 0
+    assert read_manifest(d / f"{NV}.json")["quality"]["verdict"] == "no regression"
+
+
 def test_bad_sidecar_requests_are_refused_with_one_line(scored, tmp_path):
     d, fx, _ = scored
     out_tsv = tmp_path / "out.tsv"

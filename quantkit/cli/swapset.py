@@ -201,12 +201,19 @@ def gc(model_dir, dry_run, yes, record):
 @click.option("--seed", type=int, default=0, show_default=True, help="bootstrap seed")
 def record(model_dir, name, baseline, with_sidecar, resamples, seed):
     """Compare BASELINE.tsv with WITH_SIDECAR.tsv (scored with `quantkit score --sidecar NAME`) and store the
-    result as sidecar NAME's quality block."""
+    result as sidecar NAME's quality block.
+
+    Exit codes as `quantkit compare`'s: 0 no regression, 1 a blocker rule fired (recorded as a regression)."""
     from ..swapset import record_comparison
 
     comparison = record_comparison(model_dir, name, baseline, with_sidecar, resamples=resamples, seed=seed)
     click.echo("\n".join(comparison.report_lines()))
-    click.echo(f"recorded in {name}.json: verdict={comparison.verdict}")
+    failed = comparison.failed
+    # the gate's verdict, as recorded; the NLL-only verdict beside it, as compare prints it
+    click.echo(f"recorded in {name}.json: verdict={comparison.gate_verdict}"
+               + (f" (failed: {', '.join(failed)})" if failed else "") + f"; nll verdict={comparison.verdict}")
+    if failed:
+        sys.exit(EXIT_CHECK_FAILED)
 
 
 COMMANDS = [swapset]

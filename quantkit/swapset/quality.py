@@ -15,9 +15,13 @@ result as the sidecar's ``quality`` block.  It refuses tables that do not measur
 must list exactly the baseline's sidecars plus ``name``, with ``name``'s current payload hash, and both tables
 must have scored the same checkpoint (equal model source digests).  The block is::
 
-    {"method": "quantkit compare", "sidecar_sha256", "baseline_sidecars": {name: sha256},
+    {"method": "quantkit compare", "verdict": "no regression" | "regression", "failed": [blocker rules],
+     "sidecar_sha256", "baseline_sidecars": {name: sha256},
      "tables": {"baseline", "with_sidecar"}, "model": {...the tables' model identity...},
      "comparison": {...Comparison.to_json()...}}
+
+``verdict`` is the release gate's (``quantkit compare``'s exit code), not ``comparison.verdict``, which reads the
+NLL interval alone: a sidecar that lowers NLL but fails a blocker rule is recorded as a regression.
 """
 from __future__ import annotations
 
@@ -85,7 +89,8 @@ def record_comparison(model_dir: str | Path, name: str, baseline_path: str | Pat
                           f"{models[0]!r} and {models[1]!r})", path=with_sidecar.path)
     comparison = compare_tables(baseline, with_sidecar, resamples=resamples, seed=seed)
     record_quality(model_dir, name, {
-        "method": QUALITY_METHOD, "sidecar_sha256": expected[name], "baseline_sidecars": before,
+        "method": QUALITY_METHOD, "verdict": comparison.gate_verdict, "failed": comparison.failed,
+        "sidecar_sha256": expected[name], "baseline_sidecars": before,
         "tables": {"baseline": str(baseline_path), "with_sidecar": str(sidecar_path)},
         "model": dict(with_sidecar.header["model"]), "comparison": comparison.to_json()})
     return comparison
