@@ -326,6 +326,28 @@ def test_resume_refuses_another_layout_or_a_wrong_journal(tmp_path):
         GGUFWriter(path, planned()).resume()
 
 
+def test_abort_deletes_only_a_partial_the_writer_made(tmp_path):
+    """A partial ``write_header`` refuses (another run's) survives ``abort``; after ``finish`` nothing is removed."""
+    path = tmp_path / "out.gguf"
+    other = GGUFWriter(path, planned())
+    other.write_header()
+    w = GGUFWriter(path, planned())
+    with pytest.raises(OutputExistsError, match="unfinished partial"):
+        w.write_header()
+    w.abort()
+    assert other.partial.exists()
+    other.abort()
+    assert not other.partial.exists()
+    done = GGUFWriter(path, planned())
+    done.write_header()
+    for name, payload in PAYLOADS.items():
+        done.write_tensor(name, payload)
+    done.finish()
+    done.partial.write_bytes(b"a later writer's")
+    done.abort()
+    assert done.partial.read_bytes() == b"a later writer's" and path.exists()
+
+
 def test_existing_output_is_not_replaced_unless_asked(tmp_path):
     path = tmp_path / "out.gguf"
     path.write_bytes(b"precious")

@@ -20,7 +20,8 @@ The layout is specified in :mod:`quantkit.io.gguf`.  Writing has two separate st
    partial to ``path``, refusing to replace an existing file unless ``overwrite=True``.
 
 A writer closed or abandoned before ``finish`` (an exception inside ``with``, a killed process) leaves the
-partial in place for ``resume`` and never creates ``path``.  :meth:`GGUFWriter.abort` deletes the partial.
+partial in place for ``resume`` and never creates ``path``.  :meth:`GGUFWriter.abort` deletes the partial this
+writer created or resumed, never one it refused to touch (another run's, found by ``write_header``).
 (:func:`quantkit.io.atomic.atomic_output` removes its partial on failure and replaces stale ones, which is
 right for files written in one go but would throw away resumable work, so this writer manages its partial
 itself.)
@@ -309,6 +310,7 @@ class GGUFWriter:
         self.overwrite = overwrite
         self.state = WriterState.LAYOUT
         self._fd: int | None = None
+        self._owns_partial = False   # created or resumed here: only then may abort() delete it
         self._written: dict[str, str] = {}
         self._in_flight: set[str] = set()
         self._lock = threading.Lock()
@@ -340,6 +342,7 @@ class GGUFWriter:
         except FileExistsError:
             raise OutputExistsError("an unfinished partial output exists; resume it (GGUFWriter.resume) or pass "
                                     "overwrite=True to start over", path=self.partial) from None
+        self._owns_partial = True
         pwrite_all(self._fd, self.layout.header, 0)
         os.ftruncate(self._fd, self.layout.file_size)
         self.state = WriterState.HEADER
@@ -362,6 +365,7 @@ class GGUFWriter:
             os.close(fd)
             raise
         self._fd = fd
+        self._owns_partial = True
         self._written = dict(done or {})
         self.state = WriterState.PAYLOADS if self._written else WriterState.HEADER
 
@@ -431,6 +435,7 @@ class GGUFWriter:
         self.close()
         self._refuse_existing_output()
         os.replace(self.partial, self.path)
+        self._owns_partial = False   # a file under that name from now on is someone else's
         fsync_path(self.path.parent, directory=True)
         self.state = WriterState.FINISHED
         return self.written
@@ -444,9 +449,11 @@ class GGUFWriter:
             self.state = WriterState.CLOSED
 
     def abort(self) -> None:
-        """Close and delete the partial."""
+        """Close and delete the partial if this writer created or resumed it (a partial :meth:`write_header`
+        refused is another run's: left as it is)."""
         self.close()
-        self.partial.unlink(missing_ok=True)
+        if self._owns_partial:
+            self.partial.unlink(missing_ok=True)
 
     def __enter__(self) -> "GGUFWriter":
         return self
