@@ -4,7 +4,9 @@ bootstrap fallback and its record, the provenance guard, malformed inputs, and t
 from __future__ import annotations
 
 import json
+import shutil
 import struct
+from dataclasses import replace
 from pathlib import Path
 
 import gguf
@@ -21,6 +23,8 @@ from quantkit.imatrix.bootstrap import expert_ranges
 from quantkit.imatrix.formats import write_gguf_imatrix
 from quantkit.imatrix.names import expected_entries, to_gguf_names
 from quantkit.arch import get_arch
+from quantkit.examples import example_model_dir
+from quantkit.io.atomic import output_lock
 from quantkit.io.gguf_writer import GGUFWriter, TensorSpec, plan_layout
 
 DATA = Path(__file__).parent / "data" / "imatrix"
@@ -202,6 +206,42 @@ def test_merge_legacy_with_gguf_scales_by_chunk_size(tmp_path):
     merged = merge_imatrices([legacy, sample(1)])
     assert merged.counts_unit == "tokens"
     assert merged.entries["blk.0.attn_q.weight"].counts[0] == 100 + 3 * 40  # ncall 3 chunks of 40 tokens
+
+
+def with_source(imx, model_type: str, digest: str | None = None, path: str = "ck"):
+    source = {"source": path, "source_model_type": model_type, **({"source_digest": digest} if digest else {})}
+    return replace(imx, provenance={**imx.provenance, **source})
+
+
+def test_merge_refuses_imatrices_of_different_models_and_keeps_the_common_source(tmp_path):
+    a, b = with_source(sample(0), "qwen3_moe", "1" * 64), with_source(sample(1), "qwen3_moe", "1" * 64, "elsewhere")
+    merged = merge_imatrices([a, b, sample(2)])      # sample(2): no provenance (a legacy file): not checked
+    assert merged.provenance["source_model_type"] == "qwen3_moe" and merged.provenance["source_digest"] == "1" * 64
+    assert "source" not in merged.provenance      # the checkpoint's path differs: not common
+    older = with_source(sample(1), "qwen3_moe")   # an older quantkit's file: no digest
+    assert "source_digest" not in merge_imatrices([a, older]).provenance
+    with pytest.raises(ValidationError, match="imatrices of different models.*qwen3_moe.*deepseek_v3"):
+        merge_imatrices([a, with_source(sample(1), "deepseek_v3", "1" * 64)])
+    with pytest.raises(ValidationError, match="imatrices of different models.*source digest 1111.*source digest 2222"):
+        merge_imatrices([a, with_source(sample(1), "qwen3_moe", "2" * 64)])
+
+    runner = CliRunner()
+    paths = {}
+    for name, imx in (("q.gguf", a), ("d.gguf", with_source(sample(1), "deepseek_v3")), ("old.gguf", older)):
+        paths[name] = tmp_path / name
+        save_imatrix(imx, paths[name])
+    save_imatrix(sample(2), tmp_path / "legacy.dat")
+    out = tmp_path / "m.gguf"
+    result = runner.invoke(main, ["imatrix", "merge", str(paths["q.gguf"]), str(paths["d.gguf"]), "-o", str(out)])
+    assert result.exit_code == 2 and result.output.count("\n") == 1, result.output
+    assert (f"imatrices of different models: {paths['q.gguf']} comes from qwen3_moe, {paths['d.gguf']} from "
+            f"deepseek_v3" in result.output) and not out.exists()
+    result = runner.invoke(main, ["imatrix", "merge", str(paths["q.gguf"]), str(paths["old.gguf"]),
+                                  str(tmp_path / "legacy.dat"), "--chunk-size", "40", "-o", str(out)])
+    assert result.exit_code == 0, result.output
+    assert f"note: {tmp_path / 'legacy.dat'}: no source model recorded" in result.output
+    assert f"note: {paths['old.gguf']}: no source digest recorded" in result.output
+    assert load_imatrix(out).provenance["source_model_type"] == "qwen3_moe"
 
 
 # -- coverage, names and shapes --------------------------------------------------------------------------------------
@@ -485,3 +525,52 @@ def test_write_gguf_imatrix_aborts_cleanly(tmp_path, monkeypatch):
     with pytest.raises(OSError):
         write_gguf_imatrix(sample(), tmp_path / "x.gguf")
     assert list(tmp_path.iterdir()) == []
+
+
+def test_write_gguf_imatrix_keeps_a_partial_it_refused(tmp_path):
+    """A partial it did not create (an interrupted run's, another process's) is refused and left as it was."""
+    out = tmp_path / "x.gguf"
+    partial = tmp_path / "x.gguf.partial"
+    partial.write_text("another writer's")
+    with pytest.raises(OutputExistsError):
+        write_gguf_imatrix(sample(), out)
+    assert partial.read_text() == "another writer's" and not out.exists()
+
+
+def test_cli_merge_and_convert_never_write_an_input(tmp_path):
+    runner = CliRunner()
+    a, b = tmp_path / "a.gguf", tmp_path / "b.gguf"
+    save_imatrix(sample(0), a)
+    save_imatrix(sample(1), b)
+    checkpoint = tmp_path / "ck"
+    shutil.copytree(example_model_dir(), checkpoint)
+    before = {p: p.read_bytes() for p in (a, b, checkpoint / "config.json")}
+    for args, target in ((["merge", str(a), str(b)], a),
+                         (["convert", str(b), "--config", str(checkpoint)], checkpoint / "config.json"),
+                         (["convert", str(b)], b)):
+        result = runner.invoke(main, ["imatrix", *args, "-o", str(target), "--force"])
+        assert result.exit_code == 2 and result.output.count("\n") == 1, (args, result.output)
+        assert "the output would overwrite an input of this command" in result.output, result.output
+    assert {p: p.read_bytes() for p in before} == before
+
+
+def test_cli_merge_and_convert_refuse_a_leftover_partial_and_keep_it(tmp_path):
+    runner = CliRunner()
+    a = tmp_path / "a.gguf"
+    save_imatrix(sample(0), a)
+    for command, out in ((["merge", str(a)], tmp_path / "m.gguf"), (["convert", str(a)], tmp_path / "c.gguf"),
+                         (["convert", str(a)], tmp_path / "c.dat")):
+        partial = out.with_name(out.name + ".partial")
+        partial.write_text("junk")
+        result = runner.invoke(main, ["imatrix", *command, "-o", str(out)])
+        assert result.exit_code == 2 and result.output.count("\n") == 1, result.output
+        assert result.output.startswith(f"error: {partial}: an unfinished write of this output exists")
+        assert "--force" in result.output and "GGUFWriter" not in result.output
+        assert partial.read_text() == "junk" and not out.exists()
+        with output_lock(out):     # another quantkit writing this output: refused even with --force
+            result = runner.invoke(main, ["imatrix", *command, "-o", str(out), "--force"])
+        assert result.exit_code == 2 and "another process" in result.output, result.output
+        assert partial.read_text() == "junk" and not out.exists()
+        result = runner.invoke(main, ["imatrix", *command, "-o", str(out), "--force"])    # --force: start over
+        assert result.exit_code == 0, result.output
+        assert not partial.exists() and load_imatrix(out).entries.keys() == sample(0).entries.keys()

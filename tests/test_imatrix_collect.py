@@ -6,8 +6,10 @@ and bad input, and what it is for: IQ2_XXS with the collected importance beats t
 imatrix-weighted error."""
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import json
+import shutil
 import subprocess
 import sys
 from dataclasses import replace
@@ -25,6 +27,7 @@ from quantkit.examples import example_model_dir
 from quantkit.errors import ValidationError
 from quantkit.formats.registry import GGMLType
 from quantkit.imatrix import Entry, bootstrap_importance, load_imatrix, make_imatrix, save_imatrix
+from quantkit.imatrix import collect as collect_module
 from quantkit.imatrix.collect import (RESUME_SUFFIX, CollectOptions, Collector, calibration_chunks, chunk_tokens,
                                       collect_imatrix)
 from quantkit.imatrix.names import expected_entries, gguf_input_groups
@@ -540,6 +543,65 @@ def test_cli_collect_and_bad_input(tmp_path):
         assert not bad.exists() and not list(tmp_path.glob(f"{text}.gguf*"))
 
 
+def test_collect_checks_inputs_output_and_ctx_before_any_work(tmp_path, monkeypatch):
+    """Never an input as the output (even with --force), a leftover partial refused and kept, --ctx 0 refused as
+    --ctx -5 is: one line, exit 2, before the model is loaded."""
+    loaded = []
+
+    def load(*args, **kwargs):
+        loaded.append(args)
+        raise RuntimeError("the model was loaded")
+
+    monkeypatch.setattr(collect_module, "load_collection_model", load)
+    checkpoint = tmp_path / "ck"
+    shutil.copytree(example_model_dir(), checkpoint)
+    text = tmp_path / "cal.txt"
+    shutil.copy(DATA / "calibration-a.txt", text)
+    before = {p: p.read_bytes() for p in [*checkpoint.iterdir(), text]}
+    out = tmp_path / "new.gguf"
+    partial = tmp_path / "new.gguf.partial"
+    partial.write_text("junk")
+    runner = CliRunner()
+    for output, extra, expected in (
+            (checkpoint / "model.safetensors", ["--force"], "the output would overwrite an input of this command"),
+            (checkpoint / "config.json", ["--force"], "the output would overwrite an input of this command"),
+            (text, ["--force"], "the output would overwrite an input of this command"),
+            (out, [], f"{partial}: an unfinished write of this output exists"),
+            (out, ["--ctx", "0"], "context length must be positive, got 0"),
+            (out, ["--ctx", "-5"], "context length must be positive, got -5")):
+        result = runner.invoke(main, ["imatrix", "collect", str(checkpoint), "--text", str(text), "--ctx", "64",
+                                      "--chunks", "1", "--no-progress", "-o", str(output), *extra])
+        assert result.exit_code == 2 and result.output.count("\n") == 1, (output, extra, result.output)
+        assert expected in result.output, result.output
+    assert not loaded and {p: p.read_bytes() for p in before} == before
+    assert partial.read_text() == "junk" and not out.exists()
+
+
+def test_collect_records_the_checkpoint_identity(tiny_checkpoints, tmp_path):
+    """``source_digest`` is the checkpoint's identity (the digest release manifests and score records use): two
+    checkpoints with one config and other weights differ, and their imatrices do not merge."""
+    from quantkit.scoring.source import checkpoint_identity
+
+    runner = CliRunner()
+    outs = []
+    for seed in (0, 1):
+        source = tiny_checkpoints.get("qwen3_moe", seed=seed)
+        out = tmp_path / f"seed{seed}.gguf"
+        result = runner.invoke(main, ["imatrix", "collect", str(source), "--text", str(DATA / "calibration-a.txt"),
+                                      "--ctx", "64", "--chunks", "1", "--no-progress", "-o", str(out)])
+        assert result.exit_code == 0, result.output
+        provenance = load_imatrix(out).provenance
+        assert provenance["source_digest"] == checkpoint_identity(source).source
+        config_sha = hashlib.sha256((source / "config.json").read_bytes()).hexdigest()
+        assert f"config.json:{config_sha}" in provenance["source_files"].split(",")
+        assert f"source_digest: {provenance['source_digest']}" in runner.invoke(main, ["imatrix", "info",
+                                                                                       str(out)]).output
+        outs.append((out, provenance))
+    assert outs[0][1]["source_digest"] != outs[1][1]["source_digest"]
+    merged = runner.invoke(main, ["imatrix", "merge", *(str(o) for o, _ in outs), "-o", str(tmp_path / "m.gguf")])
+    assert merged.exit_code == 2 and "imatrices of different models" in merged.output, merged.output
+
+
 def test_collect_resumes_by_forward_passes(tmp_path, monkeypatch):
     """Two chunks per pass, five chunks: passes [0, 1], [2, 3], [4]; killed in the third pass, the state holds four
     chunks, and the resumed run forms the passes an uninterrupted one does."""
@@ -571,6 +633,29 @@ def test_collect_resumes_by_forward_passes(tmp_path, monkeypatch):
     for name, e in whole.entries.items():
         assert np.array_equal(resumed.entries[name].counts, e.counts)
         assert np.allclose(resumed.entries[name].in_sum2, e.in_sum2, rtol=1e-6, atol=0), name
+
+
+def test_resume_state_of_other_source_files_is_refused_naming_them(tmp_path, monkeypatch):
+    checkpoint = tmp_path / "ck"
+    shutil.copytree(example_model_dir(), checkpoint)
+    opts = CollectOptions(ctx=64, batch=64, chunks=2, save_every=1, progress=False)
+    out = tmp_path / "out.gguf"
+    original = Collector.run_chunks
+    passes = []
+
+    def interrupted(self, input_ids):
+        passes.append(1)
+        if len(passes) == 2:
+            raise RuntimeError("killed")
+        return original(self, input_ids)
+
+    monkeypatch.setattr(Collector, "run_chunks", interrupted)
+    with pytest.raises(RuntimeError, match="killed"):
+        collect_imatrix(checkpoint, DATA / "calibration-a.txt", out, opts)
+    with open(checkpoint / "generation_config.json", "a") as f:
+        f.write("\n")
+    with pytest.raises(ValidationError, match=r"other source files \(generation_config.json\)"):
+        collect_imatrix(checkpoint, DATA / "calibration-a.txt", out, opts)
 
 
 def test_chunks_per_pass_change_only_the_rounding(tmp_path):

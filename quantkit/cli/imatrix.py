@@ -86,9 +86,16 @@ def _conform_to_model(imx, model_path):
 def merge(inputs, output, fmt, chunk_size, force):
     """Merge imatrices weighted by their counts (like llama-imatrix --in-file)."""
     from ..imatrix import load_imatrix, merge_imatrices, save_imatrix
+    from ..imatrix.formats import imatrix_output
+    from ..imatrix.merge import unchecked_inputs
+    from ..io.atomic import input_files
 
-    merged = merge_imatrices([load_imatrix(p) for p in inputs], chunk_size=chunk_size)
-    save_imatrix(merged, output, fmt=fmt, overwrite=force)
+    with imatrix_output(output, inputs=input_files(inputs), overwrite=force):
+        loaded = [load_imatrix(p) for p in inputs]
+        merged = merge_imatrices(loaded, chunk_size=chunk_size)
+        for note in unchecked_inputs(loaded):
+            click.echo(f"note: {note}", err=True)
+        save_imatrix(merged, output, fmt=fmt, overwrite=force)
     click.echo(f"merged {len(inputs)} imatrices into {output}: {len(merged.entries)} entries, "
                f"{merged.chunk_count} chunks, {merged.coverage()}")
 
@@ -108,14 +115,17 @@ def convert(src, dst_arg, dst, fmt, config, force):
     from dataclasses import replace
 
     from ..imatrix import load_imatrix, save_imatrix
+    from ..imatrix.formats import imatrix_output
+    from ..io.atomic import input_files
 
-    imx = load_imatrix(src)
-    if config is not None:
-        from ..imatrix.names import to_gguf_names
+    with imatrix_output(dst, inputs=input_files([src, config]), overwrite=force):
+        imx = load_imatrix(src)
+        if config is not None:
+            from ..imatrix.names import to_gguf_names
 
-        imx = to_gguf_names(imx, _arch_map(config))
-    converted = replace(imx, provenance={**imx.provenance, "converted_from": imx.sha256 or ""})
-    save_imatrix(converted, dst, fmt=fmt, overwrite=force)
+            imx = to_gguf_names(imx, _arch_map(config))
+        converted = replace(imx, provenance={**imx.provenance, "converted_from": imx.sha256 or ""})
+        save_imatrix(converted, dst, fmt=fmt, overwrite=force)
     click.echo(f"wrote {dst}: {len(converted.entries)} entries, {converted.coverage()}")
 
 

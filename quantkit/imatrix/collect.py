@@ -48,6 +48,11 @@ per use rather than all placed there.
 
 Resume: after the forward pass that completes each further ``save_every`` chunks, the accumulators go to ``<out>.resume.gguf`` (an imatrix GGUF recording the
 chunks done and the inputs' identity); a later run with the same inputs continues from there.
+
+Provenance: the checkpoint's identity, ``source_digest`` and ``source_files``
+(:func:`~quantkit.imatrix.provenance.source_provenance`), from the SHA-256 of the files convert records
+(:func:`quantkit.convert.source.provenance_files`), hashed in a background thread while the model loads and
+runs (a Hugging Face cache's blob names are their SHA-256: those files are not read for it).
 """
 from __future__ import annotations
 
@@ -64,13 +69,15 @@ import numpy as np
 
 from .. import __version__
 from ..arch import ArchMap, get_arch
-from ..errors import OutputExistsError, SourceError, UnsupportedError, ValidationError
-from ..io.atomic import sha256_file
+from ..convert.source import Hashing, ResolvedSource, file_stats, provenance_files
+from ..errors import SourceError, UnsupportedError, ValidationError
+from ..io.atomic import input_files, sha256_file
 from ..io.checkpoint import open_checkpoint
-from .formats import load_imatrix, save_imatrix
+from ..io.gguf_writer import PARTIAL_SUFFIX
+from .formats import imatrix_output, load_imatrix, save_imatrix
 from .model import Entry, Imatrix, make_imatrix
 from .names import OUTPUT_HEAD, column_map
-from .provenance import EXAMPLE_MARKER
+from .provenance import EXAMPLE_MARKER, source_provenance
 
 DEFAULT_CTX = 512
 #: Tokens per forward pass (llama-imatrix's ``-b`` default): ``batch // ctx`` chunks run together.
@@ -80,7 +87,7 @@ DEFAULT_SAVE_EVERY = 10
 MAX_TEXT_BYTES = 1 << 30
 RESUME_SUFFIX = ".resume.gguf"
 #: Provenance fields a resume state must share with the run that continues it.
-RESUME_IDENTITY = ("source_sha256", "text_sha256", "ctx", "chunks_per_pass", "all_experts", "process_output", "dtype")
+RESUME_IDENTITY = ("source_files", "text_sha256", "ctx", "chunks_per_pass", "all_experts", "process_output", "dtype")
 MLA_STEPS = ("kv_b_k", "kv_b_v")
 ROUTED_CLASSES = frozenset({"routed_gate", "routed_up", "routed_down"})
 DTYPES = ("float32", "bfloat16", "float16")
@@ -628,10 +635,14 @@ def calibration_chunks(tokenizer, text: str, ctx: int, n_chunks: int | None = No
     return chunk_tokens(tokens, ctx, n_chunks, bos if add_bos else None)
 
 
+def check_ctx(ctx: int) -> None:
+    if ctx < 1:
+        raise SourceError(f"context length must be positive, got {ctx}", field="ctx")
+
+
 def chunk_tokens(tokens: list[int], ctx: int, n_chunks: int | None, bos: int | None) -> list[list[int]]:
     """``ctx``-token chunks of ``tokens`` (at most ``n_chunks``), each starting with ``bos`` when given."""
-    if ctx < 1:
-        raise SourceError(f"context length must be positive, got {ctx}")
+    check_ctx(ctx)
     if n_chunks is not None and n_chunks < 1:
         raise SourceError(f"the chunk count must be positive, got {n_chunks}")
     available = len(tokens) // ctx
@@ -687,7 +698,8 @@ def forward_passes(start: int, n_chunks: int, per_pass: int) -> list[range]:
     return [range(i, min(i + per_pass, n_chunks)) for i in range(start, n_chunks, per_pass)]
 
 
-def _read_config(source: Path) -> dict:
+def _read_checkpoint(source: Path) -> tuple[dict, list[Path]]:
+    """The checkpoint's config and the files it reads (shards, config, tokenizer: convert's provenance files)."""
     path = source / "config.json"
     if not path.is_file():
         raise SourceError("no config.json: collection needs a Hugging Face checkpoint directory", path=source)
@@ -697,30 +709,52 @@ def _read_config(source: Path) -> dict:
         raise SourceError(f"config.json is not valid JSON: {exc}", path=path) from None
     if not isinstance(config, dict):
         raise SourceError("config.json must be a JSON object", path=path)
-    with open_checkpoint(source):   # checks the config's sizes against the tensors, before anything is sized
-        pass
-    return config
+    with open_checkpoint(source) as ckpt:   # checks the config's sizes against the tensors, before anything is sized
+        shards = {ckpt.tensor_info(n).file for n in ckpt.tensor_names()}
+    return config, provenance_files(ResolvedSource(source, str(source)), shards)
+
+
+def resume_state(out: Path) -> Path:
+    return out.with_name(out.name + RESUME_SUFFIX)
 
 
 def collect_imatrix(source: str | os.PathLike, text_path: str | os.PathLike, out: str | os.PathLike,
                     options: CollectOptions | None = None) -> Imatrix:
-    """Run ``source`` over the text, write the imatrix to ``out`` (atomically), and return it."""
+    """Run ``source`` over the text, write the imatrix to ``out`` (atomically), and return it.  The options and
+    the output (:func:`~quantkit.imatrix.formats.imatrix_output`, locked until the end) are checked first."""
     opts = options or CollectOptions()
     source, out = Path(source), Path(out)
-    if out.exists() and not opts.overwrite:
-        raise OutputExistsError("output exists; refusing to replace it", path=out)
     if opts.dtype not in DTYPES:
         raise SourceError(f"dtype {opts.dtype!r} is not one of {DTYPES}")
     if opts.threads is not None and opts.threads < 1:
         raise SourceError(f"the thread count must be positive, got {opts.threads}", field="threads")
     if opts.batch < 1:
         raise SourceError(f"the batch size must be positive, got {opts.batch}", field="batch")
-    text = read_text(text_path)
-    config = _read_config(source)
+    check_ctx(opts.ctx)
+    state = resume_state(out)
+    with imatrix_output(out, inputs=input_files([source, text_path]), overwrite=opts.overwrite,
+                        also=[state, state.with_name(state.name + PARTIAL_SUFFIX)]):
+        text = read_text(text_path)
+        config, files = _read_checkpoint(source)
+        # the source's identity is hashed in the background while the model loads and runs, as convert does (a
+        # Hugging Face cache names its blobs by their SHA-256: those are not read)
+        hashing = Hashing(files, file_stats(files))
+        try:
+            return _collect_source(source, text, text_path, config, out, opts, hashing)
+        finally:
+            hashing.cancel()
+
+
+def _collect_source(source: Path, text: str, text_path, config: dict, out: Path, opts: CollectOptions,
+                    hashing: Hashing) -> Imatrix:
     amap = get_arch(config.get("model_type", "")).bind(config)
-    identity = {"source_sha256": sha256_file(source / "config.json"), "text_sha256": sha256_file(text_path),
-                "ctx": str(opts.ctx), "chunks_per_pass": str(opts.chunks_per_pass), "all_experts": str(opts.all_experts).lower(),
-                "process_output": str(opts.process_output).lower(), "dtype": opts.dtype}
+    inputs = {"text_sha256": sha256_file(text_path), "ctx": str(opts.ctx), "chunks_per_pass": str(opts.chunks_per_pass),
+              "all_experts": str(opts.all_experts).lower(), "process_output": str(opts.process_output).lower(),
+              "dtype": opts.dtype}
+
+    def identity() -> dict[str, str]:
+        return {**source_provenance(hashing.result()), **inputs}
+
     import transformers
 
     chunks = calibration_chunks(transformers.AutoTokenizer.from_pretrained(source), text, opts.ctx, opts.chunks)
@@ -765,7 +799,7 @@ def collection_threads(model, opts: CollectOptions):
         torch.set_num_threads(threads)
 
 
-def _collect(model, amap: ArchMap, chunks: list[list[int]], out: Path, identity: dict[str, str],
+def _collect(model, amap: ArchMap, chunks: list[list[int]], out: Path, identity: Callable[[], dict[str, str]],
              opts: CollectOptions, source: Path, text_path) -> Imatrix:
     import torch
 
@@ -784,23 +818,24 @@ def _collect(model, amap: ArchMap, chunks: list[list[int]], out: Path, identity:
         collector.close()
 
 
-def accumulate(acc: Accumulators, amap: ArchMap, n_chunks: int, run: Callable, out: Path, identity: dict[str, str],
-               opts: CollectOptions, source: Path, text_path) -> Imatrix:
+def accumulate(acc: Accumulators, amap: ArchMap, n_chunks: int, run: Callable, out: Path,
+               identity: Callable[[], dict[str, str]], opts: CollectOptions, source: Path, text_path) -> Imatrix:
     """Resume from ``<out>.resume.gguf`` when it exists (unless ``restart``), let ``run(passes)`` fold the
     remaining chunks into ``acc`` pass by pass (:func:`forward_passes`; yielding each pass once it is folded),
     save the resume state at the first pass end after every ``save_every`` chunks, then write the imatrix to
-    ``out`` and remove the resume state."""
+    ``out`` and remove the resume state.  ``identity()``: the inputs' identity (:data:`RESUME_IDENTITY`), called
+    only when needed as it waits for the source's hashes."""
     from tqdm import tqdm
 
-    state = out.with_name(out.name + RESUME_SUFFIX)
-    done = _resume(acc, state, identity, n_chunks) if state.exists() and not opts.restart else 0
+    state = resume_state(out)
+    done = _resume(acc, state, identity(), n_chunks) if state.exists() and not opts.restart else 0
     synthetic = opts.synthetic or (source / EXAMPLE_MARKER).is_file()
-    provenance = {**identity, "source": str(source), "source_model_type": amap.arch.model_type,
-                  "quantkit_version": __version__}
 
     def snapshot(n_done: int, **extra) -> Imatrix:
+        provenance = {**identity(), "source": str(source), "source_model_type": amap.arch.model_type,
+                      "quantkit_version": __version__, **extra}
         return make_imatrix(acc.entries(), datasets=[str(text_path)], chunk_count=n_done,
-                            chunk_size=opts.ctx, synthetic=synthetic, provenance={**provenance, **extra})
+                            chunk_size=opts.ctx, synthetic=synthetic, provenance=provenance)
 
     saved = done
     with tqdm(initial=done, total=n_chunks, unit="chunk", disable=not opts.progress, desc="imatrix") as bar:
@@ -818,12 +853,26 @@ def accumulate(acc: Accumulators, amap: ArchMap, n_chunks: int, run: Callable, o
     return imatrix
 
 
+def _changed_files(was: str | None, now: str) -> str:
+    """The files whose hashes differ between two ``source_files`` values (``name:sha256,...``)."""
+    def hashes(text):
+        return dict(item.rpartition(":")[::2] for item in (text or "").split(",") if item)
+
+    before, after = hashes(was), hashes(now)
+    changed = sorted(n for n in {*before, *after} if before.get(n) != after.get(n))
+    return ", ".join(changed) if was else "the state records none: an older quantkit's"
+
+
 def _resume(acc: Accumulators, state: Path, identity: dict[str, str], n_chunks: int) -> int:
     saved = load_imatrix(state)
     for key in RESUME_IDENTITY:
-        if saved.provenance.get(key) != identity[key]:
-            raise ValidationError(f"resume state was made with other inputs ({key}: {saved.provenance.get(key)!r}, "
-                                  f"now {identity[key]!r}); delete it or pass --restart", path=state)
+        was, now = saved.provenance.get(key), identity[key]
+        if key == "source_files" and was != now:   # named, not every file's hash printed
+            raise ValidationError(f"resume state was made from other source files ({_changed_files(was, now)}); "
+                                  f"delete it or pass --restart", path=state)
+        if was != now:
+            raise ValidationError(f"resume state was made with other inputs ({key}: {was!r}, now {now!r}); delete "
+                                  f"it or pass --restart", path=state)
     done = int(saved.provenance.get("chunks_done", "0"))
     if not 0 < done <= n_chunks or done % int(identity["chunks_per_pass"]) and done != n_chunks:
         raise ValidationError(f"resume state records {done} chunks done of {n_chunks}", path=state)

@@ -24,24 +24,27 @@ the importance ``values / ncall`` exactly.  Entries with no observation at all a
 the same); quantkit writes its dataset names joined by newlines, prefixed ``synthetic:`` for a synthetic imatrix.
 
 :func:`load_imatrix` tells the formats apart by content (the GGUF magic), not by file name.  Writers go through
-a temporary file renamed into place, so a failure leaves nothing under the output name.
+a temporary file renamed into place, so a failure leaves nothing under the output name.  Commands claim their
+output with :func:`imatrix_output` before any work.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import struct
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import numpy as np
 from gguf.constants import GGUFValueType
 
 from .. import __version__
-from ..errors import FormatError, TruncatedFileError
+from ..errors import FormatError, OutputExistsError, TruncatedFileError
 from ..formats.registry import GGMLType
-from ..io.atomic import atomic_output, sha256_file
+from ..io.atomic import LOCK_SUFFIX, atomic_output, check_output, output_lock, sha256_file
 from ..io.gguf import KV, MAGIC, ArrayOf, type_name
 from ..io.gguf_reader import GGUFFile
-from ..io.gguf_writer import GGUFWriter, TensorSpec, plan_layout
+from ..io.gguf_writer import PARTIAL_SUFFIX, GGUFWriter, TensorSpec, plan_layout
 from .model import Entry, Imatrix, make_imatrix
 from .provenance import (COUNTS_UNIT_KEY, KEY_PREFIX, SYNTHETIC_KEY, SYNTHETIC_PREFIX, datasets_are_synthetic)
 
@@ -217,6 +220,28 @@ def output_format(path: str | os.PathLike, fmt: str | None = None) -> str:
     if fmt not in FORMATS:
         raise FormatError(f"unknown imatrix format {fmt!r}; choose one of {FORMATS}")
     return fmt
+
+
+@contextlib.contextmanager
+def imatrix_output(path: str | os.PathLike, *, inputs: Iterable[str | os.PathLike] = (), overwrite: bool = False,
+                   also: Iterable[Path] = ()) -> Iterator[Path]:
+    """Claim ``path`` for an imatrix, before any work: refuse it (and its partial, its lock and the ``also``
+    paths the caller writes beside it) when it is one of ``inputs`` (even with ``overwrite``), and an existing
+    output or a leftover partial unless ``overwrite``; then hold the output's lock
+    (:func:`~quantkit.io.atomic.output_lock`) while the caller works and saves, so a second writer of the same
+    output is refused instead of replacing this one's partial."""
+    out = Path(path)
+    inputs = list(inputs)
+    partial = out.with_name(out.name + PARTIAL_SUFFIX)
+    check_output(out, inputs=inputs, overwrite=overwrite)
+    for extra in (partial, out.with_name(out.name + LOCK_SUFFIX), *also):
+        check_output(extra, inputs=inputs, overwrite=True)
+    with output_lock(out):
+        if partial.exists() and not overwrite:   # an interrupted run's, or a writer that takes no lock
+            raise OutputExistsError("an unfinished write of this output exists (a partial output left by an "
+                                    "interrupted run, or another program still writing it); refusing to replace "
+                                    "it", path=partial)
+        yield out
 
 
 def save_imatrix(imatrix: Imatrix, path: str | os.PathLike, *, fmt: str | None = None,

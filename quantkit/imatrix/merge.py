@@ -11,6 +11,11 @@ legacy inputs keeps chunk units.
 
 The result's datasets are the inputs' in order, its chunk count their sum, and it is synthetic when any input is.
 ``Σx`` (``in_sum``) is kept only when every input holding the tensor has it.
+
+Inputs that record different source models (``source_model_type``, or ``source_digest``: the checkpoint's
+identity) are refused, since their sums would mix statistics of different weights; the result keeps the source
+provenance the inputs that record one agree on (:func:`common_source`).  Files without provenance (legacy
+``.dat``, llama-imatrix's) cannot be checked and are merged as given.
 """
 from __future__ import annotations
 
@@ -18,13 +23,18 @@ from typing import Sequence
 
 import numpy as np
 
-from ..errors import FormatError
+from ..errors import FormatError, ValidationError
 from .model import Entry, Imatrix, make_imatrix
+from .provenance import KEY_PREFIX, SOURCE_KEYS
+
+#: Provenance keys whose differing values mean different models, and how a message shows the value.
+_MODEL_IDENTITY = {"source_model_type": str, "source_digest": lambda digest: f"source digest {digest[:16]}…"}
 
 
 def merge_imatrices(inputs: Sequence[Imatrix], *, chunk_size: int | None = None) -> Imatrix:
     if not inputs:
         raise FormatError("nothing to merge: no input imatrix")
+    source = common_source(inputs)
     units = {m.counts_unit for m in inputs}
     scale_chunks = len(units) > 1
     if scale_chunks:
@@ -48,7 +58,49 @@ def merge_imatrices(inputs: Sequence[Imatrix], *, chunk_size: int | None = None)
         chunk_size=chunk_size if scale_chunks else (sizes.pop() if len(sizes) == 1 else 0),
         synthetic=any(m.synthetic for m in inputs),
         counts_unit="tokens" if "tokens" in units else "chunks",
-        provenance={"merged_from": ",".join(m.sha256 or str(m.path) for m in inputs)})
+        provenance={**source, "merged_from": ",".join(m.sha256 or str(m.path) for m in inputs)})
+
+
+def common_source(inputs: Sequence[Imatrix]) -> dict[str, str]:
+    """The source provenance (:data:`SOURCE_KEYS`) of the inputs that record one, refusing inputs of different
+    models; a key they do not all record with one value (a checkpoint's path on two machines, a digest an older
+    file lacks) is left out."""
+    for key, shown in _MODEL_IDENTITY.items():
+        recorded = [(i, m.provenance[key]) for i, m in enumerate(inputs) if m.provenance.get(key)]
+        for i, value in recorded[1:]:
+            first, first_value = recorded[0]
+            if value != first_value:
+                raise ValidationError(f"imatrices of different models: {_name(inputs, first)} comes from "
+                                      f"{shown(first_value)}, {_name(inputs, i)} from {shown(value)}; merge "
+                                      f"imatrices collected on one model", field=KEY_PREFIX + key)
+    recording = [m.provenance for m in inputs if any(m.provenance.get(key) for key in SOURCE_KEYS)]
+    common = {}
+    for key in SOURCE_KEYS:   # kept only when every input that records a source says the same
+        values = {p.get(key) for p in recording}
+        if len(values) == 1 and None not in values:
+            common[key] = values.pop()
+    return common
+
+
+def unchecked_inputs(inputs: Sequence[Imatrix]) -> list[str]:
+    """Notes naming the inputs :func:`common_source` could not check: no source model recorded (a legacy
+    ``.dat``, another tool's file), or no checkpoint digest while another input has one (an older quantkit's)."""
+    notes = []
+    bare = [_name(inputs, i) for i, m in enumerate(inputs) if not m.provenance.get("source_model_type")]
+    if bare:
+        notes.append(f"{', '.join(bare)}: no source model recorded (a legacy .dat or another tool's imatrix): not "
+                     f"checked against the other inputs' model")
+    if any(m.provenance.get("source_digest") for m in inputs):
+        older = [_name(inputs, i) for i, m in enumerate(inputs)
+                 if m.provenance.get("source_model_type") and not m.provenance.get("source_digest")]
+        if older:
+            notes.append(f"{', '.join(older)}: no source digest recorded (an older quantkit's imatrix): only its "
+                         f"model type was checked against the other inputs'")
+    return notes
+
+
+def _name(inputs: Sequence[Imatrix], i: int) -> str:
+    return str(inputs[i].path) if inputs[i].path is not None else f"input {i + 1}"
 
 
 def _common_chunk_size(inputs: Sequence[Imatrix], chunk_size: int | None) -> int:

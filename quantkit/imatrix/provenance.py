@@ -19,10 +19,13 @@ allowed (``--allow-synthetic-imatrix``).
 from __future__ import annotations
 
 import re
-from typing import Iterable
+from typing import TYPE_CHECKING, Iterable
 
 from ..errors import ValidationError
 from .model import Imatrix
+
+if TYPE_CHECKING:
+    from ..convert.source import FileHash
 
 KEY_PREFIX = "quantkit.imatrix."
 SYNTHETIC_KEY = KEY_PREFIX + "synthetic"
@@ -32,7 +35,11 @@ PROVENANCE_KEYS = {
     "quantkit_version": "quantkit version that wrote the file",
     "source": "the model the statistics were collected on (path or name)",
     "source_model_type": "its config's model_type",
-    "source_sha256": "SHA-256 of its config.json",
+    "source_digest": "its identity: quantkit.scoring.source.source_digest of its *.safetensors files, the digest "
+                     "release manifests and score records carry",
+    "source_files": "'<file name>:<SHA-256>' of every file of it that was read (shards, config, tokenizer), "
+                    "comma separated",
+    "source_sha256": "(older files, read only) SHA-256 of its config.json: not the weights' identity",
     "text_sha256": "SHA-256 of the calibration text file",
     "ctx": "tokens per chunk",
     "all_experts": "'true' when every token was routed to every expert for the statistics",
@@ -42,10 +49,20 @@ PROVENANCE_KEYS = {
     "merged_from": "SHA-256s of the files merged into this one",
     "converted_from": "SHA-256 of the file this one was converted from",
 }
+#: The keys that say which model the statistics come from: a merge keeps those its inputs agree on.
+SOURCE_KEYS = ("source", "source_model_type", "source_digest", "source_files", "source_sha256")
 SYNTHETIC_PREFIX = "synthetic:"
 _SYNTHETIC_WORDS = re.compile(r"(?i)(^|[^a-z])(synthetic|fixtures?)([^a-z]|$)")
 #: File that marks quantkit's bundled example / test checkpoints (random, untrained weights).
 EXAMPLE_MARKER = "quantkit_example.json"
+
+
+def source_provenance(hashes: Iterable["FileHash"]) -> dict[str, str]:
+    """``source_digest`` and ``source_files`` of a checkpoint from its files' hashes (as convert computes them)."""
+    from ..scoring.source import source_digest
+
+    pairs = sorted((h.name, h.sha256) for h in hashes)
+    return {"source_digest": source_digest(pairs) or "", "source_files": ",".join(f"{n}:{sha}" for n, sha in pairs)}
 
 
 def dataset_is_synthetic(name: str) -> bool:

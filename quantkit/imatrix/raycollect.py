@@ -17,6 +17,7 @@ An actor whose process dies is restarted (it loads the model again) and its pass
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Callable
 
 from ..cluster import TASK_RETRIES, cluster_cpus, ray_session, task_result
 from .collect import Accumulators, CollectOptions, Collector, accumulate, collection_threads, load_collection_model
@@ -43,8 +44,8 @@ class CollectWorker:
         return index, {name: (sums.cpu().numpy(), counts.cpu().numpy()) for name, (sums, counts) in stats.items()}
 
 
-def collect_on_ray(source: Path, config: dict, amap, chunks: list[list[int]], out: Path, identity: dict[str, str],
-                   opts: CollectOptions, text_path):
+def collect_on_ray(source: Path, config: dict, amap, chunks: list[list[int]], out: Path,
+                   identity: Callable[[], dict[str, str]], opts: CollectOptions, text_path):
     """The collection of :func:`quantkit.imatrix.collect.collect_imatrix` with its chunks run on Ray."""
     with ray_session(opts.address, opts.workers, "quantkit imatrix collect --executor ray") as ray:
         resources = {"num_gpus": 1, "num_cpus": 1} if opts.device.startswith("cuda") else {"num_cpus": 1}

@@ -52,6 +52,12 @@ def _fmt(value: float | None) -> str:
     return "-" if value is None else f"{value:.4g}"
 
 
+def _provenance_value(key: str, value: str) -> str:
+    if key == "source_files" and value:   # a SHA-256 per shard: hundreds on a large model
+        return f"{value.count(',') + 1} files hashed (--json lists each SHA-256)"
+    return value
+
+
 def render(report: dict[str, Any], *, show_all: bool = False) -> str:
     cov = report["coverage"]
     lines = [
@@ -62,7 +68,7 @@ def render(report: dict[str, Any], *, show_all: bool = False) -> str:
         f"datasets: {', '.join(report['datasets']) or '(none)'}",
         f"synthetic: {'yes (not for releases)' if report['synthetic'] else 'no'}",
     ]
-    lines += [f"{k}: {v}" for k, v in sorted(report["provenance"].items())]
+    lines += [f"{k}: {_provenance_value(k, v)}" for k, v in sorted(report["provenance"].items())]
     lines.append(f"coverage: {cov['summary']}")
     for layer, c in cov["layers"].items():
         if c["observed"] < c["total"]:
