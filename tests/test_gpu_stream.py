@@ -284,7 +284,8 @@ def test_next_tensor_encodes_while_earlier_ones_finish_writing(tmp_path, monkeyp
     sizes = [3000, 1, 5000, 700, 4096]
     payloads = {f"t{i}": np.random.default_rng(i).integers(0, 255, n, dtype=np.uint8) for i, n in enumerate(sizes)}
     offsets = dict(zip(payloads, np.cumsum([0] + sizes[:-1]).tolist()))
-    jobs = {name: SimpleNamespace(name=name, kind="copy", qtype=GGMLType.I8, nbytes=p.nbytes) for name, p in payloads.items()}
+    jobs = {name: SimpleNamespace(name=name, kind="copy", qtype=GGMLType.I8, nbytes=p.nbytes)
+            for name, p in payloads.items()}
     slow_first = threading.Event()
 
     def pieces_of(ctx, job):

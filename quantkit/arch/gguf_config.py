@@ -249,8 +249,8 @@ def _qwen4exp(r: KeyReader, c: dict) -> None:
     if sparse == [0]:
         raise UnsupportedError("every attention layer has compression ratio 0 (llama.cpp's converter writes that for "
                                "qwen4_exp: its QSA indexer never engages), which transformers' Qwen4-Exp cannot run; "
-                               "convert the checkpoint with quantkit, whose file records the model's own settings", path=r.path,
-                               field=r.full("attention.compress_ratios"))
+                               "convert the checkpoint with quantkit, whose file records the model's own settings",
+                               path=r.path, field=r.full("attention.compress_ratios"))
     c["indexer_compress_ratio"] = sparse[0]
     c["linear_value_head_dim"] = r.get("ssm.inner_size") // c["linear_num_value_heads"]
     q_rows = r.shape(next(name for name in r.shapes if name.endswith(".indexer.k_proj.weight")))[0]

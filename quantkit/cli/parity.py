@@ -85,7 +85,8 @@ def parity(model, logits_dump, streams, hidden, prompt, tokens_file, confident, 
         if dump is not None:
             source = RuntimeSource(runtime, model_identity(model, codec)) if dump[0] == "llama" else None
             result = compare_logits(*dump, reference, tokens, runtime.vocab_size, confident=confident,
-                                    min_top1=min_top1, max_mean_kld=max_mean_kld, kld_against=lambda path, each: kld_against(source, codec, path,
+                                    min_top1=min_top1, max_mean_kld=max_mean_kld,
+                                    kld_against=lambda path, each: kld_against(source, codec, path,
                                                                                runtime.vocab_size, each))
             report["logits"] = result.to_json()
             lines += result.report_lines()

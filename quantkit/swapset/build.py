@@ -214,7 +214,8 @@ def _convention(request: SwapsetRequest, ckpt: Checkpoint) -> str | None:
     on_disk = ckpt.quantization.removeprefix("nvfp4-") if ckpt.quantization.startswith("nvfp4-") else None
     if request.convention is None and on_disk is None:
         raise SourceError(f"the checkpoint holds no NVFP4 tensors ({ckpt.quantization!r} quantization) to infer "
-                          f"an NVFP4 convention from: pass --convention modelopt or compressed-tensors", path=ckpt.path, field="convention")
+                          f"an NVFP4 convention from: pass --convention modelopt or compressed-tensors", path=ckpt.path,
+                          field="convention")
     if request.convention is not None and on_disk is not None and request.convention != on_disk:
         raise SourceError(f"convention mismatch: the checkpoint's tensors are NVFP4 {on_disk} but "
                           f"--convention {request.convention} was asked for; an engine reads one convention per "
