@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import socket
 from typing import Iterator
 
 from .errors import ClusterError
@@ -17,6 +18,30 @@ from .extras import require_ray
 
 #: Times Ray runs a task again after its worker process (or node) died under it: a lost worker costs its tasks.
 TASK_RETRIES = 3
+#: Seconds a cluster's head may take to accept a TCP connection: ray.init itself waits without limit for a head
+#: that never answers, printing Ray's own retry warnings.
+CONNECT_SECONDS = 10.0
+
+
+def check_reachable(address: str) -> None:
+    """Refuse, in one line, a ``HOST:PORT`` (or ``ray://HOST:PORT``) where nothing accepts a connection; other
+    forms (``auto``, a cluster Ray finds itself) are left to Ray."""
+    hostport = address.removeprefix("ray://")
+    host, sep, port = hostport.rpartition(":")
+    if not sep or not host or "/" in hostport:
+        return
+    try:
+        number = int(port)
+        if not 0 < number < 65536:
+            raise ValueError
+    except ValueError:
+        raise ClusterError(f"cannot connect to the Ray cluster at {address!r}: {port!r} is not a port") from None
+    try:
+        socket.create_connection((host.strip("[]"), number), timeout=CONNECT_SECONDS).close()
+    except OSError as exc:
+        reason = exc.strerror or type(exc).__name__
+        raise ClusterError(f"cannot connect to the Ray cluster at {address!r}: nothing answers there within "
+                           f"{CONNECT_SECONDS:.0f} s ({reason})") from None
 
 
 @contextlib.contextmanager
@@ -24,6 +49,8 @@ def ray_session(address: str | None, workers: int, what: str) -> Iterator[object
     """The ``ray`` module, connected to the cluster at ``address`` or to a local cluster of ``workers`` CPUs
     started here; disconnected (and the local cluster stopped) on leaving."""
     ray = require_ray(what)
+    if address is not None:
+        check_reachable(address)
     if ray.is_initialized():
         raise ClusterError("this process is already connected to a Ray cluster; quantkit connects for each run")
     options = dict(include_dashboard=False, logging_level=logging.ERROR, log_to_driver=False,

@@ -92,3 +92,16 @@ def test_a_recipe_directory_and_a_checkpoint_without_config_are_named(tmp_path):
     for args, expected in [(["--recipe", str(tmp_path)], "is a directory"), (["--recipe", "q8_0"], "no config.json")]:
         result = CliRunner().invoke(main, ["convert", str(tmp_path), "-o", str(tmp_path / "o.gguf"), *args])
         assert result.exit_code == 2 and expected in result.stderr, result.stderr
+
+
+@pytest.mark.parametrize("command", [["convert", "x", "-o", "y.gguf", "--recipe", "q8_0"],
+                                     ["imatrix", "collect", "x", "-o", "y.gguf", "--text"]])
+@pytest.mark.parametrize("device", ["gpu", "cuda:x", "", "meta"])
+def test_a_device_is_checked_when_the_option_is_read(command, device, tmp_path):
+    """--device took any text: imatrix collect handed it to torch ("internal error: Expected one of cpu, cuda,
+    ..."), convert exited 3 (unavailable) for what is a bad option."""
+    text = tmp_path / "calibration.txt"
+    text.write_text("text")
+    result = CliRunner().invoke(main, [*command, *([str(text)] if command[-1] == "--text" else []),
+                                       "--device", device])
+    assert result.exit_code == 2 and "unknown device" in result.stderr and "--device" in result.stderr, result.stderr

@@ -285,3 +285,21 @@ def test_an_address_needs_the_ray_executor(tmp_path):
                                        "127.0.0.1:6379"])
     assert result.exit_code == 2 and "--address needs --executor ray" in result.output
     assert list(tmp_path.iterdir()) == []
+
+
+def test_an_address_where_nothing_answers_is_refused_at_once(tmp_path):
+    """ray.init waited without limit for a head that never answers (over 10 minutes, Ray's retry warnings on
+    stderr and no quantkit error): an address where nothing accepts a connection, or that is no port, is one
+    line, exit 2, within seconds."""
+    with socket.socket() as probe:   # a port nothing listens on once closed
+        probe.bind(("127.0.0.1", 0))
+        closed = probe.getsockname()[1]
+    for address, expected in [(f"127.0.0.1:{closed}", "nothing answers there"), ("127.0.0.1:99999", "not a port"),
+                              ("", "--address")]:
+        start = time.monotonic()
+        result = CliRunner().invoke(main, ["convert", str(examples.example_model_dir()), "-o", str(tmp_path / "o.gguf"),
+                                           "--recipe", "tiny-moe-q4_k", "--pre-tokenizer", "qwen35", "--executor",
+                                           "ray", "--address", address, "--no-progress"])
+        lines = result.stderr.strip().splitlines()
+        assert result.exit_code == 2 and len(lines) == 1 and expected in lines[0], result.stderr
+        assert time.monotonic() - start < 60 and not (tmp_path / "o.gguf").exists()

@@ -11,7 +11,7 @@ import click
 from ..evidence import artifact_sha256, remember_artifact_sha256
 
 from . import EXIT_INTERRUPTED
-from .executors import check_executor, default_jobs
+from .executors import TorchDevice, check_executor, default_jobs
 
 
 @click.command("convert")
@@ -51,7 +51,7 @@ from .executors import check_executor, default_jobs
               help="write the support (drafter) file instead: mtp, the MTP blocks (with the embedding and head in "
                    "llama.cpp's dialect; ds4's mtp.K.* alone with --dialect ds4); dspark, DeepSeek V4's DSpark "
                    "drafter (llama.cpp's dflash); each records the checkpoint identity its target must share")
-@click.option("--device", default="cpu", show_default=True, metavar="cpu|cuda[:N]",
+@click.option("--device", type=TorchDevice(), default="cpu", show_default=True,
               help="encode Q8_0, MXFP4, NVFP4, Q4_K, Q2_K and IQ2_XXS tensors on this torch device (same bytes as "
                    "the CPU; other types stay on the CPU); with cuda one job unless -j says otherwise (-j 4 measured "
                    "slower than -j 1 on an H200: each worker imports torch and holds the GPU)")

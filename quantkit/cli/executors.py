@@ -1,7 +1,21 @@
 """The options that choose where ``convert``, ``imatrix collect`` and ``score`` run: this machine or a Ray cluster."""
 from __future__ import annotations
 
+import re
+
 import click
+
+
+class TorchDevice(click.ParamType):
+    """``cpu``, ``cuda`` or ``cuda:N``, checked when the option is read (torch says whether the device exists)."""
+
+    name = "cpu|cuda[:N]"
+    _FORM = re.compile(r"^(cpu|cuda(:\d+)?)$")
+
+    def convert(self, value, param, ctx):
+        if not self._FORM.match(str(value)):
+            self.fail(f"unknown device {value!r}: use cpu, cuda or cuda:N", param, ctx)
+        return str(value)
 
 
 def default_jobs() -> int:
@@ -31,6 +45,8 @@ def executor_options(func):
 def check_executor(what: str, executor: str, address: str | None) -> None:
     if address is not None and executor != "ray":
         raise click.UsageError("--address needs --executor ray")
+    if address is not None and not address.strip():
+        raise click.BadParameter("empty: give the cluster head's HOST:PORT", param_hint="--address")
     if executor == "ray":
         from ..extras import require_ray
 

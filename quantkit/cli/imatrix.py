@@ -7,7 +7,7 @@ import json
 import click
 
 from . import one_output
-from .executors import check_executor, executor_options
+from .executors import TorchDevice, check_executor, executor_options
 
 FORMAT_CHOICE = click.Choice(["gguf", "dat"])
 #: Suffixes of a --max-memory size (binary: 8G is 8 GiB).
@@ -163,7 +163,7 @@ def _arch_map(config_path):
               help="route every token to every expert for the statistics (the model's output is unchanged)")
 @click.option("--process-output", is_flag=True, help="also collect the output head (output.weight)")
 @click.option("--synthetic", is_flag=True, help="mark the result as made from synthetic or fixture text")
-@click.option("--device", default="cpu", show_default=True, help="torch device (cpu, cuda, cuda:1, ...)")
+@click.option("--device", type=TorchDevice(), default="cpu", show_default=True, help="torch device (cpu, cuda, cuda:N)")
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default="float32",
               show_default=True, help="dtype the model runs in")
 @click.option("--max-memory", type=ByteSize(), default=None,

@@ -240,7 +240,10 @@ def load_model(path: str | os.PathLike, device: str | torch.device = "cpu", *,
     if experts == "auto":
         experts = "eager" if arithmetic != "float32" else "grouped" if device.type == "cuda" else "sorted"
     if device.type == "cuda" and not torch.cuda.is_available():
-        raise UnsupportedError("device cuda requested but torch sees no CUDA device")
+        raise UnsupportedError(f"device {str(device)!r} requested but torch sees no CUDA device")
+    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+        raise UnsupportedError(f"device {str(device)!r} requested but torch sees {torch.cuda.device_count()} CUDA "
+                               f"device(s)")
     weights = open_weights(path, config, cache_bytes=cache_bytes, replace=replace)
     try:
         implementation = {"grouped": GROUPED, "sorted": SORTED}.get(experts, "eager")
