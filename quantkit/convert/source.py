@@ -42,7 +42,7 @@ _COMMIT = re.compile(r"^[0-9a-f]{40}$")
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
 #: The top-level marks of the JSON files quantkit writes ("format": "quantkit-release", -validation, -transport,
 #: -convert-report, -score-sidecar ...; swapset manifests: "schema": "quantkit.swapset"), and the largest file
-#: searched for them (a model's tokenizer.json is larger and is none of them).
+#: searched for them (quantkit's own are far smaller: a larger JSON file is the model's).
 _QUANTKIT_MARKS = (b'"quantkit-', b'"quantkit.')
 _LARGEST_QUANTKIT_JSON = 64 << 20
 

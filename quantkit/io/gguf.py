@@ -59,6 +59,8 @@ READ_VERSIONS: dict[int, str] = {
     3: "the v2 layout, also allowed big-endian (quantkit reads the little-endian form only)",
 }
 ALIGNMENT_KEY = "general.alignment"
+#: The keys of a llama.cpp split shard (llama-gguf-split): its number from 0, the shard count, the tensors in all.
+SPLIT_NO, SPLIT_COUNT, SPLIT_TENSORS_COUNT = "split.no", "split.count", "split.tensors.count"
 DEFAULT_ALIGNMENT = GGUF_DEFAULT_ALIGNMENT
 #: ggml's GGML_MAX_NAME (64) counts the terminating NUL, so names hold at most 63 bytes.
 MAX_NAME_BYTES = 63

@@ -22,8 +22,8 @@ from gguf.constants import GGUFValueType
 
 from ..errors import FormatError, MissingSourceError, TruncatedFileError, UnsupportedError
 from .gguf import (ALIGNMENT_KEY, KV, MAGIC, MAX_DIMS, MIN_KV_BYTES, MIN_TENSOR_INFO_BYTES, READ_VERSIONS,
-                   SCALAR_DTYPES, ArrayOf, GGUFTensor, align, check_alignment, check_tensor_geometry,
-                   check_tensor_name, min_value_bytes)
+                   SCALAR_DTYPES, SPLIT_COUNT, SPLIT_NO, ArrayOf, GGUFTensor, align, check_alignment,
+                   check_tensor_geometry, check_tensor_name, min_value_bytes)
 
 # Caps on what a header may declare.  The remaining-bytes checks already bound every read by the file size;
 # these bound the Python objects built from it (a list of N strings costs far more memory than 8·N bytes).
@@ -297,9 +297,9 @@ class GGUFFile:
     def require_whole_model(self) -> None:
         """Refuse one shard of a llama.cpp split file (``split.count`` > 1) where a whole model is needed: the
         first shard holds the metadata and only some tensors, the others no metadata at all."""
-        count = self.metadata.get("split.count")
+        count = self.metadata.get(SPLIT_COUNT)
         if count is not None and count.value != 1:
-            number = self.metadata["split.no"].value + 1 if "split.no" in self.metadata else "?"
+            number = self.metadata[SPLIT_NO].value + 1 if SPLIT_NO in self.metadata else "?"
             raise UnsupportedError(f"shard {number} of {count.value} of a llama.cpp split file; running a model "
                                    f"from its shards is not implemented: merge them first (llama-gguf-split --merge, "
                                    f"or quantkit transport assemble with its manifest)", path=self.path)

@@ -23,13 +23,12 @@ from gguf.constants import GGUFValueType
 
 from ..errors import FormatError, OutOfSpaceError, OutputExistsError, QuantkitError, UnsupportedError
 from ..io.atomic import atomic_output, check_output, commit_partial, is_out_of_space, output_lock
-from ..io.gguf import KV, align
+from ..io.gguf import KV, SPLIT_COUNT, SPLIT_NO, SPLIT_TENSORS_COUNT, align
 from ..io.gguf_reader import GGUFFile
 from ..io.gguf_writer import plan_layout, pwrite_all
 from .manifest import MAX_PARTS, Entry, Manifest, manifest_name
 from .stream import Syncer, copy_range, progress_bar
 
-SPLIT_NO, SPLIT_COUNT, SPLIT_TENSORS_COUNT = "split.no", "split.count", "split.tensors.count"
 #: In llama.cpp's order: gguf-split sets ``split.count`` last (a placeholder replaced once the shards are counted,
 #: and ggml's ``gguf_set_val`` moves a replaced key to the end).
 SPLIT_KEYS = (SPLIT_NO, SPLIT_TENSORS_COUNT, SPLIT_COUNT)
