@@ -292,6 +292,30 @@ def test_source_scores_perfectly_on_its_own_fixture(tmp_path, text_model):
     assert api.target_abs_delta < 1e-9 and api.top_abs_delta < 1e-9
 
 
+def test_a_fixture_directory_never_replaces_an_input(tmp_path, text_model):
+    """`fixture capture SRC -o SRC --force` replaced the checkpoint with the fixture (and an output above an input
+    deleted it the same way): refused before any work, exit 2, the inputs untouched; so for import."""
+    import shutil
+
+    _, _, folder = text_model
+    src = shutil.copytree(folder, tmp_path / "models" / "src")
+    before = sorted(p.name for p in src.iterdir())
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text(PROMPTS[0].replace("\n", " ") + "\n")
+    runner = CliRunner()
+    for out in (src, src.parent, tmp_path):
+        result = runner.invoke(main, ["fixture", "capture", str(src), "--prompts", str(prompts), "--tokens", "2",
+                                      "--label", "0731", "-o", str(out), "--rendering", "raw", "--force"])
+        assert result.exit_code == 2 and "would replace an input" in result.output, result.output
+    assert sorted(p.name for p in src.iterdir()) == before and prompts.is_file()
+    fx = tmp_path / "fx"
+    assert runner.invoke(main, ["fixture", "capture", str(src), "--prompts", str(prompts), "--tokens", "2",
+                                "--label", "0731", "-o", str(fx), "--rendering", "raw"]).exit_code == 0
+    result = runner.invoke(main, ["fixture", "import", str(fx), "-o", str(fx), "--label", "0731", "--rendering", "raw",
+                                  "--force"])
+    assert result.exit_code == 2 and "would replace an input" in result.output and (fx / "fixture.json").is_file()
+
+
 def test_cli_capture_score_kld_compare(tmp_path, text_model):
     _, codec, folder = text_model
     runner = CliRunner()
@@ -320,7 +344,7 @@ def test_cli_capture_score_kld_compare(tmp_path, text_model):
     assert out.exit_code == 0, out.output
     out = runner.invoke(main, ["fixture", "capture", str(tmp_path / "no-model"), "--prompts", str(prompts),
                                "--tokens", "3", "--label", "0731", "-o", str(fx), "--rendering", "raw"])
-    assert out.exit_code == 2 and "output exists" in out.output, out.output
+    assert out.exit_code == 2 and "exists; refusing to replace it" in out.output, out.output
     assert read_table(b).trailer[-1].startswith("kld_summary ")
     out = runner.invoke(main, ["compare", str(a), str(b)])
     assert out.exit_code == 0 and "verdict=no established difference" in out.output

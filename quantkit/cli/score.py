@@ -108,13 +108,13 @@ def capture(source, prompts, tokens, top_logprobs, label, out, rendering, chat_t
     require_runtime("quantkit fixture capture")
     sampling = (sampling_params(temperature, top_k, top_p, presence_penalty, frequency_penalty, min_p), seed, law) \
         if sample else None
-    from ..errors import OutputExistsError
     from ..fixtures.capture import capture_fixture, read_prompts
     from ..fixtures.directory import check_label
+    from ..io.atomic import check_output_dir
     from ..scoring.loading import describe_model, load_source
 
-    if Path(out).exists() and not force:   # before the model runs (write_fixture checks again at its end)
-        raise OutputExistsError("output exists; refusing to replace it", path=out)
+    # before the model runs (write_fixture checks again at its end)
+    check_output_dir(out, inputs=[source, prompts, tokenizer], overwrite=force, what="fixture directory")
     prompt_list = read_prompts(prompts)
     codec, identity = describe_model(source, tokenizer=tokenizer)
     check_label(identity, label)
@@ -144,9 +144,11 @@ def capture(source, prompts, tokens, top_logprobs, label, out, rendering, chat_t
 def import_(src, out, label, source_model, rendering, chat_template_kwargs, tokenizer, force):
     """Check a ds4-style fixture directory SRC and write it with a quantkit identity record."""
     from ..fixtures.directory import import_fixture
+    from ..io.atomic import check_output_dir
     from ..scoring.loading import describe_model
     from ..scoring.source import ModelIdentity
 
+    check_output_dir(out, inputs=[src, source_model, tokenizer], overwrite=force, what="fixture directory")
     identity = ModelIdentity()
     if source_model is not None:
         require_runtime("quantkit fixture import --source")
@@ -173,8 +175,10 @@ def import_vectors(vec, out, label, source_model, rendering, chat_template_kwarg
     --chat-template-kwargs."""
     from ..fixtures.directory import write_fixture
     from ..fixtures.ds4_vectors import read_vectors
+    from ..io.atomic import check_output_dir
     from ..scoring.source import ModelIdentity
 
+    check_output_dir(out, inputs=[vec, source_model, tokenizer], overwrite=force, what="fixture directory")
     cases = read_vectors(vec)
     identity = ModelIdentity()
     if source_model is not None:

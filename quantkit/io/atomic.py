@@ -83,6 +83,27 @@ def check_output(path: str | os.PathLike, *, inputs: Iterable[str | os.PathLike]
     return path
 
 
+def check_output_dir(path: str | os.PathLike, *, inputs: Iterable[str | os.PathLike | None] = (),
+                     overwrite: bool = False, what: str = "output directory") -> Path:
+    """:func:`check_output` for a directory written whole and renamed into place (a fixture): refused when it is,
+    or holds, one of ``inputs`` (files or directories: replacing it would delete them, also with ``overwrite``),
+    when it is a file, and when it exists unless ``overwrite``.  Returns ``path``."""
+    path = Path(path)
+    target = Path(os.path.realpath(path))
+    for given in inputs:
+        if given is None:
+            continue
+        source = Path(os.path.realpath(given))
+        if target == source or target in source.parents:
+            raise OutputPathError(f"the {what} would replace an input of this command ({given}); inputs are never "
+                                  f"written: choose another path", path=path)
+    if path.exists() and not path.is_dir():
+        raise OutputPathError(f"the {what} is a file; give a directory path", path=path)
+    if path.exists() and not overwrite:
+        raise OutputExistsError(f"{what} exists; refusing to replace it", path=path)
+    return path
+
+
 def _holder(fd: int) -> str:
     text = os.pread(fd, 200, 0).decode("utf-8", "replace").strip()
     return text or "a process that is starting"
