@@ -230,6 +230,29 @@ def tree_dir(tree: Path | None) -> Path:
     return (tree or CHECKOUT).resolve()
 
 
+def tree_env(tree: Path | None) -> dict | None:
+    """The environment of ``tree``'s commands: another checkout keeps its compiled ``kq_search.cu`` in a torch
+    extension folder of its own (torch's cache holds one build per name, so two trees with different kernels
+    would rebuild it at every run, inside the timed convert)."""
+    if tree is None:
+        return None
+    key = hashlib.sha256(str(tree_dir(tree)).encode()).hexdigest()[:12]
+    folder = Path(tempfile.gettempdir()) / f"quantkit-bench-ext-{key}"
+    return {**os.environ, "TORCH_EXTENSIONS_DIR": str(folder)}
+
+
+def warm_tree(tree: Path, device: str) -> None:
+    """Build (or load) ``tree``'s search kernels before its timed runs, as this tree's were by the encode bench."""
+    if not device.startswith("cuda"):
+        return
+    proc, timing = run_timed([sys.executable, "-c", "from quantkit.kernels import gpu_encode; "
+                              "assert gpu_encode.search_extension('cuda') is not None"],
+                             env=tree_env(tree), cwd=tree_dir(tree))
+    if proc.returncode != 0:
+        raise SystemExit(f"{tree}: its search kernels did not build:\n{proc.stderr[-3000:]}")
+    emit({"name": f"kernels of {tree} built or loaded", "seconds": timing["wall_s"]})
+
+
 def check_tree(tree: Path | None) -> None:
     """Stop unless a command run in ``tree`` imports ``tree``'s quantkit (an A/B of one tree against itself proves
     nothing)."""
@@ -248,7 +271,7 @@ def run_convert(ckpt: Path, out: Path, recipe: Path, imatrix: Path, jobs: int, d
     command = [*QUANTKIT, "convert", str(ckpt), "-o", str(out), "--recipe", str(recipe), "--imatrix", str(imatrix),
                "--allow-synthetic-imatrix", "--pre-tokenizer", PRE_TOKENIZER, "-j", str(jobs), "--device", device,
                "--no-progress", "--report", str(report), "--force"]
-    proc, timing = run_timed(command, cwd=tree_dir(tree))
+    proc, timing = run_timed(command, env=tree_env(tree), cwd=tree_dir(tree))
     if proc.returncode != 0:
         raise SystemExit(f"convert failed ({proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
     rep = json.loads(report.read_text())
@@ -343,6 +366,8 @@ def main() -> None:
     recipes = args.recipe.split(",")
     for tree in [None, *args.compare]:
         check_tree(tree)
+    for tree in args.compare:
+        warm_tree(tree, args.device)
 
     root = Path(tempfile.mkdtemp(prefix="quantkit-bench-convert-gpu-", dir=args.workdir))
     records = []

@@ -100,6 +100,19 @@ def test_matches_ggml_on_scaled_families(ggml, qtype, device):
                 assert report is None, report
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_iq2_xxs_row_aborts_with_its_first_failing_sub_block(ggml, device):
+    """ggml aborts at the first sub-block that fails: here sub-block 0 (no neighbour at a finite distance), though
+    sub-block 1, with the 1.8e19 outlier, ends with a NaN scale (a larger reason number).  Found by hypothesis: the
+    eager encoder reported the largest reason of the row."""
+    x = np.full((1, 256), 3.2483271e14, np.float32)
+    x[0, 32] = 1.8410821e19
+    report = _check(ggml, GGMLType.IQ2_XXS, x, np.ones(256, np.float32), device, "IQ2_XXS first failing sub-block")
+    assert report is None, report
+    with pytest.raises(EncodeError, match="every neighbour"):
+        quantkit.encode(x, GGMLType.IQ2_XXS, np.ones(256, np.float32))
+
+
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(qtype=st.sampled_from(TYPES), data=st.data())
 def test_arbitrary_floats_match_ggml_on_cpu(ggml, qtype, data):

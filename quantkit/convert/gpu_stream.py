@@ -22,8 +22,8 @@ have no ``stored`` rows and go through :meth:`Piece.produce` as on the CPU path,
 The bytes and errors are those of :func:`quantkit.kernels.gpu_encode.encode` on each piece (the rows numbered
 within the piece), so those of the CPU encoders.
 
-Memory: host, :data:`STAGING_BUFFERS` pinned buffers of :data:`BATCH_BYTES` and the pinned downloads not yet
-written; device, the bits as stored of the batches queued (these and the downloads: at most
+Memory: host, :data:`STAGING_BUFFERS` pinned buffers of :data:`BATCH_BYTES` (kept for the next tensor) and the
+pinned downloads not yet written; device, the bits as stored of the batches queued (these and the downloads: at most
 ``pool.IN_FLIGHT_BYTES``) and, reused batch after batch in the compute stream's order, one batch as float32 and
 the encoder's scratch (bytes per weight in :mod:`quantkit.kernels.gpu_encode`).
 """
@@ -156,6 +156,38 @@ _fill_pool: ThreadPoolExecutor | None = None
 _fill_pool_lock = threading.Lock()
 
 
+class _DeviceStaging:
+    """A device's copy stream and sets of :data:`STAGING_BUFFERS` pinned buffers, kept for the process's life and
+    lent to one tensor's stream at a time.  Made per tensor they cost the converting thread ~1 ms a tensor, 0.5 s
+    of a 26.9 GB conversion (pinned blocks that the caching allocator cannot reuse while the GPU lags behind the
+    host; bench/results/convert-gpu-2026-12-05.md)."""
+
+    _lock = threading.Lock()
+    _copy_streams: dict = {}
+    _idle: dict = {}        # (device, buffer size) -> sets of (buffer, event of its last upload or None)
+
+    @classmethod
+    def copy_stream(cls, torch, dev):
+        with cls._lock:
+            if dev not in cls._copy_streams:
+                cls._copy_streams[dev] = torch.cuda.Stream(dev)
+            return cls._copy_streams[dev]
+
+    @classmethod
+    def lend(cls, torch, dev, size: int) -> list:
+        with cls._lock:
+            sets = cls._idle.get((dev, size))
+            if sets:
+                return sets.pop()
+        return [(torch.empty(size, dtype=torch.uint8, pin_memory=True), None) for _ in range(STAGING_BUFFERS)]
+
+    @classmethod
+    def give_back(cls, dev, size: int, buffers: list) -> None:
+        if len(buffers) == STAGING_BUFFERS:    # else the stream failed holding one: let them all go
+            with cls._lock:
+                cls._idle.setdefault((dev, size), []).append(buffers)
+
+
 def _fill(dst: np.ndarray, spans: list[_Span]) -> None:
     """Copy the spans' stored bytes one after the other into ``dst``, in slices over :data:`FILL_THREADS` threads
     (the page faults of the mapped source and the copy both happen there, without the GIL)."""
@@ -184,10 +216,11 @@ class _Reader:
     _END = object()
 
     def __init__(self, items: Iterable[object], buffers: list):
+        """``buffers``: (pinned buffer, the event of its last upload or None) pairs."""
         self.free: queue.Queue = queue.Queue()
         self.ready: queue.Queue = queue.Queue()
-        for buf in buffers:
-            self.free.put((buf, None))
+        for pair in buffers:
+            self.free.put(pair)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, args=(iter(items),), daemon=True,
                                         name="quantkit-gpu-reader")
@@ -217,10 +250,21 @@ class _Reader:
         its place, or :attr:`_END`."""
         return self.ready.get()
 
-    def close(self) -> None:
+    def close(self) -> list:
+        """Stop the thread; the buffers it holds no more, as (buffer, event of its last upload or None) pairs."""
         self._stop.set()
         self.free.put((None, None))    # wakes a reader waiting for a buffer
         self._thread.join()
+        idle = []
+        while not self.free.empty():
+            buf, uploaded = self.free.get_nowait()
+            if buf is not None:
+                idle.append((buf, uploaded))
+        while not self.ready.empty():   # filled, never uploaded (the stream ended early)
+            item = self.ready.get_nowait()
+            if isinstance(item, tuple):
+                idle.append((item[1], None))
+        return idle
 
 
 class PendingBytes:
@@ -261,6 +305,19 @@ class PendingBytes:
         raise AssertionError("flags set outside the batch's spans")
 
 
+def _rows_importance(torch, im_table, table_rows: list[int], spans: list[_Span]):
+    """The importance of each row of a batch (``table_rows``: each span's row of ``im_table``): one row for every
+    row where the batch has one span; where its spans are consecutive rows of the table of one length each (whole
+    experts, the usual batch), one copy of those rows, each repeated; else a row per span, joined."""
+    if len(spans) == 1:
+        return im_table[table_rows[0]]
+    first, count, length = table_rows[0], len(spans), len(spans[0].rows)
+    if table_rows == list(range(first, first + count)) and all(len(s.rows) == length for s in spans):
+        n = im_table.shape[1]
+        return im_table[first:first + count, None, :].expand(count, length, n).reshape(count * length, n)
+    return torch.cat([im_table[k].expand(len(s.rows), -1) for k, s in zip(table_rows, spans)])
+
+
 def held_bytes(piece) -> int:
     """The memory a piece of :func:`encode_stream` holds until it is written."""
     return piece.held_bytes if isinstance(piece, PendingBytes) else piece.nbytes
@@ -297,16 +354,24 @@ def encode_stream(ctx, job, pieces, device: str, *, batch_bytes: int = BATCH_BYT
     ims = [_check_imatrix(_importance(ctx, job, pieces[i].matrix, None), units[i][1][1].shape[1], fmt,
                           _unit_name(job, pieces[i].matrix)) for i in streamed]
     im_row = {i: k for k, i in enumerate(streamed)}
+    compute = torch.cuda.current_stream(dev) if cuda else None
+    copier = _DeviceStaging.copy_stream(torch, dev) if cuda else None
     im_table = None
     if streamed and ims[0] is not None:
         im_table = torch.from_numpy(np.stack(ims))
-        im_table = (im_table.pin_memory() if cuda else im_table).to(dev, non_blocking=True)
+        if cuda:   # pinned and on the compute stream, behind the encodes, this took ~1 s of a 26.9 GB conversion;
+            # from pageable memory on the copy stream, which is not behind, a small copy returns at once
+            with torch.cuda.stream(copier):
+                im_table = im_table.to(dev, non_blocking=True)
+                im_uploaded = torch.cuda.Event()
+                im_uploaded.record(copier)
+            compute.wait_event(im_uploaded)
+            im_table.record_stream(compute)
     lap = _lap("setup_imatrix", lap)
     size = max([batch_bytes] + [s[1].itemsize * s[1].shape[1] for _, s in units if s is not None])   # >= a row
-    buffers = [torch.empty(size, dtype=torch.uint8, pin_memory=cuda) for _ in range(STAGING_BUFFERS)]
+    buffers = (_DeviceStaging.lend(torch, dev, size) if cuda else
+               [(torch.empty(size, dtype=torch.uint8), None) for _ in range(STAGING_BUFFERS)])
     reader = _Reader(_batches(units, gpu_encode.chunk_weights_for(fmt.qtype), size), buffers)
-    compute = torch.cuda.current_stream(dev) if cuda else None
-    copier = torch.cuda.Stream(dev) if cuda else None
     _lap("setup_reader", lap)
 
     def upload(batch: _Batch, host):
@@ -330,10 +395,8 @@ def encode_stream(ctx, job, pieces, device: str, *, batch_bytes: int = BATCH_BYT
         x = bits.view(getattr(torch, _TORCH_DTYPES[batch.dtype])).to(torch.float32).reshape(-1, batch.n)
         finite = torch.isfinite(x).all(dim=1)
         x.masked_fill_(~finite[:, None], 0.0)      # a non-finite row fails the piece; zeroed, it cannot upset the rest
-        rows_im = None
-        if im_table is not None:
-            rows_im = (im_table[im_row[batch.spans[0].index]] if len(batch.spans) == 1 else
-                       torch.cat([im_table[im_row[s.index]].expand(len(s.rows), -1) for s in batch.spans]))
+        rows_im = None if im_table is None else _rows_importance(torch, im_table, [im_row[s.index] for s in
+                                                                                    batch.spans], batch.spans)
         out, reasons = gpu_encode.encode_rows(x, fmt.qtype, rows_im)
         flags = -(~finite).to(torch.int32)
         if reasons is not None:
@@ -366,4 +429,6 @@ def encode_stream(ctx, job, pieces, device: str, *, batch_bytes: int = BATCH_BYT
             else:                                   # a piece with host work first, in its place
                 yield item.produce(None)[1].reshape(-1)
     finally:
-        reader.close()
+        idle = reader.close()
+        if cuda:
+            _DeviceStaging.give_back(dev, size, idle)

@@ -729,7 +729,9 @@ def _iq2_xxs(x: torch.Tensor, imatrix) -> tuple[torch.Tensor, torch.Tensor]:
     status = torch.where(active & ((grid < 0).any(dim=0)), torch.full_like(status, 3), status)     # OFF_GRID
     status = torch.where(active & torch.isnan(scale), torch.full_like(status, 2), status)          # NAN_SCALE
     status = torch.where(active & failed, torch.full_like(status, 1), status)                     # NO_NEIGHBOUR
-    aborted = status.reshape(rows, -1).amax(dim=1).to(torch.int32)
+    per_row = status.reshape(rows, -1)                             # each row's sub-blocks in order
+    first = (per_row > 0).to(torch.int8).argmax(dim=1, keepdim=True)   # ggml stops at the first that fails
+    aborted = per_row.gather(1, first).squeeze(1).to(torch.int32)
     negative = scale < 0
     scale = torch.where(negative, -scale, scale)
     signs = torch.where(negative[None, :], ~signs & 127, signs)

@@ -324,8 +324,31 @@ QK_DEV uint16_t f16_bits_rn(float v) {
     return (uint16_t)(sign | h);
 }
 
-// Round one group of 8 to levels at inv_scale; off the grid, move it to the listed neighbour of least
-// Σ waux·(scale·p − x)² (the first strict minimum, as ggml scans).  False when every distance is inf/NaN.
+// A group's distance from a lattice code c is Σ_i waux_i·(scale·(2l_i+1) − x_i)², summed in i order, l_i the
+// code's level of weight i: its 24 possible terms (t[8l + i]) are computed once per group and scale.
+QK_DEV void iq2_terms(const float* xval, const float* waux, float scale, float* t) {
+#pragma unroll
+    for (int l = 0; l < 3; ++l)
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+            const float diff = FSUB(FMUL(scale, (float)(2 * l + 1)), xval[i]);
+            t[8 * l + i] = FMUL(FMUL(waux[i], diff), diff);
+        }
+}
+
+// Selects, not an index computed from the code: on CUDA t stays in registers.
+QK_DEV float iq2_distance(const float* t, int code) {
+    float acc = 0.0f;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+        const int l = (code >> (2 * i)) & 3;
+        acc = FADD(acc, l == 0 ? t[i] : (l == 1 ? t[8 + i] : t[16 + i]));
+    }
+    return acc;
+}
+
+// Round one group of 8 to levels at inv_scale; off the grid, move it to the listed neighbour of least distance at
+// this_scale (the first strict minimum, as ggml scans).  False when every distance is inf/NaN.
 QK_DEV bool iq2_snap(const float* xval, const float* waux, float inv_scale, float this_scale, const int32_t* kmap3,
                      const uint16_t* grid_codes, const uint8_t* nb_index, int* code) {
     int u = 0, b3 = 0, p3 = 1;
@@ -340,16 +363,13 @@ QK_DEV bool iq2_snap(const float* xval, const float* waux, float inv_scale, floa
     const int32_t e = kmap3[b3];
     if (e >= 0) { *code = u; return true; }
     const int start = (e & 0x7FFFFFFF) >> 8, count = e & 0xFF;
+    float t[24];
+    iq2_terms(xval, waux, this_scale, t);
     float best_d2 = 3.40282346638528859812e+38f;   // FLT_MAX
     int best_code = -1;
     for (int j = 0; j < count; ++j) {
         const int c = grid_codes[nb_index[start + j]];
-        float acc = 0.0f;
-#pragma unroll
-        for (int i = 0; i < 8; ++i) {
-            float diff = FSUB(FMUL(this_scale, (float)(2 * ((c >> (2 * i)) & 3) + 1)), xval[i]);
-            acc = FADD(acc, FMUL(FMUL(waux[i], diff), diff));
-        }
+        const float acc = iq2_distance(t, c);
         if (acc < best_d2) { best_d2 = acc; best_code = c; }
     }
     if (best_code < 0) return false;
@@ -370,6 +390,47 @@ QK_DEV void iq2_sums(const float* weight, const float* xval, const int* codes, f
     *sumq2 = sq2;
 }
 
+// One group of 8: the importance weights (ggml's qw·sqrt(σ² + x²), or x² without an imatrix) and their roots.
+QK_DEV void iq2_group_weights(const float* x, const float* qw, float sigma2, float* weight, float* waux) {
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+        weight[i] = qw ? FMUL(qw[i], sqrt_rn(FADD(sigma2, FMUL(x[i], x[i])))) : FMUL(x[i], x[i]);
+        waux[i] = sqrt_rn(weight[i]);
+    }
+}
+
+// Fold one group's signs into xval = |x|: an odd count of negatives flips back the cheapest weight (the grid
+// stores 7 sign bits, the 8th is their parity).  Returns the 7 stored bits.
+QK_DEV int iq2_fold_signs(const float* x, const float* weight, float* xval) {
+    int nflip = 0, s = 0;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+        if (x[i] >= 0.0f) xval[i] = x[i];
+        else { xval[i] = -x[i]; ++nflip; s |= 1 << i; }
+    }
+    if (nflip & 1) {
+        int imin = 0;
+        float vmin = FMUL(FMUL(weight[0], x[0]), x[0]);
+#pragma unroll
+        for (int i = 1; i < 8; ++i) {
+            const float ax = FMUL(FMUL(weight[i], x[i]), x[i]);
+            if (ax < vmin) { vmin = ax; imin = i; }
+        }
+#pragma unroll
+        for (int i = 0; i < 8; ++i)
+            if (i == imin) xval[i] = -xval[i];
+        s ^= 1 << imin;
+    }
+    return s & 127;
+}
+
+// The grid index of a lattice code of levels 0..2, or a negative kmap3 entry where the point is off the grid.
+QK_DEV int32_t iq2_grid_index(int code, const int32_t* kmap3) {
+    int b3 = 0, p3 = 1;
+    for (int i = 0; i < 8; ++i) { b3 += ((code >> (2 * i)) & 3) * p3; p3 *= 3; }
+    return kmap3[b3];
+}
+
 // One sub-block (x: its 32 weights, qw: their importances or nullptr): status, and on success its scale, the
 // 7-bit sign code and the grid index of each group of 8.
 QK_DEV int iq2_sub_block(const float* x, const float* qw, float sigma2, const int32_t* kmap3,
@@ -377,34 +438,9 @@ QK_DEV int iq2_sub_block(const float* x, const float* qw, float sigma2, const in
                          int* grid) {
     float weight[32], waux[32], xval[32];
 #pragma unroll
-    for (int i = 0; i < 32; ++i) {
-        const float v = x[i];
-        weight[i] = qw ? FMUL(qw[i], sqrt_rn(FADD(sigma2, FMUL(v, v)))) : FMUL(v, v);
-        waux[i] = sqrt_rn(weight[i]);
-    }
-#pragma unroll
-    for (int k = 0; k < 4; ++k) {          // fold the signs: an odd count of negatives flips the cheapest weight
-        int nflip = 0, s = 0;
-#pragma unroll
-        for (int i = 0; i < 8; ++i) {
-            const float v = x[8 * k + i];
-            if (v >= 0.0f) xval[8 * k + i] = v;
-            else { xval[8 * k + i] = -v; ++nflip; s |= 1 << i; }
-        }
-        if (nflip & 1) {
-            int imin = 0;
-            float vmin = FMUL(FMUL(weight[8 * k], x[8 * k]), x[8 * k]);
-#pragma unroll
-            for (int i = 1; i < 8; ++i) {
-                const float ax = FMUL(FMUL(weight[8 * k + i], x[8 * k + i]), x[8 * k + i]);
-                if (ax < vmin) { vmin = ax; imin = i; }
-            }
-#pragma unroll
-            for (int i = 0; i < 8; ++i)
-                if (i == imin) xval[8 * k + i] = -xval[8 * k + i];
-            s ^= 1 << imin;
-        }
-        signs[k] = s & 127;
+    for (int k = 0; k < 4; ++k) {
+        iq2_group_weights(x + 8 * k, qw ? qw + 8 * k : nullptr, sigma2, weight + 8 * k, waux + 8 * k);
+        signs[k] = iq2_fold_signs(x + 8 * k, weight + 8 * k, xval + 8 * k);
     }
     float mx = xval[0];
 #pragma unroll
@@ -453,9 +489,7 @@ QK_DEV int iq2_sub_block(const float* x, const float* qw, float sigma2, const in
     }
 #pragma unroll
     for (int k = 0; k < 4; ++k) {
-        int u = best_codes[k], b3 = 0, p3 = 1;
-        for (int i = 0; i < 8; ++i) { b3 += ((u >> (2 * i)) & 3) * p3; p3 *= 3; }
-        const int32_t e = kmap3[b3];
+        const int32_t e = iq2_grid_index(best_codes[k], kmap3);
         if (e < 0) return 3;
         grid[k] = e;
     }
@@ -505,35 +539,245 @@ QK_DEV int iq2_lane(const float* x, const float* qw, int64_t qn, int64_t s, cons
 }
 
 #ifdef __CUDACC__
-constexpr int IQ2_THREADS = 256;
+constexpr int IQ2_THREADS = 128;
+constexpr int IQ2_WARPS = IQ2_THREADS / 32;
+constexpr unsigned IQ2_FULL = 0xffffffffu;
+
+// On CUDA a warp encodes a super-block, lane 4s + g holding group g (8 weights) of sub-block s: per lane a quarter
+// of iq2_sub_block's state, so four times the warps fit an SM (one thread per sub-block needed ~200 registers:
+// 8 warps per SM, too few to hide the latency of the neighbour searches, which are most of the work).  The steps
+// are iq2_sub_block's, group by group; what it sums over the sub-block's 32 weights goes from lane to lane of the
+// quad in weight order (iq2_quad_fold), so every float operation is the same one, in the same order.
+
+// op folded over the quad's 32 values in weight order (lane g holds v = values 8g..8g+7), from acc: every lane of
+// the quad gets the result.  Every lane of the warp must call it.
+template <class Op>
+__device__ __forceinline__ float iq2_quad_fold(float acc, const float* v, Op op) {
+    const int lane = threadIdx.x & 31, base = lane & ~3;
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+        if ((lane & 3) == k) {
+#pragma unroll
+            for (int i = 0; i < 8; ++i) acc = op(acc, v[i]);
+        }
+        acc = __shfl_sync(IQ2_FULL, acc, base + k);
+    }
+    return acc;
+}
+
+__device__ __forceinline__ bool iq2_quad_any(bool b) {
+    int v = b;
+    v |= __shfl_xor_sync(IQ2_FULL, v, 1);
+    v |= __shfl_xor_sync(IQ2_FULL, v, 2);
+    return v != 0;
+}
+
+// iq2_sums for the quad: Σ w·x·q and Σ w·q² over the sub-block, each lane's group with its code.
+__device__ __forceinline__ void iq2_quad_sums(const float* weight, const float* xval, int code, float* sumqx,
+                                              float* sumq2) {
+    float pqx[8], pq2[8];
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+        const float q = (float)(2 * ((code >> (2 * i)) & 3) + 1);
+        pqx[i] = FMUL(FMUL(weight[i], xval[i]), q);
+        pq2[i] = FMUL(FMUL(weight[i], q), q);
+    }
+    const auto add = [](float a, float b) { return FADD(a, b); };
+    *sumqx = iq2_quad_fold(0.0f, pqx, add);
+    *sumq2 = iq2_quad_fold(0.0f, pq2, add);
+}
+
+// The warp's 32 lanes (32 groups) share their neighbour searches: lists are 2-150 long, and one lane per list
+// keeps the warp for its longest.  All candidates are numbered in lane order and taken 32 at a time; each gives
+// the key (distance bits << 32 | place in its list): for non-negative floats the bits order as the values, so the
+// least key is iq2_snap's first strict minimum (distances >= FLT_MAX, inf and NaN never win there; left out here).
+// Per warp in shared memory: each lane's 24 terms (lane-minor: no bank conflicts), its list's start, its first
+// candidate's number, its best key so far.
+struct Iq2Search {
+    float terms[24 * 32];
+    int start[32];
+    int first[32];
+    unsigned long long best[32];
+};
+
+// iq2_snap of each live lane's group; every lane of the warp must call it.
+__device__ __forceinline__ bool iq2_snap_warp(const float* xval, const float* waux, float inv_scale,
+                                              float this_scale, bool live, const int32_t* kmap3,
+                                              const uint16_t* grid_codes, const uint8_t* nb_index, Iq2Search* w,
+                                              int* code) {
+    constexpr unsigned long long NONE = ~0ull;
+    const int lane = threadIdx.x & 31;
+    int count = 0, start = 0;
+    if (live) {
+        int u = 0, b3 = 0, p3 = 1;
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+            int l = nearest_int(FMUL(0.5f, FSUB(FMUL(inv_scale, xval[i]), 1.0f)));
+            l = l < 0 ? 0 : (l > 2 ? 2 : l);
+            u |= l << (2 * i);
+            b3 += l * p3;
+            p3 *= 3;
+        }
+        const int32_t e = kmap3[b3];
+        if (e >= 0) *code = u;
+        else { start = (e & 0x7FFFFFFF) >> 8; count = e & 0xFF; }
+    }
+    int upto = count;                       // inclusive prefix sum of the counts
+#pragma unroll
+    for (int d = 1; d < 32; d <<= 1) {
+        const int v = __shfl_up_sync(IQ2_FULL, upto, d);
+        if (lane >= d) upto += v;
+    }
+    const int total = __shfl_sync(IQ2_FULL, upto, 31);
+    if (total == 0) return true;
+    if (count) {
+        float t[24];
+        iq2_terms(xval, waux, this_scale, t);
+#pragma unroll
+        for (int j = 0; j < 24; ++j) w->terms[j * 32 + lane] = t[j];
+    }
+    w->start[lane] = start;
+    w->first[lane] = upto - count;
+    w->best[lane] = NONE;
+    __syncwarp();
+    for (int base = 0; base < total; base += 32) {
+        const int j = base + lane;
+        int owner = -1;
+        unsigned long long key = NONE;
+        if (j < total) {
+            owner = 0;                      // the last lane whose first candidate is at or before j
+#pragma unroll
+            for (int step = 16; step; step >>= 1)
+                if (w->first[owner + step] <= j) owner += step;
+            const int place = j - w->first[owner];
+            const int c = grid_codes[nb_index[w->start[owner] + place]];
+            float acc = 0.0f;
+#pragma unroll
+            for (int i = 0; i < 8; ++i) acc = FADD(acc, w->terms[(8 * ((c >> (2 * i)) & 3) + i) * 32 + owner]);
+            if (acc < 3.40282346638528859812e+38f)
+                key = (unsigned long long)(uint32_t)f32_bits(acc) << 32 | (uint32_t)place;
+        }
+#pragma unroll
+        for (int d = 1; d < 32; d <<= 1) {  // least key of each owner's run of lanes, at its first lane
+            const unsigned long long other = __shfl_down_sync(IQ2_FULL, key, d);
+            const int other_owner = __shfl_down_sync(IQ2_FULL, owner, d);
+            if (lane + d < 32 && other_owner == owner && other < key) key = other;
+        }
+        const int before = __shfl_up_sync(IQ2_FULL, owner, 1);
+        if (owner >= 0 && (lane == 0 || before != owner) && key < w->best[owner]) w->best[owner] = key;
+        __syncwarp();
+    }
+    bool ok = true;
+    if (count) {
+        const unsigned long long key = w->best[lane];
+        if (key == NONE) ok = false;
+        else *code = grid_codes[nb_index[start + (int)(key & 0xFFFFFFFFu)]];
+    }
+    __syncwarp();                           // before the next call reuses the scratch
+    return ok;
+}
 
 // Persistent blocks: kmap3 and the grid codes go to shared memory once per block (the neighbour lists, 113 KB, are
-// read through the cache: keeping them in shared memory measured no faster on an H200), then the block strides over
-// the sub-blocks; the 8 lanes of a super-block are 8 consecutive lanes of one warp.
-__global__ void __launch_bounds__(IQ2_THREADS) iq2_xxs_kernel(const float* x, const float* qw, int64_t qn,
-        int64_t n_sub, const int32_t* kmap3_g, const uint16_t* grid_codes_g, const uint8_t* nb_index,
-        uint8_t* out, int8_t* status) {
+// read through the cache), then each warp strides over the super-blocks.  stage: a warp's 256 values handed to
+// one lane (σ²'s sequential sum; make_qp_quants of a sub-block, on lane 0 of its quad).  3 blocks per SM: 168
+// registers, a few bytes spilled.  On an H200: 1.24x the kernel of a thread per sub-block it replaced (1.87 G
+// weights/s; bench/results/iq2-gpu-kernel-2026-12-04.md).
+__global__ void __launch_bounds__(IQ2_THREADS, 3) iq2_xxs_kernel(const float* x, const float* qw, int64_t qn,
+        int64_t n_super, const int32_t* kmap3_g, const uint16_t* grid_codes_g, const uint8_t* nb_index,
+        uint8_t* out, int8_t* status_out) {
     __shared__ int32_t kmap3[IQ2_KMAP3];
     __shared__ uint16_t grid_codes[256];
+    __shared__ union { float stage[2][256]; Iq2Search search; } scratch[IQ2_WARPS];
     for (int i = threadIdx.x; i < IQ2_KMAP3; i += blockDim.x) kmap3[i] = kmap3_g[i];
     for (int i = threadIdx.x; i < 256; i += blockDim.x) grid_codes[i] = grid_codes_g[i];
     __syncthreads();
-    const int lane = threadIdx.x & 31, first = lane & ~7;
-    for (int64_t base = (int64_t)blockIdx.x * blockDim.x; base < n_sub; base += (int64_t)gridDim.x * blockDim.x) {
-        const int64_t s = base + threadIdx.x;
+    const int lane = threadIdx.x & 31, sub = lane >> 2, g = lane & 3;
+    float* xs = scratch[threadIdx.x >> 5].stage[0];
+    float* ws = scratch[threadIdx.x >> 5].stage[1];
+    Iq2Search* search = &scratch[threadIdx.x >> 5].search;
+    const auto larger = [](float m, float v) { return m > v ? m : v; };
+    for (int64_t sb = (int64_t)blockIdx.x * IQ2_WARPS + (threadIdx.x >> 5); sb < n_super;
+         sb += (int64_t)gridDim.x * IQ2_WARPS) {
+        const int64_t off = sb * 256 + lane * 8;        // this lane's 8 weights
+        float v[8], weight[8], waux[8], xval[8];
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+            v[i] = x[off + i];
+            xs[lane * 8 + i] = FMUL(v[i], v[i]);
+        }
+        __syncwarp();
+        float ss = 0.0f;
+        if (lane == 0)
+            for (int i = 0; i < 256; ++i) ss = FADD(ss, xs[i]);
+        const float sigma2 = FDIV(__shfl_sync(IQ2_FULL, ss, 0), 256.0f);
+        iq2_group_weights(v, qw ? qw + off % qn : nullptr, sigma2, weight, waux);
+        int sign = iq2_fold_signs(v, weight, xval);
+        const float mx = iq2_quad_fold(-INFINITY, xval, larger);   // = iq2_sub_block's, xval[0] first
+        int status = mx < 1e-15f ? -1 : 0;
+        __syncwarp();                                  // lane 0 has summed xs
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+            xs[lane * 8 + i] = xval[i];
+            ws[lane * 8 + i] = weight[i];
+        }
+        __syncwarp();
         float scale = 0.0f;
-        int signs[4], grid[4], st = -1;
-        if (s < n_sub) st = iq2_lane(x, qw, qn, s, kmap3, grid_codes, nb_index, &scale, signs, grid);
+        if (g == 0 && status == 0) {
+            int Lqp[32];
+            scale = qp_search<32>(xs + 32 * sub, ws + 32 * sub, 4, Lqp);
+        }
+        scale = __shfl_sync(IQ2_FULL, scale, lane & ~3);
+        const float denom = FMUL(scale, 3.0f);
+        if (status == 0 && denom <= 0.0f) status = -1;
+        float scale_out = 0.0f, best = 0.0f;
+        int code = 0, best_code = 0;
+#pragma unroll 1
+        for (int t = -6; t <= 6; ++t) {
+            const float inv_scale = FDIV(FADD(5.0f, FMUL((float)t, 0.1f)), denom);
+            const float this_scale = FDIV(1.0f, inv_scale);
+            const bool failed = !iq2_snap_warp(xval, waux, inv_scale, this_scale, status == 0, kmap3, grid_codes,
+                                               nb_index, search, &code);
+            if (iq2_quad_any(failed) && status == 0) { scale_out = scale; status = 1; }
+            float sumqx, sumq2;
+            iq2_quad_sums(weight, xval, code, &sumqx, &sumq2);
+            if (status == 0 && sumq2 > 0.0f && FMUL(sumqx, sumqx) > FMUL(best, sumq2)) {
+                scale = FDIV(sumqx, sumq2);
+                best = FMUL(scale, sumqx);
+                best_code = code;
+            }
+        }
+        const bool refine = status == 0 && scale > 0.0f;   // every group re-snapped at the chosen scale
+        const bool failed = !iq2_snap_warp(xval, waux, FDIV(1.0f, scale), scale, refine, kmap3, grid_codes, nb_index,
+                                           search, &best_code);
+        if (iq2_quad_any(failed) && status == 0) { scale_out = scale; status = 1; }
+        float sumqx, sumq2;
+        iq2_quad_sums(weight, xval, best_code, &sumqx, &sumq2);
+        if (refine && status == 0 && sumq2 > 0.0f) scale = FDIV(sumqx, sumq2);
+        int grid = 0;
+        if (status == 0) {
+            scale_out = scale;
+            if (scale != scale) status = 2;
+            else if (scale < 0.0f) { scale_out = -scale; sign = ~sign & 127; }
+            grid = iq2_grid_index(best_code, kmap3);
+        }
+        if (iq2_quad_any(status == 0 && grid < 0) && status == 0) status = 3;
+        int signs[4], grids[4];
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+            signs[k] = __shfl_sync(IQ2_FULL, sign, (lane & ~3) + k);
+            grids[k] = __shfl_sync(IQ2_FULL, grid, (lane & ~3) + k);
+        }
         float max_scale = 0.0f;
         for (int j = 0; j < 8; ++j) {       // ggml's running MAX over the stored (non-empty) sub-blocks, in order
-            const float sj = __shfl_sync(0xffffffffu, scale, first + j);
-            const int stj = __shfl_sync(0xffffffffu, st, first + j);
+            const float sj = __shfl_sync(IQ2_FULL, scale_out, 4 * j);
+            const int stj = __shfl_sync(IQ2_FULL, status, 4 * j);
             if (stj != -1) max_scale = max_scale > sj ? max_scale : sj;
         }
-        if (s < n_sub) {
-            iq2_put(out + (s >> 3) * IQ2_BLOCK_BYTES, (int)(s & 7), max_scale, scale, st, signs, grid);
-            status[s] = (int8_t)st;
+        if (g == 0) {
+            iq2_put(out + sb * IQ2_BLOCK_BYTES, sub, max_scale, scale_out, status, signs, grids);
+            status_out[sb * 8 + sub] = (int8_t)status;
         }
+        __syncwarp();                                  // before the next super-block overwrites stage
     }
 }
 #endif
@@ -564,10 +808,10 @@ std::vector<torch::Tensor> iq2_xxs_encode(torch::Tensor x, torch::Tensor qw, tor
         C10_CUDA_CHECK(cudaGetDevice(&dev));
         C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
         C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, iq2_xxs_kernel, IQ2_THREADS, 0));
-        const int64_t needed = (n_sub + IQ2_THREADS - 1) / IQ2_THREADS;
+        const int64_t needed = (n_sub / 8 + IQ2_WARPS - 1) / IQ2_WARPS;
         const int64_t blocks = std::min<int64_t>(needed, (int64_t)std::max(per_sm, 1) * sms);
         iq2_xxs_kernel<<<(unsigned)blocks, IQ2_THREADS, 0, c10::cuda::getCurrentCUDAStream()>>>(
-            xp, qp, qn, n_sub, km, gc, nb, op, sp);
+            xp, qp, qn, n_sub / 8, km, gc, nb, op, sp);
         C10_CUDA_KERNEL_LAUNCH_CHECK();
     }
 #else
