@@ -347,10 +347,9 @@ QK_DEV float iq2_distance(const float* t, int code) {
     return acc;
 }
 
-// Round one group of 8 to levels at inv_scale; off the grid, move it to the listed neighbour of least distance at
-// this_scale (the first strict minimum, as ggml scans).  False when every distance is inf/NaN.
-QK_DEV bool iq2_snap(const float* xval, const float* waux, float inv_scale, float this_scale, const int32_t* kmap3,
-                     const uint16_t* grid_codes, const uint8_t* nb_index, int* code) {
+// One group of 8 rounded to levels 0..2 at inv_scale: its lattice code (2 bits a weight) in *code, and its kmap3
+// entry (the grid index, or negative off the grid: its neighbour list's start and length).
+QK_DEV int32_t iq2_round_group(const float* xval, float inv_scale, const int32_t* kmap3, int* code) {
     int u = 0, b3 = 0, p3 = 1;
 #pragma unroll
     for (int i = 0; i < 8; ++i) {
@@ -360,7 +359,16 @@ QK_DEV bool iq2_snap(const float* xval, const float* waux, float inv_scale, floa
         b3 += l * p3;
         p3 *= 3;
     }
-    const int32_t e = kmap3[b3];
+    *code = u;
+    return kmap3[b3];
+}
+
+// Round one group of 8 to levels at inv_scale; off the grid, move it to the listed neighbour of least distance at
+// this_scale (the first strict minimum, as ggml scans).  False when every distance is inf/NaN.
+QK_DEV bool iq2_snap(const float* xval, const float* waux, float inv_scale, float this_scale, const int32_t* kmap3,
+                     const uint16_t* grid_codes, const uint8_t* nb_index, int* code) {
+    int u = 0;
+    const int32_t e = iq2_round_group(xval, inv_scale, kmap3, &u);
     if (e >= 0) { *code = u; return true; }
     const int start = (e & 0x7FFFFFFF) >> 8, count = e & 0xFF;
     float t[24];
@@ -609,16 +617,8 @@ __device__ __forceinline__ bool iq2_snap_warp(const float* xval, const float* wa
     const int lane = threadIdx.x & 31;
     int count = 0, start = 0;
     if (live) {
-        int u = 0, b3 = 0, p3 = 1;
-#pragma unroll
-        for (int i = 0; i < 8; ++i) {
-            int l = nearest_int(FMUL(0.5f, FSUB(FMUL(inv_scale, xval[i]), 1.0f)));
-            l = l < 0 ? 0 : (l > 2 ? 2 : l);
-            u |= l << (2 * i);
-            b3 += l * p3;
-            p3 *= 3;
-        }
-        const int32_t e = kmap3[b3];
+        int u = 0;
+        const int32_t e = iq2_round_group(xval, inv_scale, kmap3, &u);
         if (e >= 0) *code = u;
         else { start = (e & 0x7FFFFFFF) >> 8; count = e & 0xFF; }
     }
