@@ -57,13 +57,13 @@ def layer_bytes() -> int:
     return 2 * (experts + attention + EXPERTS * HIDDEN)
 
 
-def config(layers: int, ids: dict[str, int]) -> dict:
+def config(layers: int, ids: dict[str, int], experts: int = EXPERTS) -> dict:
     # every layer is MoE, so intermediate_size (dense layers) sizes nothing; it stays within the tensors' widths,
     # which quantkit checks a config against (a 512-token vocabulary makes hidden the widest dimension)
     return {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "vocab_size": MODEL_VOCAB_SIZE,
             "hidden_size": HIDDEN, "intermediate_size": HIDDEN, "moe_intermediate_size": EXPERT_WIDTH,
             "num_hidden_layers": layers, "num_attention_heads": HEADS, "num_key_value_heads": KV_HEADS,
-            "head_dim": HEAD_DIM, "num_experts": EXPERTS, "num_local_experts": EXPERTS, "num_experts_per_tok": 8,
+            "head_dim": HEAD_DIM, "num_experts": experts, "num_local_experts": experts, "num_experts_per_tok": 8,
             "norm_topk_prob": True, "max_position_embeddings": 32768, "rms_norm_eps": 1e-6,
             "rope_theta": 1000000.0, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
             "bos_token_id": ids["<|endoftext|>"], "eos_token_id": ids["<|im_end|>"]}
@@ -84,39 +84,53 @@ _SIGN_EXP2_MANTISSA = 0x81FF   # sign, the two low exponent bits, the 7 mantissa
 _EXPONENT_120 = 120 << 7
 
 
+def shard_tensors(shard: int, layers: int, experts: int = EXPERTS) -> list[tuple[str, tuple[int, ...], str]]:
+    """Shard ``shard``'s tensors in order: (name, shape, kind), kind "weight" (random, WEIGHT_STD), "norm" (std 1),
+    "expert" (:func:`bf16_fast`) or "final_norm" (1 + random).  Shard ``layers`` holds embeddings, head, final norm."""
+    if shard == layers:
+        return [("model.embed_tokens.weight", (MODEL_VOCAB_SIZE, HIDDEN), "weight"),
+                ("lm_head.weight", (MODEL_VOCAB_SIZE, HIDDEN), "weight"),
+                ("model.norm.weight", (HIDDEN,), "final_norm")]
+    p = f"model.layers.{shard}"
+    found = [(f"{p}.self_attn.{name}.weight", shape, "weight")
+             for name, shape in (("q_proj", (HEADS * HEAD_DIM, HIDDEN)), ("k_proj", (KV_HEADS * HEAD_DIM, HIDDEN)),
+                                 ("v_proj", (KV_HEADS * HEAD_DIM, HIDDEN)), ("o_proj", (HIDDEN, HEADS * HEAD_DIM)))]
+    found += [(f"{p}.self_attn.{name}.weight", (HEAD_DIM,), "norm") for name in ("q_norm", "k_norm")]
+    found += [(f"{p}.{name}.weight", (HIDDEN,), "norm") for name in ("input_layernorm", "post_attention_layernorm")]
+    found.append((f"{p}.mlp.gate.weight", (experts, HIDDEN), "weight"))
+    found += [(f"{p}.mlp.experts.{e}.{name}.weight", shape, "expert") for e in range(experts)
+              for name, shape in (("gate_proj", (EXPERT_WIDTH, HIDDEN)), ("up_proj", (EXPERT_WIDTH, HIDDEN)),
+                                  ("down_proj", (HIDDEN, EXPERT_WIDTH)))]
+    return found
+
+
 def write_checkpoint(root: Path, layers: int) -> Path:
     """Seeded BF16 qwen3_moe checkpoint: one shard per layer plus one for embeddings, head and final norm."""
     rng = np.random.default_rng(SEED)
-    tokens = get_arch("qwen3_moe").tokenizer
-    build_tokenizer(tokens).save_pretrained(root)
-    (root / "config.json").write_text(json.dumps(config(layers, special_ids(tokens)), indent=1))
+    values = {"weight": lambda shape: bf16(rng, *shape), "norm": lambda shape: bf16(rng, *shape, std=1.0),
+              "expert": lambda shape: bf16_fast(rng, *shape),
+              "final_norm": lambda shape: (1 + bf16(rng, *shape).astype(np.float32)).astype(ml_dtypes.bfloat16)}
+    write_config(root, layers)
     weight_map = {}
     shards = layers + 1
     for shard in range(shards):
-        tensors = {}
-        if shard == layers:
-            tensors = {"model.embed_tokens.weight": bf16(rng, MODEL_VOCAB_SIZE, HIDDEN),
-                       "lm_head.weight": bf16(rng, MODEL_VOCAB_SIZE, HIDDEN),
-                       "model.norm.weight": (1 + bf16(rng, HIDDEN).astype(np.float32)).astype(ml_dtypes.bfloat16)}
-        else:
-            p = f"model.layers.{shard}"
-            for name, shape in (("q_proj", (HEADS * HEAD_DIM, HIDDEN)), ("k_proj", (KV_HEADS * HEAD_DIM, HIDDEN)),
-                                ("v_proj", (KV_HEADS * HEAD_DIM, HIDDEN)), ("o_proj", (HIDDEN, HEADS * HEAD_DIM))):
-                tensors[f"{p}.self_attn.{name}.weight"] = bf16(rng, *shape)
-            for name, size in (("q_norm", HEAD_DIM), ("k_norm", HEAD_DIM)):
-                tensors[f"{p}.self_attn.{name}.weight"] = bf16(rng, size, std=1.0)
-            tensors[f"{p}.input_layernorm.weight"] = bf16(rng, HIDDEN, std=1.0)
-            tensors[f"{p}.post_attention_layernorm.weight"] = bf16(rng, HIDDEN, std=1.0)
-            tensors[f"{p}.mlp.gate.weight"] = bf16(rng, EXPERTS, HIDDEN)
-            for e in range(EXPERTS):
-                for name, shape in (("gate_proj", (EXPERT_WIDTH, HIDDEN)), ("up_proj", (EXPERT_WIDTH, HIDDEN)),
-                                    ("down_proj", (HIDDEN, EXPERT_WIDTH))):
-                    tensors[f"{p}.mlp.experts.{e}.{name}.weight"] = bf16_fast(rng, *shape)
-        filename = f"model-{shard + 1:05d}-of-{shards:05d}.safetensors"
+        tensors = {name: values[kind](shape) for name, shape, kind in shard_tensors(shard, layers)}
+        filename = shard_name(shard, shards)
         write_safetensors(root / filename, tensors, metadata={"format": "pt"})
         weight_map.update(dict.fromkeys(tensors, filename))
     (root / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
     return root
+
+
+def write_config(root: Path, layers: int, experts: int = EXPERTS) -> None:
+    """The checkpoint's tokenizer files and config.json."""
+    tokens = get_arch("qwen3_moe").tokenizer
+    build_tokenizer(tokens).save_pretrained(root)
+    (root / "config.json").write_text(json.dumps(config(layers, special_ids(tokens), experts), indent=1))
+
+
+def shard_name(shard: int, shards: int) -> str:
+    return f"model-{shard + 1:05d}-of-{shards:05d}.safetensors"
 
 
 class TreeSampler:

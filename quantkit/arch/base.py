@@ -395,6 +395,7 @@ class ArchMap:
             self._mtp_limit = int(hp.get("num_nextn_predict_layers") or 0)
         self.expert_count = arch.expert_count(hp)
         self._aliases = tuple((re.compile(p), r) for p, r in arch.aliases)
+        self._matchers = tuple((r.regex.fullmatch, r) for r in self.rules + COMMON_DROPS)   # tried in this order
 
     # -- names -------------------------------------------------------------------------------------------------
 
@@ -405,8 +406,8 @@ class ArchMap:
         return name
 
     def _match(self, name: str, hf_name: str) -> tuple[TensorMapping, ...] | None:
-        for r in self.rules + COMMON_DROPS:
-            m = r.regex.fullmatch(name)
+        for fullmatch, r in self._matchers:
+            m = fullmatch(name)
             if m is None:
                 continue
             groups = {k: int(v) for k, v in m.groupdict().items() if v is not None}

@@ -35,6 +35,7 @@ import contextlib
 import hashlib
 import json
 import os
+import weakref
 from collections import Counter
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -300,9 +301,21 @@ def row_scaled_fp8(ckpt: Checkpoint, name: str) -> str | None:
     return scale if tuple(scale_info.shape) == (rows, n // ROW_SCALE_BLOCK) and rows > 1 else None
 
 
+#: inspect_sources of each open checkpoint (its headers do not change while it is open; convert asks twice: for
+#: the imatrix's shapes, then for the plan, ~0.5 s each on a 47k-tensor checkpoint).  Read-only for callers.
+_INSPECTED: "weakref.WeakKeyDictionary[Checkpoint, tuple]" = weakref.WeakKeyDictionary()
+
+
 def inspect_sources(ckpt: Checkpoint) -> tuple[dict[str, tuple[int, ...]], dict[str, str]]:
     """From headers only: every tensor's decoded shape (numpy order; companions as stored) and every weight's
     encoding (:func:`source_encoding`)."""
+    found = _INSPECTED.get(ckpt)
+    if found is None:
+        found = _INSPECTED[ckpt] = _inspect_sources(ckpt)
+    return found
+
+
+def _inspect_sources(ckpt: Checkpoint) -> tuple[dict[str, tuple[int, ...]], dict[str, str]]:
     names = ckpt.tensor_names()
     companions = {c for n in names for c in ckpt.companions(n).values()}
     shapes, encodings = {}, {}

@@ -350,10 +350,11 @@ def _open_index(directory: Path, max_header_bytes: int) -> tuple[list[Safetensor
                           field="weight_map")
     by_shard: dict[str, list[str]] = {}
     for tensor, shard in sorted(weight_map.items()):
+        by_shard.setdefault(shard, []).append(tensor)
+    for shard, tensors in by_shard.items():
         if Path(shard).name != shard or shard in ("", ".", ".."):
             raise SourceError(f"shard {shard!r} is not a plain file name in the checkpoint directory",
-                              path=index_path, tensor=tensor)
-        by_shard.setdefault(shard, []).append(tensor)
+                              path=index_path, tensor=tensors[0])
     files, where = [], {}
     for shard in sorted(by_shard):
         shard_path = directory / shard
