@@ -60,7 +60,7 @@ def header_only_checkpoint(root: Path, layers: int, experts: int) -> int:
         tensors = {name: np.lib.stride_tricks.as_strided(empty, shape, (0,) * len(shape))
                    for name, shape, _ in shard_tensors(shard, layers, experts)}
         header, _ = safetensors_header(tensors, {"format": "pt"})
-        data = sum(2 * int(np.prod(shape)) for _, shape, _ in shard_tensors(shard, layers, experts))
+        data = sum(2 * int(np.prod(t.shape)) for t in tensors.values())
         filename = shard_name(shard, layers + 1)
         with open(root / filename, "wb") as f:
             f.write(struct.pack("<Q", len(header)) + header)

@@ -196,7 +196,7 @@ def prepare(request: ConvertRequest) -> Prepared:
                           imatrix=None if imatrix is None else {n: e.in_sum2 for n, e in imatrix.entries.items()},
                           bootstrap=request.bootstrap, label=request.label, pre_tokenizer=request.pre_tokenizer,
                           dialect=request.dialect, support=request.support)
-        shards = {ckpt.tensor_info(n).file for n in ckpt.tensor_names()}
+        shards = ckpt.shard_paths()
     check_config_against_tensors(plan.metadata, {o.gguf_name: o.shape
                                                  for o in [t.output for t in plan.tensors] + list(plan.skipped)})
     jobs = {t.name: make_job(t, imatrix) for t in plan.tensors}

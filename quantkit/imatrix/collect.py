@@ -710,7 +710,7 @@ def _read_checkpoint(source: Path) -> tuple[dict, list[Path]]:
     if not isinstance(config, dict):
         raise SourceError("config.json must be a JSON object", path=path)
     with open_checkpoint(source) as ckpt:   # checks the config's sizes against the tensors, before anything is sized
-        shards = {ckpt.tensor_info(n).file for n in ckpt.tensor_names()}
+        shards = ckpt.shard_paths()
     return config, provenance_files(ResolvedSource(source, str(source)), shards)
 
 

@@ -205,6 +205,10 @@ class Checkpoint:
         e = f.entries[name]
         return TensorInfo(name, e.dtype, e.shape, e.nbytes, f.path)
 
+    def shard_paths(self) -> list[Path]:
+        """The files that hold the checkpoint's tensors (what a reader of every tensor reads), in name order."""
+        return [f.path for f in self._files if f.entries]
+
     def tensor_infos(self) -> list[TensorInfo]:
         return [self.tensor_info(n) for n in self.tensor_names()]
 

@@ -113,7 +113,7 @@ def checkpoint_identity(path: str | Path, *, tokenizer: str | None = None, label
 
     resolved = resolve_source(path)
     with open_checkpoint(resolved.path) as ckpt:
-        shards = sorted({Path(ckpt.tensor_info(n).file) for n in ckpt.tensor_names()})
+        shards = ckpt.shard_paths()
     hashes = hash_files(shards)
     return ModelIdentity(label=label, source=source_digest((h.name, h.sha256) for h in hashes),
                          tokenizer=tokenizer, revision=resolved.revision, path=str(resolved.path))

@@ -589,7 +589,7 @@ def _input_files(request: SwapsetRequest, ckpt, src) -> list[Path]:
     read = [request.token_ids_file, request.calibration, request.sample]
     for checkpoint in (ckpt, src):
         if checkpoint is not None:
-            read += {checkpoint.tensor_info(n).file for n in checkpoint.tensor_names()}
+            read += checkpoint.shard_paths()
             read += [Path(checkpoint.path) / name for name in ("config.json", "model.safetensors.index.json")]
     return input_files(read)
 

@@ -145,7 +145,7 @@ def foreign_plan(f: GGUFFile, source: str, imatrix: str | None) -> tuple[Foreign
         outputs = {o.gguf_name: o for o in amap.outputs(shapes)}
         expected = dict(amap.metadata(None, tensor_values=lambda name: _source_values(ckpt, name),
                                       tensor_shapes=shapes))
-        shards = {ckpt.tensor_info(n).file for n in ckpt.tensor_names()}
+        shards = ckpt.shard_paths()
     arch = metadata.get("general.architecture")
     if arch is not None and arch.value != amap.arch.gguf_arch:
         raise SourceError(f"the artifact is a {arch.value!r} model, the source a {model_type!r} one "
