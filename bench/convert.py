@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
+import os
 import re
 import shutil
 import subprocess
@@ -104,22 +106,31 @@ def shard_tensors(shard: int, layers: int, experts: int = EXPERTS) -> list[tuple
     return found
 
 
-def write_checkpoint(root: Path, layers: int) -> Path:
-    """Seeded BF16 qwen3_moe checkpoint: one shard per layer plus one for embeddings, head and final norm."""
-    rng = np.random.default_rng(SEED)
+def write_checkpoint(root: Path, layers: int, processes: int = 1) -> Path:
+    """Seeded BF16 qwen3_moe checkpoint: one shard per layer plus one for embeddings, head and final norm, written
+    by ``processes`` processes (each shard seeded by its index: the bytes do not depend on how many)."""
+    write_config(root, layers)
+    shards = layers + 1
+    jobs = [(root, shard, layers) for shard in range(shards)]
+    if processes > 1:
+        with multiprocessing.get_context("spawn").Pool(min(processes, shards)) as pool:
+            names = pool.map(_write_shard, jobs, chunksize=1)
+    else:
+        names = [_write_shard(job) for job in jobs]
+    weight_map = {name: shard_name(shard, shards) for shard, shard_names in enumerate(names) for name in shard_names}
+    (root / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return root
+
+
+def _write_shard(job: tuple[Path, int, int]) -> list[str]:
+    root, shard, layers = job
+    rng = np.random.default_rng([SEED, shard])
     values = {"weight": lambda shape: bf16(rng, *shape), "norm": lambda shape: bf16(rng, *shape, std=1.0),
               "expert": lambda shape: bf16_fast(rng, *shape),
               "final_norm": lambda shape: (1 + bf16(rng, *shape).astype(np.float32)).astype(ml_dtypes.bfloat16)}
-    write_config(root, layers)
-    weight_map = {}
-    shards = layers + 1
-    for shard in range(shards):
-        tensors = {name: values[kind](shape) for name, shape, kind in shard_tensors(shard, layers)}
-        filename = shard_name(shard, shards)
-        write_safetensors(root / filename, tensors, metadata={"format": "pt"})
-        weight_map.update(dict.fromkeys(tensors, filename))
-    (root / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
-    return root
+    tensors = {name: values[kind](shape) for name, shape, kind in shard_tensors(shard, layers)}
+    write_safetensors(root / shard_name(shard, layers + 1), tensors, metadata={"format": "pt"})
+    return list(tensors)
 
 
 def write_config(root: Path, layers: int, experts: int = EXPERTS) -> None:
@@ -167,14 +178,17 @@ class TreeSampler:
         return self.peak
 
 
-def synthetic_checkpoint(root: Path, layers: int, bench: str) -> tuple[Path, int]:
-    """:func:`write_checkpoint` into ``root/ckpt``, its size and the time it took emitted as a record."""
+def synthetic_checkpoint(root: Path, layers: int, bench: str, processes: int | None = None) -> tuple[Path, int]:
+    """:func:`write_checkpoint` into ``root/ckpt`` (``processes``: every CPU by default), its size and the time it
+    took emitted as a record."""
+    processes = processes or os.cpu_count() or 1
     t0 = time.perf_counter()
     (root / "ckpt").mkdir()
-    ckpt = write_checkpoint(root / "ckpt", layers)
+    ckpt = write_checkpoint(root / "ckpt", layers, processes)
     source_bytes = sum(p.stat().st_size for p in ckpt.glob("*.safetensors"))
     emit({"name": f"{bench} synthetic checkpoint", "layers": layers, "experts": EXPERTS, "hidden": HIDDEN,
-          "expert_width": EXPERT_WIDTH, "source_bytes": source_bytes, "seconds": time.perf_counter() - t0})
+          "expert_width": EXPERT_WIDTH, "source_bytes": source_bytes, "processes": processes,
+          "seconds": time.perf_counter() - t0})
     return ckpt, source_bytes
 
 

@@ -2,7 +2,7 @@
 reads and the GPU encode, measured in the same run (issue 17: wall <= 1.2 x max(read, encode)).
 
     python bench/convert_gpu.py [--gib 8] [--jobs 1,2,4] [--recipe iq2] [--workdir /tmp] [--check-layers 1]
-                                [--source DIR | --make-source DIR] [--profile PATH]
+                                [--source DIR | --make-source DIR] [--gen-processes N] [--profile PATH]
                                 [--compare TREE ...]
 
 Generates the seeded BF16 qwen3_moe checkpoint of bench/convert.py (at least ``--gib`` GiB, one shard per layer),
@@ -37,7 +37,8 @@ convert right after each of this tree's, same source and jobs (its wall ratio to
 side; its output must be equal), each command run inside its tree and checked to import that tree's quantkit.
 ``--profile PATH``: one more ``-j 1`` convert under a stack sampler of every thread (bench/_sampler.py), its
 report written to PATH.  ``--make-source DIR`` writes the checkpoint and imatrix into DIR and exits; ``--source
-DIR`` measures one written so (generation can overlap other work).
+DIR`` measures one written so (generation can overlap other work); ``--gen-processes`` (default: every CPU)
+write its shards at once, each from its own seed, so a large checkpoint takes minutes, not tens of them.
 
 (d) hash: the output file's SHA-256 in one thread, read from the page cache right after (c) wrote it.  Not part
     of the target's bound, but a floor under (c) all the same: convert hashes the whole file for the release
@@ -334,9 +335,11 @@ def profile_convert(ckpt: Path, out: Path, recipe: Path, imatrix: Path, device: 
     out.unlink()
 
 
-def make_source(root: Path, gib: float, workdir: str) -> tuple[Path, Path, int]:
-    """The seeded checkpoint of at least ``gib`` GiB in ``root/ckpt`` and its synthetic imatrix."""
-    ckpt, source_bytes = synthetic_checkpoint(root, layers_for(gib, workdir, 1.5, 2 * GIB), "convert-gpu")
+def make_source(root: Path, gib: float, workdir: str, processes: int) -> tuple[Path, Path, int]:
+    """The seeded checkpoint of at least ``gib`` GiB in ``root/ckpt`` (``processes`` writing its shards) and its
+    synthetic imatrix."""
+    ckpt, source_bytes = synthetic_checkpoint(root, layers_for(gib, workdir, 1.5, 2 * GIB), "convert-gpu",
+                                              processes)
     os.sync()
     imatrix = root / "bench.imatrix.gguf"
     write_synthetic_imatrix(ckpt, imatrix, seed=1, dataset="synthetic:bench")
@@ -353,6 +356,8 @@ def main() -> None:
     parser.add_argument("--check-layers", type=int, default=1, help="layers of the CPU = GPU check (0: skip it)")
     parser.add_argument("--make-source", type=Path, help="write the checkpoint and imatrix here, then exit")
     parser.add_argument("--source", type=Path, help="a directory --make-source wrote (kept)")
+    parser.add_argument("--gen-processes", type=int,
+                        help="processes writing the checkpoint's shards [default: every CPU] (the bytes do not depend on it)")
     parser.add_argument("--profile", type=Path, help="write a stack-sampler report of one -j 1 convert here")
     parser.add_argument("--compare", type=Path, action="append", default=[],
                         help="another checkout (a directory holding quantkit/): its convert runs right after each "
@@ -360,7 +365,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.make_source:
         args.make_source.mkdir(parents=True)
-        make_source(args.make_source, args.gib, str(args.make_source))
+        make_source(args.make_source, args.gib, str(args.make_source), args.gen_processes)
         return
     counts = [int(j) for j in args.jobs.split(",")]
     recipes = args.recipe.split(",")
@@ -376,7 +381,7 @@ def main() -> None:
             ckpt, imatrix = args.source / "ckpt", args.source / "bench.imatrix.gguf"
             source_bytes = sum(p.stat().st_size for p in ckpt.glob("*.safetensors"))
         else:
-            ckpt, imatrix, source_bytes = make_source(root, args.gib, args.workdir)
+            ckpt, imatrix, source_bytes = make_source(root, args.gib, args.workdir, args.gen_processes)
         for key in recipes:
             recipe = root / f"{key}.toml"
             recipe.write_text(RECIPES[key])
