@@ -12,7 +12,7 @@ from click.testing import CliRunner
 from quantkit.arch import get_arch
 from quantkit.cli import main
 from quantkit.convert import build_plan
-from quantkit.convert.plan import inspect_sources
+from quantkit.convert.plan import inspect_sources, source_outputs
 from quantkit.errors import RecipeError, SourceError
 from quantkit.formats.registry import GGMLType, get_format
 from quantkit.io.checkpoint import open_checkpoint
@@ -85,6 +85,24 @@ def test_every_shipped_recipe_plans_every_tiny_architecture_it_names(tiny, recip
     assert data["totals"]["tensor_bytes"] == plan.tensor_bytes == sum(t["nbytes"] for t in data["tensors"])
     assert data["totals"]["file_bytes"] == layout_.file_size and data["name_tag"] == plan.name_tag
     assert sum(c["bytes"] for c in data["classes"].values()) == plan.tensor_bytes
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v4"])
+def test_source_outputs_are_each_maps_own(tiny, arch):
+    """source_outputs (once per open checkpoint and set of rules) gives every map what its own outputs() gives, MTP
+    blocks counted: the default map, the maps keeping the MTP blocks under each dialect's names (other rules on
+    DeepSeek V4; the same rules on Qwen3 MoE, which has none to add) and the MTP support file's map."""
+    with open_checkpoint(tiny.get(arch)) as ckpt:
+        shapes = inspect_sources(ckpt)[0]
+        bindings = [{}, {"mtp_dialect": "llama.cpp"}, {"mtp_dialect": "ds4"}, {"support": "mtp"}, {}]
+        for kw in bindings if arch == "deepseek_v4" else bindings[:2] + bindings[-1:]:
+            fresh = get_arch(arch).bind(ckpt.config, **kw)
+            amap = get_arch(arch).bind(ckpt.config, **kw)
+            assert source_outputs(ckpt, amap) == fresh.outputs(shapes), kw
+            assert amap.mtp_blocks == fresh.mtp_blocks, kw
+        if arch == "deepseek_v4":
+            assert get_arch(arch).bind(ckpt.config, mtp_dialect="llama.cpp").rules_key != \
+                get_arch(arch).bind(ckpt.config).rules_key
 
 
 def test_header_shapes_are_the_decoded_shapes(tiny):

@@ -463,6 +463,12 @@ class ArchMap:
         (:class:`InputGroups`; the others are left out)."""
         return self.arch.group_counts(list(gguf_names), lambda d: _as_int(self.hp.get(d.hparam), d.hparam))
 
+    @property
+    def rules_key(self) -> tuple:
+        """What, besides the config, decides how this map resolves names: equal keys and one config, equal
+        :meth:`outputs` (a main file's map keeping no MTP blocks is the default map)."""
+        return self.arch.model_type, tuple(map(id, self.rules)), self._mtp_limit
+
     def outputs(self, source_shapes: Mapping[str, Shape]) -> list[OutputTensor]:
         """Group every source into GGUF tensors, check completeness and compute each GGUF shape.
 

@@ -71,7 +71,7 @@ from ..resources import available_cpus
 from .consistency import check_config_against_tensors
 from .gpu_stream import STEP_SECONDS, STEP_WALL_SECONDS
 from .journal import Journal, JournalState, journal_path, read_journal
-from .plan import Plan, PlannedTensor, build_plan, inspect_sources
+from .plan import Plan, PlannedTensor, build_plan, source_outputs
 from .pool import (TensorDone, WorkerPool, WorkerSetup, bound_jobs, out_of_space, partial_gone, partial_identity,
                    worker_memory)
 from .provenance import merged_metadata, provenance_metadata
@@ -189,7 +189,7 @@ def prepare(request: ConvertRequest) -> Prepared:
     with open_checkpoint(source.path) as ckpt:   # headers parsed once for the imatrix, the plan and the shards
         if request.imatrix is not None:
             amap = get_arch(str(ckpt.config.get("model_type"))).bind(ckpt.config)
-            shapes = imatrix_shapes(amap.outputs(inspect_sources(ckpt)[0]))
+            shapes = imatrix_shapes(source_outputs(ckpt, amap))
             imatrix = load_model_imatrix(request.imatrix, amap, shapes,
                                          allow_synthetic=request.allow_synthetic_imatrix)
         plan = build_plan(ckpt, recipe,

@@ -33,6 +33,7 @@ import contextlib
 import os
 import struct
 from collections.abc import Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -71,8 +72,10 @@ def load_imatrix(path: str | os.PathLike) -> Imatrix:
         head = f.read(len(MAGIC))
     if not head:
         raise TruncatedFileError("EOF reading the first bytes: the file is empty", path=path, offset=0)
-    imatrix = read_gguf_imatrix(path) if head == MAGIC else read_legacy_imatrix(path)
-    imatrix.sha256 = sha256_file(path)
+    with ThreadPoolExecutor(1, thread_name_prefix="quantkit-imatrix-hash") as hashing:   # beside the parsing
+        digest = hashing.submit(sha256_file, path)
+        imatrix = read_gguf_imatrix(path) if head == MAGIC else read_legacy_imatrix(path)
+        imatrix.sha256 = digest.result()
     return imatrix
 
 

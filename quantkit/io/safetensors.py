@@ -137,11 +137,12 @@ def _parse_entry(path: Path, name: str, raw) -> tuple[str, tuple[int, ...], int,
 
 
 def _reject_duplicates(pairs):
-    keys = [k for k, _ in pairs]
-    if len(set(keys)) != len(keys):
+    found = dict(pairs)
+    if len(found) != len(pairs):
+        keys = [k for k, _ in pairs]
         dup = next(k for k in keys if keys.count(k) > 1)
         raise ValueError(f"duplicate key {dup!r}")
-    return dict(pairs)
+    return found
 
 
 def _reject_constant(token: str):
