@@ -467,7 +467,7 @@ class ArchMap:
     def rules_key(self) -> tuple:
         """What, besides the config, decides how this map resolves names: equal keys and one config, equal
         :meth:`outputs` (a main file's map keeping no MTP blocks is the default map)."""
-        return self.arch.model_type, tuple(map(id, self.rules)), self._mtp_limit
+        return self.arch.model_type, self.arch.gguf_arch, tuple(self.rules), self._mtp_limit
 
     def outputs(self, source_shapes: Mapping[str, Shape]) -> list[OutputTensor]:
         """Group every source into GGUF tensors, check completeness and compute each GGUF shape.
