@@ -53,10 +53,10 @@ WALL_BAR = 1.15
 SAMPLE_SECONDS = 0.1
 
 
-def layer_bytes() -> int:
-    experts = 3 * EXPERTS * EXPERT_WIDTH * HIDDEN
+def layer_bytes(experts: int = EXPERTS) -> int:
+    routed = 3 * experts * EXPERT_WIDTH * HIDDEN
     attention = HIDDEN * HEADS * HEAD_DIM * 2 + HIDDEN * KV_HEADS * HEAD_DIM * 2
-    return 2 * (experts + attention + EXPERTS * HIDDEN)
+    return 2 * (routed + attention + experts * HIDDEN)
 
 
 def config(layers: int, ids: dict[str, int], experts: int = EXPERTS) -> dict:
@@ -106,12 +106,13 @@ def shard_tensors(shard: int, layers: int, experts: int = EXPERTS) -> list[tuple
     return found
 
 
-def write_checkpoint(root: Path, layers: int, processes: int = 1) -> Path:
-    """Seeded BF16 qwen3_moe checkpoint: one shard per layer plus one for embeddings, head and final norm, written
-    by ``processes`` processes (each shard seeded by its index: the bytes do not depend on how many)."""
-    write_config(root, layers)
+def write_checkpoint(root: Path, layers: int, processes: int = 1, experts: int = EXPERTS) -> Path:
+    """Seeded BF16 qwen3_moe checkpoint of ``experts`` routed experts a layer: one shard per layer plus one for
+    embeddings, head and final norm, written by ``processes`` processes (each shard seeded by its index: the bytes
+    do not depend on how many)."""
+    write_config(root, layers, experts)
     shards = layers + 1
-    jobs = [(root, shard, layers) for shard in range(shards)]
+    jobs = [(root, shard, layers, experts) for shard in range(shards)]
     if processes > 1:
         with multiprocessing.get_context("spawn").Pool(min(processes, shards)) as pool:
             names = pool.map(_write_shard, jobs, chunksize=1)
@@ -122,13 +123,13 @@ def write_checkpoint(root: Path, layers: int, processes: int = 1) -> Path:
     return root
 
 
-def _write_shard(job: tuple[Path, int, int]) -> list[str]:
-    root, shard, layers = job
+def _write_shard(job: tuple[Path, int, int, int]) -> list[str]:
+    root, shard, layers, experts = job
     rng = np.random.default_rng([SEED, shard])
     values = {"weight": lambda shape: bf16(rng, *shape), "norm": lambda shape: bf16(rng, *shape, std=1.0),
               "expert": lambda shape: bf16_fast(rng, *shape),
               "final_norm": lambda shape: (1 + bf16(rng, *shape).astype(np.float32)).astype(ml_dtypes.bfloat16)}
-    tensors = {name: values[kind](shape) for name, shape, kind in shard_tensors(shard, layers)}
+    tensors = {name: values[kind](shape) for name, shape, kind in shard_tensors(shard, layers, experts)}
     write_safetensors(root / shard_name(shard, layers + 1), tensors, metadata={"format": "pt"})
     return list(tensors)
 
@@ -178,25 +179,26 @@ class TreeSampler:
         return self.peak
 
 
-def synthetic_checkpoint(root: Path, layers: int, bench: str, processes: int | None = None) -> tuple[Path, int]:
+def synthetic_checkpoint(root: Path, layers: int, bench: str, processes: int | None = None,
+                         experts: int = EXPERTS) -> tuple[Path, int]:
     """:func:`write_checkpoint` into ``root/ckpt`` (``processes``: every CPU by default), its size and the time it
     took emitted as a record."""
     processes = processes or os.cpu_count() or 1
     t0 = time.perf_counter()
     (root / "ckpt").mkdir()
-    ckpt = write_checkpoint(root / "ckpt", layers, processes)
+    ckpt = write_checkpoint(root / "ckpt", layers, processes, experts)
     source_bytes = sum(p.stat().st_size for p in ckpt.glob("*.safetensors"))
-    emit({"name": f"{bench} synthetic checkpoint", "layers": layers, "experts": EXPERTS, "hidden": HIDDEN,
+    emit({"name": f"{bench} synthetic checkpoint", "layers": layers, "experts": experts, "hidden": HIDDEN,
           "expert_width": EXPERT_WIDTH, "source_bytes": source_bytes, "processes": processes,
           "seconds": time.perf_counter() - t0})
     return ckpt, source_bytes
 
 
-def layers_for(gib: float, workdir: str, need_per_layer: float, extra: int) -> int:
+def layers_for(gib: float, workdir: str, need_per_layer: float, extra: int, experts: int = EXPERTS) -> int:
     """Layers of the synthetic checkpoint of at least ``gib`` GiB, after checking ``workdir`` has room for
     ``need_per_layer`` times a layer's bytes each, plus ``extra`` bytes (else exit naming the shortfall)."""
-    layers = max(1, -(-int(gib * GIB) // layer_bytes()))
-    need = layers * layer_bytes() * need_per_layer + extra
+    layers = max(1, -(-int(gib * GIB) // layer_bytes(experts)))
+    need = layers * layer_bytes(experts) * need_per_layer + extra
     free = shutil.disk_usage(workdir).free
     emit({"name": "disk check", "workdir": workdir, "free_bytes": free, "needed_bytes": int(need)})
     if free < need:

@@ -2,8 +2,8 @@
 reads and the GPU encode, measured in the same run (issue 17: wall <= 1.2 x max(read, encode)).
 
     python bench/convert_gpu.py [--gib 8] [--jobs 1,2,4] [--recipe iq2] [--workdir /tmp] [--check-layers 1]
-                                [--source DIR | --make-source DIR] [--gen-processes N] [--profile PATH]
-                                [--compare TREE ...]
+                                [--source DIR | --make-source DIR] [--experts 64] [--gen-processes N]
+                                [--profile PATH] [--compare TREE ...]
 
 Generates the seeded BF16 qwen3_moe checkpoint of bench/convert.py (at least ``--gib`` GiB, one shard per layer),
 a recipe whose every large tensor has a GPU encoder (``iq2``: routed gate/up IQ2_XXS, routed down Q2_K, the rest
@@ -38,7 +38,9 @@ side; its output must be equal), each command run inside its tree and checked to
 ``--profile PATH``: one more ``-j 1`` convert under a stack sampler of every thread (bench/_sampler.py), its
 report written to PATH.  ``--make-source DIR`` writes the checkpoint and imatrix into DIR and exits; ``--source
 DIR`` measures one written so (generation can overlap other work); ``--gen-processes`` (default: every CPU)
-write its shards at once, each from its own seed, so a large checkpoint takes minutes, not tens of them.
+write its shards at once, each from its own seed, so a large checkpoint takes minutes, not tens of them;
+``--experts`` (64 by default) sets the routed experts a layer: 256, a 284B-class model's count, makes each layer
+777 source tensors and its stacked expert tensors ~805 MB of BF16, so per-tensor costs weigh as they would there.
 
 (d) hash: the output file's SHA-256 in one thread, read from the page cache right after (c) wrote it.  Not part
     of the target's bound, but a floor under (c) all the same: convert hashes the whole file for the release
@@ -70,7 +72,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import QUANTKIT, emit, run_timed  # noqa: E402
-from convert import GIB, layers_for, synthetic_checkpoint  # noqa: E402
+from convert import EXPERTS, GIB, layers_for, synthetic_checkpoint  # noqa: E402
 
 from quantkit.testing.recipe_texts import Q2_FALLBACK_RECIPE  # noqa: E402
 from quantkit.testing.synthetic_imatrix import write_synthetic_imatrix  # noqa: E402
@@ -335,11 +337,12 @@ def profile_convert(ckpt: Path, out: Path, recipe: Path, imatrix: Path, device: 
     out.unlink()
 
 
-def make_source(root: Path, gib: float, workdir: str, processes: int) -> tuple[Path, Path, int]:
-    """The seeded checkpoint of at least ``gib`` GiB in ``root/ckpt`` (``processes`` writing its shards) and its
-    synthetic imatrix."""
-    ckpt, source_bytes = synthetic_checkpoint(root, layers_for(gib, workdir, 1.5, 2 * GIB), "convert-gpu",
-                                              processes)
+def make_source(root: Path, gib: float, workdir: str, processes: int | None, experts: int
+                ) -> tuple[Path, Path, int]:
+    """The seeded checkpoint of at least ``gib`` GiB with ``experts`` routed experts a layer in ``root/ckpt``
+    (``processes`` writing its shards) and its synthetic imatrix."""
+    layers = layers_for(gib, workdir, 1.5, 2 * GIB, experts)
+    ckpt, source_bytes = synthetic_checkpoint(root, layers, "convert-gpu", processes, experts)
     os.sync()
     imatrix = root / "bench.imatrix.gguf"
     write_synthetic_imatrix(ckpt, imatrix, seed=1, dataset="synthetic:bench")
@@ -356,6 +359,8 @@ def main() -> None:
     parser.add_argument("--check-layers", type=int, default=1, help="layers of the CPU = GPU check (0: skip it)")
     parser.add_argument("--make-source", type=Path, help="write the checkpoint and imatrix here, then exit")
     parser.add_argument("--source", type=Path, help="a directory --make-source wrote (kept)")
+    parser.add_argument("--experts", type=int, default=EXPERTS,
+                        help="routed experts a layer (256: a 284B-class model's tensor sizes and count per layer)")
     parser.add_argument("--gen-processes", type=int,
                         help="processes writing the checkpoint's shards [default: every CPU] (the bytes do not depend on it)")
     parser.add_argument("--profile", type=Path, help="write a stack-sampler report of one -j 1 convert here")
@@ -365,7 +370,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.make_source:
         args.make_source.mkdir(parents=True)
-        make_source(args.make_source, args.gib, str(args.make_source), args.gen_processes)
+        make_source(args.make_source, args.gib, str(args.make_source), args.gen_processes,
+                    args.experts)
         return
     counts = [int(j) for j in args.jobs.split(",")]
     recipes = args.recipe.split(",")
@@ -381,7 +387,8 @@ def main() -> None:
             ckpt, imatrix = args.source / "ckpt", args.source / "bench.imatrix.gguf"
             source_bytes = sum(p.stat().st_size for p in ckpt.glob("*.safetensors"))
         else:
-            ckpt, imatrix, source_bytes = make_source(root, args.gib, args.workdir, args.gen_processes)
+            ckpt, imatrix, source_bytes = make_source(root, args.gib, args.workdir, args.gen_processes,
+                                                          args.experts)
         for key in recipes:
             recipe = root / f"{key}.toml"
             recipe.write_text(RECIPES[key])
@@ -422,7 +429,8 @@ def main() -> None:
             if args.check_layers:
                 small = root / "small"
                 small.mkdir()
-                ckpt_small, _ = synthetic_checkpoint(small, args.check_layers, "convert-gpu check")
+                ckpt_small, _ = synthetic_checkpoint(small, args.check_layers, "convert-gpu check",
+                                                     experts=args.experts)
                 imatrix_small = small / "im.gguf"
                 write_synthetic_imatrix(ckpt_small, imatrix_small, seed=1, dataset="synthetic:bench")
                 cpu = run_convert(ckpt_small, small / "cpu.gguf", recipe, imatrix_small, os.cpu_count(), "cpu")
