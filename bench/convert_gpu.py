@@ -362,7 +362,8 @@ def main() -> None:
     parser.add_argument("--experts", type=int, default=EXPERTS,
                         help="routed experts a layer (256: a 284B-class model's tensor sizes and count per layer)")
     parser.add_argument("--gen-processes", type=int,
-                        help="processes writing the checkpoint's shards [default: every CPU] (the bytes do not depend on it)")
+                        help="processes writing the checkpoint's shards [default: every CPU] (the bytes do not "
+                             "depend on it)")
     parser.add_argument("--profile", type=Path, help="write a stack-sampler report of one -j 1 convert here")
     parser.add_argument("--compare", type=Path, action="append", default=[],
                         help="another checkout (a directory holding quantkit/): its convert runs right after each "
@@ -370,8 +371,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.make_source:
         args.make_source.mkdir(parents=True)
-        make_source(args.make_source, args.gib, str(args.make_source), args.gen_processes,
-                    args.experts)
+        make_source(args.make_source, args.gib, str(args.make_source), args.gen_processes, args.experts)
         return
     counts = [int(j) for j in args.jobs.split(",")]
     recipes = args.recipe.split(",")
@@ -387,8 +387,7 @@ def main() -> None:
             ckpt, imatrix = args.source / "ckpt", args.source / "bench.imatrix.gguf"
             source_bytes = sum(p.stat().st_size for p in ckpt.glob("*.safetensors"))
         else:
-            ckpt, imatrix, source_bytes = make_source(root, args.gib, args.workdir, args.gen_processes,
-                                                          args.experts)
+            ckpt, imatrix, source_bytes = make_source(root, args.gib, args.workdir, args.gen_processes, args.experts)
         for key in recipes:
             recipe = root / f"{key}.toml"
             recipe.write_text(RECIPES[key])

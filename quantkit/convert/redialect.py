@@ -29,7 +29,7 @@ from ..io.checkpoint import open_checkpoint
 from ..io.gguf import KV
 from ..io.gguf_reader import GGUFFile
 from ..io.gguf_writer import GGUFWriter, plan_layout
-from .plan import dialect_output, inspect_sources
+from .plan import dialect_output, source_outputs
 from .provenance import is_provenance_key, merged_metadata
 from .source import resolve_source
 from .tensors import SourceContext, TensorJob, tensor_bytes
@@ -108,7 +108,7 @@ def source_payloads(gguf: GGUFFile, moves: Sequence[TensorMove], to: str, source
                               f"checkpoint the file was made from", path=resolved.path, field="model_type")
     ctx = SourceContext(str(resolved.path), model_type)
     try:
-        outputs = {o.gguf_name: o for o in ctx.amap.outputs(inspect_sources(ctx.checkpoint)[0])}
+        outputs = {o.gguf_name: o for o in source_outputs(ctx.checkpoint, ctx.amap)}
         payloads = {}
         for move in needed:
             mismatch = ValidationError(f"-exp of the A_log in {resolved.given} is not this tensor's stored value: not "

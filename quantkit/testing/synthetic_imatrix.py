@@ -11,13 +11,13 @@ def write_synthetic_imatrix(ckpt: Path, path: Path, *, seed: int, unobserved_fir
     """An entry for every 2-D/3-D weight of the blocks but the routers (random sums scaled by random counts),
     marked synthetic; ``unobserved_first_expert``: expert 0 of each 3-D weight has count 0 (bootstrap importance)."""
     from ..arch import get_arch
-    from ..convert.plan import inspect_sources
+    from ..convert.plan import source_outputs
     from ..convert.tensors import imatrix_shapes
     from ..imatrix import Entry, make_imatrix, save_imatrix
     from ..io.checkpoint import open_checkpoint
 
     with open_checkpoint(ckpt) as c:
-        outputs = get_arch(c.config["model_type"]).bind(c.config).outputs(inspect_sources(c)[0])
+        outputs = source_outputs(c, get_arch(c.config["model_type"]).bind(c.config))
     rng = np.random.default_rng(seed)
     entries = {}
     for name, (n, mats) in imatrix_shapes(outputs).items():
