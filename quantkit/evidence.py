@@ -38,6 +38,7 @@ import re
 import sys
 from pathlib import Path
 from typing import Any, Mapping, Sequence
+from .io import jsontext
 
 EVIDENCE_FORMAT = "quantkit-evidence"
 EVIDENCE_VERSION = 1
@@ -117,7 +118,7 @@ def cached_hash(real: Path, st: os.stat_result) -> str | None:
     entry, key = _cache_key(real, st)
     text = _small_text(entry)
     try:
-        record = json.loads(text) if text is not None else None
+        record = jsontext.loads(text) if text is not None else None
     except ValueError:
         return None
     if not isinstance(record, dict) or {k: record.get(k) for k in key} != key:

@@ -47,7 +47,6 @@ writes :func:`release_manifest` to ``<output stem>.release.json`` (or ``--releas
 """
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -60,6 +59,7 @@ from .imatrix.bootstrap import CALIBRATION_KEY
 from .recipes.model import Layers, layers_text
 from .recipes.tags import CLASS_LABELS, type_abbreviation
 from .scoring.source import GGUF_LABEL_KEY, source_digest
+from .io import jsontext
 
 STYLES = ("ds4", "ggml", "ud", "swapset")
 EXTENSIONS = (".gguf", ".safetensors", ".json")
@@ -329,14 +329,16 @@ def suggest(model: str, tag: str, *, calibration: str | None = None, label: str 
             support: str | None = None, extension: str = ".gguf") -> ArtifactName:
     """The ``ds4``-style name of a file of ``model`` made with a recipe whose name tag
     (:func:`quantkit.recipes.name_tag`) is ``tag``; ``calibration`` ``"imatrix"`` when an imatrix was used;
-    ``support`` the kind of a support (drafter) file (its word joins the model's: :data:`SUPPORT_WORDS`)."""
+    ``support`` the kind of a support (drafter) file (its word joins the model's: :data:`SUPPORT_WORDS`);
+    ``label`` the checkpoint label, named only where the grammar reads it back (4 digits: ``0731``; any other
+    label stays in the file's metadata alone)."""
     start, matches = _scan(tag)
     if start != 0 or not matches or matches[-1].end() != len(tag):
         raise FormatError(f"name tag {tag!r} is not in the artifact-name grammar")
     parsed = _ds4(tag, "")
     model = _file_safe(model) + (f"-{SUPPORT_WORDS[support]}" if support is not None else "")
-    return replace(parsed, model=model, calibration=calibration, label=label and _file_safe(label),
-                   extension=extension)
+    return replace(parsed, model=model, calibration=calibration,
+                   label=label if label and _LABEL_TOKEN.fullmatch(label) else None, extension=extension)
 
 
 def _file_safe(text: str) -> str:
@@ -437,6 +439,9 @@ _ARCH_NAMES: Mapping[str, Mapping[str, str]] = {
 CLASSIFIED = frozenset([cls for _, cls in _TENSOR_CLASS_PATTERNS] + list(_KDA_NAMES.values())
                        + [cls for names in _ARCH_NAMES.values() for cls in names.values()])
 _LAYER = re.compile(r"blk\.(\d+)\.")
+#: ds4's name of an MTP block (``mtp.0.ffn_gate_exps.weight``): its tensors' classes are a block's, its number
+#: is no layer of the model (a layer-ranged claim does not cover it).
+_MTP_BLOCK = re.compile(r"mtp\.(\d+)\.")
 
 
 def tensor_classes(gguf_names: Iterable[str], architecture: str | None = None) -> dict[str, str]:
@@ -447,15 +452,16 @@ def tensor_classes(gguf_names: Iterable[str], architecture: str | None = None) -
     by_arch = _ARCH_NAMES.get(architecture or "", {})
     out = {}
     for n in names:
-        m = _LAYER.match(n)
-        short = n[m.end():-len(".weight")] if m and n.endswith(".weight") else None
+        as_block = _MTP_BLOCK.sub(r"blk.\1.", n, count=1) if _MTP_BLOCK.match(n) else n
+        m = _LAYER.match(as_block)
+        short = as_block[m.end():-len(".weight")] if m and as_block.endswith(".weight") else None
         if short in by_arch:
             out[n] = by_arch[short]
             continue
         if short in _KDA_NAMES and m.group(1) in kda_blocks:
             out[n] = _KDA_NAMES[short]
             continue
-        cls = next((cls for pattern, cls in _TENSOR_CLASS_PATTERNS if pattern.fullmatch(n)), None)
+        cls = next((cls for pattern, cls in _TENSOR_CLASS_PATTERNS if pattern.fullmatch(as_block)), None)
         if cls is not None:
             out[n] = cls
     return out
@@ -534,7 +540,7 @@ def is_release_manifest(path: Path) -> bool:
     try:
         if path.stat().st_size > MAX_MANIFEST_BYTES:
             return False
-        record = json.loads(path.read_bytes())
+        record = jsontext.loads(path.read_bytes())
     except (OSError, ValueError):
         return False
     return isinstance(record, dict) and record.get("format") == MANIFEST_FORMAT

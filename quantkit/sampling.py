@@ -88,8 +88,8 @@ class SamplingParams:
         for name in ("temperature", "top_p", "presence_penalty", "frequency_penalty", "min_p"):
             if not np.isfinite(getattr(self, name)):
                 raise ValidationError(f"sampling {name} must be finite, got {getattr(self, name)}")
-        if self.top_k < 0:
-            raise ValidationError(f"sampling top_k must be >= 0 (0 = off), got {self.top_k}")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, (int, np.integer)) or self.top_k < 0:
+            raise ValidationError(f"sampling top_k must be a whole number >= 0 (0 = off), got {self.top_k}")
 
     @property
     def greedy(self) -> bool:
@@ -103,6 +103,8 @@ class SamplingParams:
 
 def request_stream(seed: int) -> np.random.Generator:
     """The request's one random stream: numpy's PCG64 seeded with ``seed``."""
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or not 0 <= seed < 2 ** 64:
+        raise ValidationError(f"sampling seed must be a whole number in 0..2^64-1, got {seed!r}")
     return np.random.Generator(np.random.PCG64(seed))
 
 
@@ -118,8 +120,9 @@ def penalized(logits: np.ndarray, counts: Counter | None, presence: float, frequ
 
 
 def _softmax(logits: np.ndarray, temperature: float) -> np.ndarray:
-    scaled = logits / float(temperature)
-    weights = np.exp(scaled - scaled.max())
+    # shifted before the division: a tiny temperature sends the other logits to -inf (weight 0), never inf - inf
+    with np.errstate(over="ignore"):
+        weights = np.exp((logits - logits.max()) / float(temperature))
     return weights / weights.sum()
 
 
@@ -273,7 +276,11 @@ class Ds4Sampler:
 
     def _kept(self, row: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.float32] | int:
         """``(ids, weights, kept_sum)`` in draw order, or the token itself where ds4 draws nothing."""
-        row = np.asarray(_check_row(row), F32)
+        # a temperature below float32's range divides by zero as ds4's C does; the sums' checks take it from there
+        with np.errstate(divide="ignore", over="ignore", invalid="ignore"):
+            return self._kept_weights(np.asarray(_check_row(row), F32))
+
+    def _kept_weights(self, row: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.float32] | int:
         params = self.params
         if params.temperature <= 0:
             return int(np.argmax(row))

@@ -138,6 +138,16 @@ def test_case_wins_with_higher_total_nll_is_noted(tmp_path):
     assert result.verdict != "better" and any("won 9/10" in note for note in result.notes)
 
 
+@pytest.mark.parametrize("nll, message", [(-5.0, "expected a number >= 0"), (1e308, "nats per target token")])
+def test_refuses_a_row_whose_nll_no_model_gives(tmp_path, nll, message):
+    """A negative log-likelihood is impossible, and one past float64's sums would give the gate a NaN bound
+    (a rule whose interval is NaN never fails): both are refused where they are read."""
+    old, new, tokens = _pair(n=5)
+    new[2] = nll
+    with pytest.raises(FixtureError, match=f"line .*: column nll is .*{message}"):
+        read_table(_table(tmp_path, "new", new, tokens))
+
+
 def test_refuses_tables_that_are_not_paired(tmp_path):
     old, new, tokens = _pair(n=5)
     a = read_table(_table(tmp_path, "a", old, tokens))

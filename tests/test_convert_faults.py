@@ -177,6 +177,27 @@ def test_interrupted_while_recording_the_release_manifest(qwen, recipe, referenc
     assert json.loads(names.manifest_path(out).read_text())["sha256"] == sha256_file(reference)
 
 
+def test_a_full_disk_while_recording_the_release_manifest_says_the_output_is_complete(qwen, recipe, reference,
+                                                                                       tmp_path, monkeypatch):
+    """ENOSPC after the rename, writing the release manifest: the message says the output is complete (there is
+    no partial to keep) and --resume writes the records."""
+    from quantkit import names
+
+    out = tmp_path / "q.gguf"
+    real = names.release_manifest
+
+    def disk_full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(names.manifest_path(out)))
+    monkeypatch.setattr(names, "release_manifest", disk_full)
+    line = one_line_error(run(*args_for(qwen, out, recipe)))
+    assert f"the output {out} is complete" in line and "--resume" in line and "partial" not in line, line
+    assert leftovers(out) == {"q.gguf", "q.gguf.journal"}
+    monkeypatch.setattr(names, "release_manifest", real)
+    result = run(*args_for(qwen, out, recipe, "--resume"))
+    assert result.exit_code == 0 and "already complete" in result.output, result.output
+    assert json.loads(names.manifest_path(out).read_text())["sha256"] == sha256_file(reference)
+
+
 def test_killed_before_any_tensor_resumes(qwen, recipe, reference, tmp_path, monkeypatch):
     """A partial whose journal lists no tensor yet (killed while the header was being written: short, not yet
     sized) is started over by --resume instead of being refused."""

@@ -70,6 +70,8 @@ def test_cli_import_vectors_writes_a_fixture(tmp_path):
     (lambda v: v.replace("step 1 204c6f76 1", "step 1 204c6f7 1"), "line 8: selected token"),
     (lambda v: v.replace("case italian 16384 2", "case italian 16384 17"), "line 4: steps"),
     (lambda v: v.replace("top 204c6f76 -0.125", "top 204c6f76 0.5"), "line 9: log-probability"),
+    (lambda v: v.replace("top 204c6f76 -0.125", "top 204c6f76 -inf"), "line 9: log-probability"),
+    (lambda v: v.replace("top 204c6f76 -0.125", "top 204c6f76 -1e999"), "line 9: log-probability"),
     (lambda v: v.replace("top 204c6f76 -0.125", "top 20 -0.125"), "step 1's selected token is not among"),
     (lambda v: v.replace("step 0 416461 2", "step 0 416461 3"), "step 0 declares 3 top entries and lists 2"),
     (lambda v: v.replace("italian.txt", "missing.txt", 1), "prompt file 'tests/test-vectors/prompts/missing.txt'"),

@@ -46,7 +46,7 @@ def release(tmp_path_factory):
 
 def validate(gguf: Path, src: Path, payload: str, json_path: Path):
     result = CliRunner().invoke(main, ["validate", str(gguf), "--source", str(src), "--payload", payload,
-                                       "--json", str(json_path), "--force"])
+                                       "--report", str(json_path), "--force"])
     return result, json.loads(json_path.read_text()) if json_path.exists() else None
 
 
@@ -321,7 +321,7 @@ def test_a_hash_spec_inconsistent_with_the_table_is_exit_1_naming_it(release, tm
         (value,) = struct.unpack(fmt, bytes(data[at:at + size]))
         data[at:at + size] = np.frombuffer(struct.pack(fmt, value + delta), np.uint8)
     bad = edited(gguf, tmp_path, edit)
-    result = CliRunner().invoke(main, ["validate", str(bad), "--structure-only", "--json", str(tmp_path / "r.json")])
+    result = CliRunner().invoke(main, ["validate", str(bad), "--structure-only", "--report", str(tmp_path / "r.json")])
     assert result.exit_code == 1, result.output
     spec = failed(json.loads((tmp_path / "r.json").read_text()))["engram.spec"]
     text = " ".join(spec["items"])

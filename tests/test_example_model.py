@@ -243,3 +243,5 @@ def test_demo_runs_end_to_end(tmp_path):
     assert "verdict=worse" in lines
     assert {p.name for p in tmp_path.iterdir()} >= {"tiny-moe-q2.gguf", "tiny-moe-f16.gguf", "tiny-moe-q2.tsv",
                                                    "tiny-moe-f16.tsv"}
+    again = CliRunner().invoke(main, ["demo", "--workdir", str(tmp_path)])    # an earlier demo's files stay
+    assert again.exit_code == 2 and "of an earlier demo; pass --force" in again.output, again.output

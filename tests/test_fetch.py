@@ -33,6 +33,7 @@ class Hub:
     def __init__(self, files: dict[str, bytes]):
         self.files = files
         self.corrupt: set[str] = set()      # served with one byte flipped
+        self.longer: set[str] = set()       # GETs send more bytes than the file (and HEAD) has
         self.drop_once: dict[str, int] = {}  # first GET closes the connection after this many bytes
         self.stall: dict[str, int] = {}      # GETs send this many bytes, then wait for `release`
         self.release = threading.Event()
@@ -64,6 +65,8 @@ class Hub:
                 data = hub.files[name]
                 if name in hub.corrupt:
                     data = data[:100] + bytes([data[100] ^ 1]) + data[101:]
+                if name in hub.longer and body:
+                    data += b"EXTRA"
                 start = 0
                 ranged = re.fullmatch(r"bytes=(\d+)-", self.headers.get("Range") or "")
                 if ranged and body:
@@ -188,27 +191,34 @@ import sys
 from huggingface_hub import constants
 from quantkit.transport.fetch import fetch
 constants.DOWNLOAD_CHUNK_SIZE = 64 * 1024   # bytes reach the partial every 64 KiB
-fetch(sys.argv[1], [sys.argv[2]], sys.argv[3], manifest=sys.argv[4])
+fetch(sys.argv[1], sys.argv[2].split(","), sys.argv[3], manifest=sys.argv[4])
 """
+
+
+def _kill_a_fetch_while_it_stalls(hub, manifest: Path, names: list[str], out: Path, stall: int) -> None:
+    """Run ``fetch`` of ``names`` in a child process, kill it once the last name's partial holds ``stall`` bytes (the
+    Hub stops sending there), and let the Hub serve that file whole again."""
+    stalled = names[-1]
+    hub.stall[stalled] = stall
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    child = subprocess.Popen([sys.executable, "-c", FETCHER, REPO, ",".join(names), str(out), str(manifest)],
+                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    partial = out / f"{stalled}.partial"
+    deadline = time.monotonic() + 60
+    while not (partial.exists() and partial.stat().st_size >= stall) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    child.kill()
+    child.wait(30)
+    assert partial.stat().st_size == stall and not (out / stalled).exists()
+    del hub.stall[stalled]
+    hub.release.set()
 
 
 def test_a_killed_download_resumes_in_a_new_process(release, hub, tmp_path):
     m, files = release
     name, out = m.parts[0].name, tmp_path / "down"
     stall = 5 * 64 * 1024
-    hub.stall[name] = stall
-    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    child = subprocess.Popen([sys.executable, "-c", FETCHER, REPO, name, str(out), str(m.path)], env=env,
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    partial = out / f"{name}.partial"
-    deadline = time.monotonic() + 60
-    while not (partial.exists() and partial.stat().st_size >= stall) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    child.kill()
-    child.wait(30)
-    assert partial.stat().st_size == stall and not (out / name).exists()
-    del hub.stall[name]
-    hub.release.set()
+    _kill_a_fetch_while_it_stalls(hub, m.path, [name], out, stall)
     result = fetch(name, "-o", out, "--manifest", m.path)
     assert result.exit_code == 0 and f"resumed after {stall:,} bytes" in result.output, result.output
     assert (out / name).read_bytes() == files[name]
@@ -241,3 +251,65 @@ def test_a_second_download_of_one_file_is_refused(release, hub, tmp_path):
     assert result.exit_code == 2, result.output
     assert "lock" in result.output
     assert not (out / m.parts[0].name).exists() and not list(out.glob("*.partial"))
+
+
+def test_rerunning_an_interrupted_multi_file_fetch_keeps_the_finished_files_and_resumes(release, hub, tmp_path):
+    """The documented resume: the same command again.  A file an earlier run finished is checked against the
+    manifest and kept (not asked for again); one under the name that is not the manifest's is refused."""
+    m, files = release
+    first, second, out = m.parts[0].name, m.parts[1].name, tmp_path / "down"
+    stall = 5 * 64 * 1024
+    _kill_a_fetch_while_it_stalls(hub, m.path, [first, second], out, stall)
+    assert (out / first).read_bytes() == files[first]
+    asked = len(hub.requests)
+    result = fetch(first, second, "-o", out, "--manifest", m.path)
+    assert result.exit_code == 0, result.output
+    lines = result.output.strip().splitlines()
+    assert len(lines) == 2 and lines[0].startswith(f"{out / first}: already there") and \
+        "matches the manifest" in lines[0], lines
+    assert lines[1].startswith(str(out / second)) and f"resumed after {stall:,} bytes" in lines[1], lines
+    assert (out / second).read_bytes() == files[second]
+    assert not [r for r in hub.requests[asked:] if r[1].endswith(first)]
+    changed = bytearray(files[first])
+    changed[7] ^= 1
+    (out / first).write_bytes(bytes(changed))
+    result = fetch(first, "-o", out, "--manifest", m.path)
+    assert result.exit_code == 2 and str(out / first) in result.output and "not the manifest's" in result.output, \
+        result.output
+    assert (out / first).read_bytes() == bytes(changed)
+
+
+def test_each_file_is_reported_as_it_finishes(release, hub, tmp_path):
+    """A later file's failure does not hide the files already downloaded."""
+    m, _ = release
+    hub.corrupt.add(m.parts[1].name)
+    result = fetch(m.parts[0].name, m.parts[1].name, "-o", tmp_path / "down", "--manifest", m.path)
+    assert result.exit_code == 1, result.output
+    lines = result.output.strip().splitlines()
+    assert len(lines) == 2 and m.parts[0].name in lines[0] and "matches the manifest" in lines[0], lines
+    assert f"{REPO}/{m.parts[1].name}" in lines[1] and "refused" in lines[1], lines
+
+
+def test_a_manifest_in_a_repository_folder_is_found_where_it_was_saved(release, hub, tmp_path, monkeypatch):
+    m, files = release
+    monkeypatch.chdir(tmp_path)   # the manifest's repository path is not also a local file
+    remote = f"sub/{m.path.name}"
+    hub.files[remote] = files[m.path.name]
+    name, out = m.parts[0].name, tmp_path / "down"
+    assert fetch(name, "-o", out, "--manifest", remote).exit_code == 0
+    asked = len(hub.requests)
+    result = fetch(name, "-o", out, "--manifest", remote)
+    assert result.exit_code == 0 and "already there" in result.output, result.output
+    assert not [r for r in hub.requests[asked:] if r[1].endswith(remote)]
+
+
+@pytest.mark.parametrize("with_manifest", [True, False], ids=["manifest", "no manifest"])
+def test_a_body_longer_than_the_file_is_refused_by_name(release, hub, tmp_path, with_manifest):
+    """More bytes than the file has is not a download to resume (a rerun gets them again): exit 1, as wrong bytes."""
+    m, _ = release
+    name, out = m.parts[0].name, tmp_path / "down"
+    hub.longer.add(name)
+    result = fetch(name, "-o", out, *(["--manifest", m.path] if with_manifest else []))
+    assert result.exit_code == 1, result.output
+    assert f"{REPO}/{name}" in result.output and "refused" in result.output and "Traceback" not in result.output
+    assert not (out / name).exists() and not list(out.glob("*.partial"))

@@ -82,6 +82,8 @@ def _edits():
         "prompts/case_0002.txt is not listed"
     yield "nan logprob", replace("responses/case_0001.json", "-1.5", "NaN"), \
         r"case case_0001 response case_0001.json: logprobs.content\[1\]: logprob is nan"
+    yield "positive logprob", replace("responses/case_0001.json", "-1.5", "0.5"), \
+        r"case case_0001 response case_0001.json: logprobs.content\[1\]: logprob is 0.5, expected a finite number <= 0"
     yield "string logprob", replace("responses/case_0002.json", "-0.5", '"low"'), \
         r"case case_0002 .*top_logprobs\[0\]: logprob must be a number"
     yield "bad json", replace("responses/case_0000.json", "{", "[", ), "case case_0000 response .*not valid JSON"
@@ -342,6 +344,12 @@ def test_cli_capture_score_kld_compare(tmp_path, text_model):
     out = runner.invoke(main, ["score", str(folder), str(fx), str(b), "--ctx", "16", "--kld-base", str(base),
                                "--force"])
     assert out.exit_code == 0, out.output
+    # a base file that cannot be read, or one the fixture cannot fill, stops the run before any case is scored
+    (tmp_path / "not.kld").write_bytes(b"not a logits file, 32 bytes long")
+    for args, message in [(["--kld-base", str(tmp_path / "not.kld")], "not a llama-perplexity logits file"),
+                          (["--save-logits", str(tmp_path / "big.kld")], "do not fill one chunk of --ctx 4096")]:
+        out = runner.invoke(main, ["score", str(folder), str(fx), str(tmp_path / "c.tsv"), "--ctx", "4096", *args])
+        assert out.exit_code == 2 and message in out.output and " avg_nll=" not in out.output, out.output
     out = runner.invoke(main, ["fixture", "capture", str(tmp_path / "no-model"), "--prompts", str(prompts),
                                "--tokens", "3", "--label", "0731", "-o", str(fx), "--rendering", "raw"])
     assert out.exit_code == 2 and "exists; refusing to replace it" in out.output, out.output

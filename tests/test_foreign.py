@@ -216,7 +216,7 @@ def test_llama_quantize_q4_k_m_is_proven_byte_for_byte(q4_k_m, arch, tmp_path):
         total = len(f.tensors)
     assert {"Q4_K", "Q6_K"} <= types
     report_path = tmp_path / "report.json"
-    result = validate(path, "--source", source, "--payload", "full", "--json", report_path)
+    result = validate(path, "--source", source, "--payload", "full", "--report", report_path)
     assert result.exit_code == 0, result.output
     report = json.loads(report_path.read_text())
     proof = next(c for c in report["checks"] if c["check"] == "payload.proof")

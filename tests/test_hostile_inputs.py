@@ -108,7 +108,7 @@ def test_sample_mode_catches_a_flipped_byte_in_any_expert_for_every_seed(tmp_pat
         gguf.write_bytes(bytes(data))
         for seed in range(3):
             result = run("validate", gguf, "--source", examples.example_model_dir(), "--seed", seed,
-                         "--json", tmp_path / "r.json", "--force")
+                         "--report", tmp_path / "r.json", "--force")
             assert result.exit_code == EXIT_CHECK_FAILED, (expert, seed, result.output)
             report = json.loads((tmp_path / "r.json").read_text())
             (entry,) = [e for e in report["tensors"] if e["name"] == t.name]
@@ -190,6 +190,29 @@ def test_undecodable_and_directory_inputs_name_the_file(tmp_path):
     from quantkit.fixtures.capture import read_prompts
     with pytest.raises(FixtureError, match="not UTF-8"):
         read_prompts(prompts)
+
+
+@pytest.mark.parametrize("where", ["config.json", "tokenizer.json", "fixture.json", "prompts", "imatrix config"])
+def test_json_nested_too_deeply_to_parse_names_the_file(example_copy, tmp_path, where):
+    """Python's JSON parser gives up on input nested thousands of levels deep with a RecursionError, not the
+    ValueError of other malformed JSON: each reader still gives its one line naming the file."""
+    deep = "[" * 100_000 + "]" * 100_000
+    if where in ("config.json", "tokenizer.json"):
+        (example_copy / where).write_text(deep)
+        result = run("convert", example_copy, "-o", tmp_path / "o.gguf", "--recipe", "q8_0", "--dry-run")
+        named = example_copy / where
+    elif where == "fixture.json":
+        fixture = Path(shutil.copytree(examples.example_fixture_dir(), tmp_path / "fixture"))
+        (fixture / where).write_text(deep)
+        result, named = run("fixture", "check", fixture), f"{fixture}: {where}"
+    else:
+        named = tmp_path / ("deep.json" if where != "prompts" else "deep.jsonl")
+        named.write_text(deep)
+        result = {"prompts": lambda: run("fixture", "capture", example_copy, "--prompts", named, "--label", "x",
+                                         "-o", tmp_path / "fx"),
+                  "imatrix config": lambda: run("imatrix", "convert", examples.example_imatrix(), "-o",
+                                                tmp_path / "x.dat", "--config", named)}[where]()
+    assert_refused(result, EXIT_BAD_INPUT, str(named), "nested too deeply")
 
 
 def test_os_errors_print_the_path_not_the_class():

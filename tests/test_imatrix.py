@@ -518,6 +518,26 @@ def test_cli_info_checks_against_a_model(tmp_path):
     assert result.exit_code == 2 and "blk.0.ffn_up_exps.weight" in result.output, result.output
 
 
+def test_cli_info_says_what_of_the_model_an_imatrix_misses_and_whose_checkpoint_it_records(tmp_path):
+    """An imatrix of a shallower model of the same widths names only tensors of the model: the tensors it
+    misses are listed; one collected from another checkpoint than the model's source (both record one) is noted."""
+    from quantkit.scoring.source import source_digest
+
+    files = [("model.safetensors", "ab" * 32), ("config.json", "cd" * 32)]
+    meta = [("general.architecture", "qwen3moe"), ("quantkit.source.files", [n for n, _ in files]),
+            ("quantkit.source.sha256", [h for _, h in files])]
+    model = _gguf_with(tmp_path, "model.gguf", {"blk.0.attn_q.weight": np.zeros((4, 128), np.float32),
+                                                "blk.0.ffn_up_exps.weight": np.zeros((4, 2, 64), np.float32),
+                                                "blk.1.attn_q.weight": np.zeros((4, 128), np.float32)}, meta=meta)
+    for digest, other in [(source_digest(files), False), ("ef" * 32, True)]:
+        path = tmp_path / f"{other}.imatrix.gguf"
+        save_imatrix(with_source(sample(), "qwen3_moe", digest), path)
+        result = CliRunner().invoke(main, ["imatrix", "info", str(path), "--model", str(model)])
+        assert result.exit_code == 0, result.output
+        assert "2 of its 3 weight tensors covered (missing: blk.1.attn_q.weight)" in result.output, result.output
+        assert ("collected from another checkpoint" in result.output) == other, result.output
+
+
 def test_write_gguf_imatrix_aborts_cleanly(tmp_path, monkeypatch):
     def fail(self, name, data):
         raise OSError("disk full")

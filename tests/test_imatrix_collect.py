@@ -515,6 +515,13 @@ def test_collect_with_a_tiny_budget_streams_and_gives_the_same_imatrix(tmp_path,
 
 # -- the command --------------------------------------------------------------------------------------------------
 
+def legacy_bytes(imx, path) -> bytes:
+    from quantkit.imatrix import save_imatrix
+
+    save_imatrix(imx, path, fmt="dat")
+    return path.read_bytes()
+
+
 def test_cli_collect_and_bad_input(tmp_path):
     runner = CliRunner()
     out = tmp_path / "out.gguf"
@@ -534,6 +541,9 @@ def test_cli_collect_and_bad_input(tmp_path):
     assert imx.entries["blk.0.attn_q.weight"].counts.tolist() == [128]
     assert imx.provenance["source_model_type"] == "qwen3_moe" and imx.provenance["ctx"] == "64"
     assert runner.invoke(main, args).exit_code == 2            # the output exists
+    dat = tmp_path / "out.dat"                                  # a .dat name: llama.cpp's legacy format
+    assert runner.invoke(main, [*args[:-1], str(dat)]).exit_code == 0
+    assert dat.read_bytes()[:4] != b"GGUF" and dat.read_bytes() == legacy_bytes(imx, tmp_path / "legacy.dat")
     (tmp_path / "empty.txt").write_text(" \n")
     (tmp_path / "short.txt").write_text("too short")
     for text in ("empty.txt", "short.txt"):

@@ -148,7 +148,7 @@ def test_validate_compares_the_mtp_block_with_the_source(v4, tmp_path, dialect, 
     data = bytearray(out.read_bytes())
     data[int(t.data_offset) + 7] ^= 0x40    # a quant byte of the first Q8_0 block
     out.write_bytes(bytes(data))
-    bad = run("validate", str(out), "--source", str(src), "--payload", "full", "--json", str(tmp_path / "r.json"))
+    bad = run("validate", str(out), "--source", str(src), "--payload", "full", "--report", str(tmp_path / "r.json"))
     assert bad.exit_code == 1, bad.output
     report = json.loads((tmp_path / "r.json").read_text())
     failed = [c for c in report["checks"] if c["status"] == "failed"]
@@ -210,7 +210,14 @@ def test_ds4_mtp_support_file_holds_what_ds4_binds_and_pairs_only_with_its_check
     assert set(tensors(support)) == {r["ds4_name"] for r in ds4_rows()}   # ds4.c binds nothing else from it
     assert field(support, "quantkit.support.kind") == "mtp"
     # the shipped recipe of ds4's MTP file (Q4_K experts, Q8_0, F32): every type ds4.c requires, in its dialect
-    shipped = tensors(convert(src, tmp_path / "mtp-shipped.gguf", "deepseek-v4-flash-mtp-q4k", "--support", "mtp"))
+    shipped_path = convert(src, tmp_path / "mtp-shipped.gguf", "deepseek-v4-flash-mtp-q4k", "--support", "mtp")
+    shipped = tensors(shipped_path)
+    # the recipe is for the MTP file: it implies --support mtp (never the main model) and refuses another kind
+    implied = convert(src, tmp_path / "mtp-implied.gguf", "deepseek-v4-flash-mtp-q4k")
+    assert implied.read_bytes() == shipped_path.read_bytes()
+    other_kind = run("convert", str(src), "-o", str(tmp_path / "d.gguf"), "--recipe", "deepseek-v4-flash-mtp-q4k",
+                     "--support", "dspark", "--pre-tokenizer", PRE)
+    assert other_kind.exit_code == 2 and "writes the mtp support file, not dspark" in other_kind.output
     for r in ds4_rows():
         kind = shipped[r["ds4_name"]].tensor_type.name
         wanted = {"plain": ("F16", "F32"), "routed": ("Q4_K",)}.get(r["ds4_type"], (r["ds4_type"],))
@@ -254,7 +261,7 @@ def test_a_main_file_with_the_mtp_block_not_written_by_quantkit_is_proven_with_i
     src, root, _ = v4
     ours = convert(src, tmp_path / "ours.gguf", "q8_0", "--dialect", dialect)
     bare = strip_quantkit_keys(ours, tmp_path / "bare.gguf")
-    result = run("validate", str(bare), "--source", str(src), "--payload", "full", "--json", str(tmp_path / "r.json"))
+    result = run("validate", str(bare), "--source", str(src), "--payload", "full", "--report", str(tmp_path / "r.json"))
     report = json.loads((tmp_path / "r.json").read_text())
     checks = {c["check"]: c for c in report["checks"]}
     # every tensor is proven, the hash-routing table (I32) as the copy convert makes, MTP or not

@@ -137,6 +137,10 @@ def test_shipped_recipe_tags_render_the_seed_names():
     q2 = load_recipe("deepseek-v4-flash-iq2xxs-w2q2k")
     assert suggest("DeepSeek-V4-Flash", name_tag(q2), calibration="imatrix", label="0731").render() == \
         "DeepSeek-V4-Flash-IQ2XXS-w2Q2K-AProjQ8-SExpQ8-OutQ8-imatrix-0731.gguf"
+    # a label the grammar cannot read back (not 4 digits) stays out of the name: validate reads names back
+    for label in ("0731 x", "tiny-moe-v1", "731"):
+        named = suggest("DeepSeek-V4-Flash", name_tag(q2), label=label)
+        assert named.label is None and parse(named.render()).label is None
     mixed = suggest("DeepSeek-V4-Flash", name_tag(load_recipe("deepseek-v4-flash-layers37-42-q4k")))
     assert mixed.render() == \
         "DeepSeek-V4-Flash-Layers37-42Q4KExperts-OtherExpertLayersIQ2XXSGateUp-Q2KDown-AProjQ8-SExpQ8-OutQ8.gguf"
@@ -388,9 +392,14 @@ def test_the_suggested_name_of_every_shipped_recipe_holds_for_its_plan(tmp_path_
     types quantkit plans for it: no claim contradicted, every routed-expert claim backed by tensors."""
     from quantkit.convert import build_plan
 
-    source = TinyCheckpointCache(tmp_path_factory.getbasetemp() / "names-cache").get(arch, "per-expert", "bf16")
+    if load_recipe(recipe_name).support == "mtp":   # a recipe of the MTP file: a checkpoint that holds the block
+        from quantkit.testing.tiny_mtp import write_v4_with_mtp
+
+        source = write_v4_with_mtp(tmp_path_factory.mktemp("mtp"))
+    else:
+        source = TinyCheckpointCache(tmp_path_factory.getbasetemp() / "names-cache").get(arch, "per-expert", "bf16")
     plan = build_plan(source, recipe_name, bootstrap=True, label="0731", pre_tokenizer=PRE)
-    name = suggest(arch, plan.name_tag, label="0731")
+    name = suggest(arch, plan.name_tag, label="0731", support=plan.support)
     tensors = [(t.name, t.qtype.name, len(t.output.shape)) for t in plan.tensors]
     metadata = {"general.architecture": next(kv.value for k, kv in plan.metadata if k == "general.architecture"),
                 "quantkit.recipe.name": recipe_name, "quantkit.recipe.text": plan.recipe.text,

@@ -124,6 +124,30 @@ def test_llama_perplexity_logits_file(tiny, tmp_path):
     assert code == 1 and "Mean    KLD:" in output and "missing from the engine's top 8" in output
 
 
+def test_llama_perplexity_logits_file_counts_every_scored_position(tiny, tmp_path):
+    """Chunks scoring more positions than the KLD accumulator's row block (64): every position counts in the
+    mean KLD the gate uses, which equals llama-perplexity's Mean KLD of the same file."""
+    from quantkit.runtime import logits
+    from quantkit.scoring.kld import ROW_BLOCK, chunk_inputs, scored_per_chunk, write_logits_file
+
+    path, model = tiny
+    n_ctx = 160
+    assert scored_per_chunk(n_ctx) > ROW_BLOCK
+    tokens = np.random.default_rng(5).integers(0, 480, 2 * n_ctx).astype(np.int64)
+    noise = np.random.default_rng(6)
+    chunks = []
+    for c in range(2):
+        ref = logits(model, chunk_inputs(tokens, n_ctx, c, None)[0])[n_ctx // 2:n_ctx - 1]
+        scale = np.where(np.arange(len(ref))[:, None] < ROW_BLOCK, 0.0, 2.0)   # only rows past the first block differ
+        chunks.append((ref + scale * noise.standard_normal(ref.shape)).astype(np.float32))
+    write_logits_file(tmp_path / "base.kld", n_ctx, model.vocab_size, tokens, chunks)
+    code, output = run(path, "--logits", tmp_path / "base.kld", "--json", "--max-mean-kld", "1e-3")
+    report = json.loads(output)["logits"]
+    assert report["positions"] == 2 * scored_per_chunk(n_ctx) == len(report["kld"])
+    assert report["mean_kld"] == pytest.approx(report["llama_perplexity"]["mean_kld"], rel=1e-5)
+    assert report["mean_kld"] > 1e-3 and code == 1, output
+
+
 def test_ds4_logprob_dump(tiny, tmp_path, prompt_file):
     """A dump in ds4's --dump-logprobs layout (ds4_cli.c) of the reference's greedy continuation."""
     from quantkit.runtime import greedy, logits
@@ -147,6 +171,15 @@ def test_ds4_logprob_dump(tiny, tmp_path, prompt_file):
     assert code == 0, output
     report = json.loads(output)["logits"]
     assert report["top1_agreement"] == 1.0 and report["max_listed_logprob_delta"] < 1e-5
+    assert report["kld_is_lower_bound"] and 0 <= report["mean_kld"] < 1e-9
+    # the same ranking with other log-probabilities (4 lp - 1): top-1 agrees everywhere, the KLD bound fails it
+    flat = dump(continuation)
+    for step in flat["steps"]:
+        for entry in step["top_logprobs"]:
+            entry["logprob"] = 4 * entry["logprob"] - 1
+    write_json(tmp_path / "flat.json", flat)
+    code, output = run(path, "--logits", tmp_path / "flat.json", "--tokens", prompt_file)
+    assert code == 1 and "top-1 agreement 1.000000" in output and "mean KLD" in output.split("FAIL")[1], output
     wrong = dump([(t + 1) % model.vocab_size for t in continuation])
     for step in wrong["steps"]:
         step["top_logprobs"] = step["top_logprobs"][1:]      # the engine never lists the reference's top-1
@@ -231,6 +264,10 @@ def test_unusable_inputs_exit_2_with_one_line(tiny, tmp_path, prompt_file):
         (["--stream", write_json(tmp_path / "s.json", {"tokens": [1, 2]}), "--tokens", prompt_file], "s.json"),
         (["--stream", write_json(tmp_path / "t.json", {"tokens": [1, 2], "seed": 0, "top_k": -1}), "--tokens",
           prompt_file], "top_k"),
+        (["--stream", write_json(tmp_path / "k.json", {"tokens": [1, 2], "seed": 0, "top_k": 2.5}), "--tokens",
+          prompt_file], "top_k must be a whole number"),
+        (["--stream", write_json(tmp_path / "n.json", {"tokens": [1, 2], "seed": -1}), "--tokens", prompt_file],
+         "seed must be a whole number in 0..2^64-1"),
         (["--logits", write_json(tmp_path / "x.json", {"source": "other"}), "--tokens", prompt_file], "x.json"),
         (["--stream", write_json(tmp_path / "u.json", {"tokens": [1, 10 ** 6], "seed": 0}), "--tokens",
           prompt_file], "outside the reference's vocabulary"),

@@ -279,11 +279,11 @@ def test_without_ray_the_cli_says_how_to_install_it(monkeypatch, tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
-def test_an_address_needs_the_ray_executor(tmp_path):
+@pytest.mark.parametrize("option", [["--address", "127.0.0.1:6379"], ["--ray-transfer", "return"]])
+def test_a_ray_option_needs_the_ray_executor(tmp_path, option):
     result = CliRunner().invoke(main, ["convert", str(examples.example_model_dir()), "-o", str(tmp_path / "x.gguf"),
-                                       "--recipe", str(examples.example_recipe("tiny-moe-f16")), "--address",
-                                       "127.0.0.1:6379"])
-    assert result.exit_code == 2 and "--address needs --executor ray" in result.output
+                                       "--recipe", str(examples.example_recipe("tiny-moe-f16")), *option])
+    assert result.exit_code == 2 and f"{option[0]} needs --executor ray" in result.output
     assert list(tmp_path.iterdir()) == []
 
 

@@ -112,6 +112,8 @@ def test_name_tag_derivation(body, defaults, tag):
 #: (recipe text, field named, text in the message, line named or None)
 BAD_RECIPES = [
     (HEADER + "colour = 1\n", "colour", "unknown key 'colour'", 3),
+    (HEADER + 'support = "eagle"\n', "support", "unknown support file kind 'eagle'; known: mtp, dspark", 3),
+    (HEADER + "support = 1\n", "support", "expected a string", 3),
     (HEADER + '[defaults]\ntype = "Q8_0"\nmode = 2\n', "defaults.mode", "unknown key 'mode'", 5),
     (HEADER + '[[rule]]\nclass = "norm"\ntype = "F32"\npriority = 1\n', "rule[1].priority", "unknown key", 6),
     ('architectures = ["qwen3_moe"]\n', "name", "missing the required key 'name'", None),

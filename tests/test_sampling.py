@@ -136,6 +136,17 @@ def test_greedy_is_the_first_maximum_and_draws_nothing():
     assert sampler.rng.bit_generator.state == before
 
 
+@pytest.mark.parametrize("temperature", [1e-320, 1e-306, 1e-30])
+def test_a_tiny_temperature_is_the_greedy_limit(temperature):
+    """As T -> 0+ the softmax of logits / T puts its mass on the maxima, split evenly among ties: no NaN from
+    logits / T overflowing, for either law."""
+    logits = np.array([0.0, 5.0, 5.0, 1.0, -3e4], np.float32)
+    for law in (classic_distribution, top_k_renormalized_distribution):
+        for k in (0, 3):
+            assert as_dict(law(logits, SamplingParams(temperature, k, 1.0))) == {1: 0.5, 2: 0.5}
+    assert Sampler(SamplingParams(temperature, 0, 1.0), seed=3).next(logits) in (1, 2)
+
+
 @pytest.mark.parametrize("presence, frequency", [(0.7, 0.0), (0.0, 0.4), (1.5, 0.9), (-0.5, 0.3), (5.0, -9.0)])
 def test_presence_and_frequency_penalties(presence, frequency):
     counts = Counter({int(i): n for i, n in zip(np.argsort(-MATRIX_LOGITS)[:6], [3, 1, 2, 1, 5, 1])})

@@ -60,7 +60,7 @@ def test_validate_pairs_a_support_file_only_with_its_own_checkpoint(glm, tmp_pat
     assert ok.exit_code == 0, ok.output
     assert "support.target" in ok.output
     bad = CliRunner().invoke(main, ["validate", str(support), "--source", str(src), "--target", str(foreign),
-                                    "--json", str(tmp_path / "r.json")])
+                                    "--report", str(tmp_path / "r.json")])
     assert bad.exit_code == 1, bad.output
     report = json.loads((tmp_path / "r.json").read_text())
     failed = {c["check"]: c for c in report["checks"] if c["status"] == "failed"}

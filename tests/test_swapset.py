@@ -2,6 +2,7 @@
 shared experts as an extra expert, the inventory (status / gc), apply_sidecars, validate_sidecar, and bad input
 (one-line error, exit 2, nothing written)."""
 import json
+import re
 import shutil
 
 import numpy as np
@@ -19,7 +20,7 @@ from quantkit.swapset import (FAMILIES, SwapsetRequest, apply_sidecars, build_sw
                               record_quality, status, validate_sidecar)
 from quantkit.swapset.families import Family
 from quantkit.swapset.encodings import get_encoding
-from quantkit.swapset.manifest import SCHEMA_VERSION, checkpoint_identity, read_manifest
+from quantkit.swapset.manifest import SCHEMA_VERSION, checkpoint_identity, read_manifest, validate_manifest
 from quantkit.swapset.tensors import tensor_sha256
 from quantkit.swapset.writer import Planned, PlannedSafetensors
 from quantkit.testing.tiny_models import TinyCheckpointCache
@@ -315,6 +316,31 @@ def test_gc_deletes_only_files_a_quantkit_manifest_records(model):
     assert not old.safetensors.exists() and not old.manifest_path.exists() and "removed old" in out.output
 
 
+def test_a_supersede_cycle_never_makes_every_sidecar_obsolete(model):
+    """Remaking A with --supersedes B after B superseded A (a roll-back): the newest wins, A in service, B obsolete;
+    a cycle already on disk (written before, or by hand) makes no member obsolete, so gc removes none."""
+    d = model()
+    build_swapset(SwapsetRequest(d, families=("inproj",), fmt="fp8-tensor", name="A"))
+    b = build_swapset(SwapsetRequest(d, families=("inproj",), fmt="nvfp4", convention="modelopt", name="B",
+                                     supersedes=("A",)))
+    out = run("swapset", d, "--family", "inproj", "--format", "fp8-channel", "--name", "A", "--force",
+              "--supersedes", "B")
+    assert out.exit_code == 0 and "B.json no longer supersedes A" in out.output, out.output
+    assert {s.name: s.state for s in status(d).sidecars} == {"A": "required", "B": "obsolete"}
+    assert read_manifest(b.manifest_path)["supersedes"] == [] and validate_sidecar(b.manifest_path).ok
+    assert "would remove B" in run("swapset", "gc", d, "--dry-run").output
+
+    for edges, cycle in (({"A": ["B"], "B": ["A"]}, {"A", "B"}), ({"A": ["A"], "B": []}, {"A"})):
+        for name, supersedes in edges.items():
+            path = d / f"{name}.json"
+            path.write_text(json.dumps({**read_manifest(path), "supersedes": supersedes}))
+        report = status(d).sidecars
+        assert {s.name: s.state for s in report if s.name in cycle} == dict.fromkeys(cycle, "unknown")
+        assert all("supersede cycle" in s.reason for s in report if s.name in cycle)
+        before = files(d)
+        assert gc(d, dry_run=False).removed == [] and files(d) == before
+
+
 def test_record_quality(model):
     d = model()
     result = build_swapset(SwapsetRequest(d, families=("dense",), fmt="fp8-block128"))
@@ -426,6 +452,59 @@ def test_bad_input_is_refused_with_one_line(model, tmp_path):
     assert run("swapset", d, "--family", "inproj", "--format", "fp8-tensor").exit_code == 0
     assert_refused(d, ["--family", "inproj", "--format", "nvfp4", "--convention", "modelopt"], "already covers")
     assert_refused(d, ["--family", "inproj", "--format", "fp8-tensor"], "output exists")
+
+
+def test_negative_or_non_integer_sizes_and_counts_are_refused(model):
+    """Sizes and counts are non-negative integers; anything else is refused naming the field, and status shows
+    such a sidecar as unknown with that reason."""
+    d = model()
+    result = build_swapset(SwapsetRequest(d, families=("inproj",), fmt="fp8-tensor", name="A"))
+    shard = next(iter(result.manifest["checkpoint"]["shards"]))
+    blocks = {"calibration": {"text_sha256": "0" * 64, "tokens": 3, "calibrated": [], "uncalibrated": []},
+              "draft_lm_head": {"source_rows": 256, "kept_rows": 128, "selection": "top 128", "token_ids": None,
+                                "agreement": {"positions": 4, "top1": 0.5, "top5": 1, "coverage": None}},
+              "shared_as_expert": {"expert_index": 8}}
+    good = json.loads(json.dumps({**result.manifest, **blocks}))
+    validate_manifest(good, result.manifest_path)
+    fields = [("sidecar", "bytes"), ("checkpoint", "shards", shard, "bytes"), ("source", "shards", shard, "bytes"),
+              ("calibration", "tokens"), ("draft_lm_head", "source_rows"), ("draft_lm_head", "kept_rows"),
+              ("draft_lm_head", "agreement", "positions"), ("shared_as_expert", "expert_index")]
+    for field in fields:
+        for bad in (-5, True, 5.0, "5"):
+            manifest = json.loads(json.dumps(good))
+            parent = manifest
+            for key in field[:-1]:
+                parent = parent[key]
+            parent[field[-1]] = bad
+            with pytest.raises(FormatError, match=re.escape(f"{'.'.join(field)} has an invalid value")) as e:
+                validate_manifest(manifest, result.manifest_path)
+            assert e.value.field == ".".join(field)
+
+    result.manifest_path.write_text(json.dumps({**result.manifest, "sidecar": {**result.manifest["sidecar"],
+                                                                               "bytes": -5}}))
+    (entry,) = status(d).sidecars
+    assert entry.state == "unknown" and "sidecar.bytes" in entry.reason
+    out = run("validate", result.safetensors)
+    assert out.exit_code == 2 and "sidecar.bytes" in out.output and len(out.output.strip().splitlines()) == 1
+
+
+def test_deeply_nested_json_is_a_format_error_naming_the_file(model, tmp_path):
+    """json's parser recurses per nesting level: a deep file is unusable input (exit 2), not an internal error."""
+    d = model()
+    result = build_swapset(SwapsetRequest(d, families=("inproj",), fmt="fp8-tensor", name="A"))
+    deep = "[" * 100_000 + "]" * 100_000
+    record = tmp_path / "record.json"
+    record.write_text(deep)
+    out = run("swapset", "status", d, "--record", record)
+    lines = out.output.strip().splitlines()
+    assert out.exit_code == 2 and len(lines) == 1 and "record.json" in lines[0] and "internal" not in lines[0], \
+        out.output
+    result.manifest_path.write_text(f'{{"schema": "quantkit.swapset", "x": {deep}}}')
+    with pytest.raises(FormatError, match="nested too deeply") as e:
+        read_manifest(result.manifest_path)
+    assert e.value.path == str(result.manifest_path)
+    out = run("swapset", "status", d)
+    assert out.exit_code == 0 and out.output.startswith("unknown   A"), out.output
 
 
 def test_missing_source_tensor_and_convention_mismatch(model):

@@ -152,6 +152,28 @@ def test_a_partial_output_that_went_bad_is_copied_again(blob, byte_parts, tmp_pa
     assert done.resumed_parts == 1 and len(done.problems_repaired) == 1 and "part 1 of 5" in done.problems_repaired[0]
 
 
+def _edited_manifest(m, name: str, change) -> Path:
+    """A copy of ``m``'s manifest beside its parts, named ``name``, with ``change`` applied to its JSON."""
+    raw = json.loads(m.path.read_text())
+    change(raw)
+    path = m.directory / name
+    path.write_text(json.dumps(raw))
+    return path
+
+
+@pytest.mark.parametrize("change, words", [({"version": True}, "version True"), ({"version": 1.0}, "version 1.0"),
+                                           ({"parts": "NESTED"}, "nested too deeply")],
+                         ids=["version true", "version 1.0", "deep nesting"])
+def test_manifest_json_that_only_looks_right_is_refused_in_one_line(byte_parts, tmp_path, change, words):
+    raw = json.loads(byte_parts.path.read_text())
+    bad = byte_parts.directory / "bad.transport.json"
+    bad.write_text(json.dumps({**raw, **change}).replace('"NESTED"', "[" * 100_000 + "]" * 100_000))
+    for args in (["validate", bad], ["transport", "assemble", bad, "-o", tmp_path / "o.bin", "--no-progress"]):
+        result = cli(*args)
+        assert result.exit_code == 2 and words in result.output and str(bad) in result.output, result.output
+        assert len(result.output.strip().splitlines()) == 1
+
+
 def test_manifest_errors_name_the_manifest(byte_parts, tmp_path):
     raw = json.loads(byte_parts.path.read_text())
     for change, words in [({"version": 9}, "version 9"), ({"extra": 1}, "unknown ['extra']"),
@@ -388,6 +410,54 @@ def test_validate_proves_a_manifest_without_assembling(byte_parts, shards, tmp_p
     assert not (shards.directory / shards.file.name).exists()
 
 
+# (name, the fixture whose manifest is edited, the edit): every part keeps its own entry, the file is misdescribed
+MISDESCRIBED = [
+    ("shards reordered", "shards", lambda raw: raw["parts"].insert(1, raw["parts"].pop(2))),
+    ("wrong file size", "shards", lambda raw: raw["file"].update(size=raw["file"]["size"] + 32)),
+    ("bytes called shards", "byte_parts", lambda raw: raw.update(kind="gguf-split")),
+]
+
+
+@pytest.mark.parametrize("name, fixture, change", MISDESCRIBED, ids=[c[0] for c in MISDESCRIBED])
+def test_validate_fails_parts_that_assemble_refuses(request, tmp_path, name, fixture, change):
+    m = request.getfixturevalue(fixture)
+    edited = _edited_manifest(m, "edited.transport.json", change)
+    assembled = cli("transport", "assemble", edited, "-o", tmp_path / "out", "--no-progress")
+    assert assembled.exit_code == 1, assembled.output
+    result = cli("validate", edited, "--report", tmp_path / "r.json")
+    assert result.exit_code == 1, result.output
+    checks = {c["check"]: c for c in json.loads((tmp_path / "r.json").read_text())["checks"]}
+    assert checks["transport.file_hash"]["status"] == "failed"
+    assert assembled.output.strip().removeprefix("error: ") in checks["transport.file_hash"]["detail"]
+
+
+def test_a_wrong_whole_file_hash_of_byte_parts_is_found_by_validate(blob, byte_parts, tmp_path):
+    """Byte parts that each match their hash make the file they describe; assemble does not hash it a second time
+    (module doc of quantkit.transport.assemble): a manifest whose file.sha256 was edited is refused by validate."""
+    wrong = hashlib.sha256(blob.read_bytes() + b"\0").hexdigest()
+    edited = _edited_manifest(byte_parts, "wrong.transport.json", lambda raw: raw["file"].update(sha256=wrong))
+    result = cli("validate", edited)
+    assert result.exit_code == 1 and wrong in result.output and sha256(blob) in result.output, result.output
+    assert cli("transport", "assemble", edited, "-o", tmp_path / "out.bin", "--no-progress").exit_code == 0
+    assert sha256(tmp_path / "out.bin") == sha256(blob)
+
+
+def test_validate_says_how_many_parts_it_hashed(byte_parts, tmp_path):
+    byte_parts.part_path(1).unlink()
+    result = cli("validate", byte_parts.path, "--report", tmp_path / "r.json")
+    assert result.exit_code == 1, result.output
+    checks = {c["check"]: c for c in json.loads((tmp_path / "r.json").read_text())["checks"]}
+    present = len(byte_parts.parts) - 1
+    assert checks["transport.part_hashes"]["status"] == "passed"
+    assert checks["transport.part_hashes"]["detail"].startswith(f"{present} parts match their SHA-256 (1 of "
+                                                                f"{len(byte_parts.parts)} not hashed")
+    for i in range(len(byte_parts.parts)):
+        byte_parts.part_path(i).unlink(missing_ok=True)
+    cli("validate", byte_parts.path, "--report", tmp_path / "r.json", "--force")
+    checks = {c["check"]: c for c in json.loads((tmp_path / "r.json").read_text())["checks"]}
+    assert checks["transport.part_hashes"]["status"] == "skipped"
+
+
 def test_validate_checks_a_shard_set_from_any_shard(model, shards):
     result = cli("validate", shards.part_path(2))
     tensors = len(gguf.GGUFReader(model).tensors)
@@ -429,6 +499,28 @@ def test_a_second_split_into_the_same_directory_is_refused(blob, tmp_path):
             split_file(blob, out, parse_size("250kB"))
     assert not [p for p in out.iterdir() if not p.name.endswith(".lock")]
     assert split_file(blob, out, parse_size("250kB")).file.size == blob.stat().st_size
+
+
+def test_split_force_removes_only_the_parts_the_replaced_manifest_recorded(blob, byte_parts):
+    """A --force split with another part count would leave the old set's extra parts beside the new ones."""
+    out = byte_parts.directory
+    unrecorded = [out / "notes.txt", out / f"{blob.name}.part-00009-of-00009"]
+    for path in unrecorded:
+        path.write_bytes(b"not a part of the split")
+    m = split_file(blob, out, parse_size("400kB"), force=True)
+    assert len(m.parts) != len(byte_parts.parts)
+    left = {p.name for p in out.iterdir() if not p.name.endswith(".lock")}
+    assert left == {p.name for p in m.parts} | {m.path.name} | {p.name for p in unrecorded}
+
+
+def test_split_force_never_removes_its_source(blob, tmp_path):
+    """A replaced manifest that lists the source itself as a part (edited by hand) does not get it deleted."""
+    old = split_file(blob, tmp_path, parse_size("250kB"))
+    _edited_manifest(old, old.path.name, lambda raw: (raw["file"].update(name="other.bin"),
+                                                      raw["parts"][0].update(name=blob.name)))
+    before = sha256(blob)
+    split_file(blob, tmp_path, parse_size("400kB"), force=True)
+    assert blob.is_file() and sha256(blob) == before
 
 
 # -- background sync ------------------------------------------------------------------------------------------

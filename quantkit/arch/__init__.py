@@ -20,7 +20,8 @@ from typing import Mapping
 
 from ..errors import UnsupportedError
 from . import deepseek_v3, deepseek_v4, deepseek_v41, glm5_next, qwen3_moe, qwen4_exp
-from .base import (CLASS_GROUPS, ROW_TABLE_CLASSES, TENSOR_CLASSES, Arch, ArchMap, OutputTensor, TensorMapping)
+from .base import (CLASS_GROUPS, ROW_TABLE_CLASSES, SUPPORT_KINDS, TENSOR_CLASSES, Arch, ArchMap, OutputTensor,
+                   TensorMapping)
 
 #: model_type -> architecture, for every architecture quantkit converts.
 ARCHITECTURES: Mapping[str, Arch] = {
@@ -38,6 +39,5 @@ def get_arch(model_type: str) -> Arch:
                                f"{', '.join(sorted(ARCHITECTURES))}", field="model_type") from None
 
 
-__all__ = ["ARCHITECTURES", "CLASS_GROUPS", "ROW_TABLE_CLASSES", "TENSOR_CLASSES", "Arch", "ArchMap", "OutputTensor",
-           "TensorMapping",
-           "get_arch"]
+__all__ = ["ARCHITECTURES", "CLASS_GROUPS", "ROW_TABLE_CLASSES", "SUPPORT_KINDS", "TENSOR_CLASSES", "Arch", "ArchMap",
+           "OutputTensor", "TensorMapping", "get_arch"]

@@ -28,6 +28,7 @@ keeps its first position and takes the last value, as gguf-py's writer does.
 """
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -44,6 +45,9 @@ Shape = tuple[int, ...]
 Hparams = dict[str, Any]
 
 #: Every tensor class a rule may name, with what it covers.  Recipes select tensors by these names.
+#: Support (drafter) files ``convert --support`` writes (a recipe's ``support``).
+SUPPORT_KINDS = ("mtp", "dspark")
+
 TENSOR_CLASSES: Mapping[str, str] = {
     "token_embd": "input token embedding table",
     "output": "output head (lm_head)",
@@ -346,7 +350,7 @@ class MetadataBuilder:
         self.put(key, _as_int(value, key.format(arch=self.arch)), GGUFValueType.UINT32)
 
     def f32(self, key: str, value: float) -> None:
-        self.put(key, float(value), GGUFValueType.FLOAT32)
+        self.put(key, _as_real(value, key.format(arch=self.arch)), GGUFValueType.FLOAT32)
 
     def boolean(self, key: str, value: bool) -> None:
         self.put(key, bool(value), GGUFValueType.BOOL)
@@ -374,6 +378,14 @@ def _as_int(value: Any, key: str) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
         raise SourceError(f"expected an integer, found {value!r}", field=key)
     return int(value)
+
+
+def _as_real(value: Any, key: str) -> float:
+    """A config value written as FLOAT32: a finite number (a NaN or a string in a config.json is not one)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)) \
+            or not math.isfinite(value):
+        raise SourceError(f"expected a finite number, found {value!r}", field=key)
+    return float(value)
 
 
 class ArchMap:

@@ -25,7 +25,6 @@ through transformers, which leaves the text of special tokens unchanged.
 """
 from __future__ import annotations
 
-import json
 from hashlib import sha256
 from pathlib import Path
 from string import ascii_letters, digits
@@ -36,6 +35,7 @@ from gguf.constants import GGUFValueType
 from ..errors import MissingSourceError, SourceError, UnsupportedError
 from ..io.gguf import KV, ArrayOf
 from .pre_tokenizers import check_pre_tokenizer
+from ..io import jsontext
 
 # llama.cpp's token types (gguf TokenType)
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
@@ -82,8 +82,8 @@ def _read_json(path: Path, required: bool) -> Any:
             raise MissingSourceError("tokenizer file not found", path=path)
         return None
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        return jsontext.loads(path.read_text(encoding="utf-8"))
+    except ValueError as e:   # UnicodeDecodeError and JSONDecodeError included
         raise SourceError(f"not valid JSON: {e}", path=path) from None
 
 

@@ -74,6 +74,8 @@ def convert(source, out, recipe, imatrix, bootstrap, allow_synthetic_imatrix, jo
 
     if not dry_run:
         check_executor("quantkit convert", executor, address)
+    if transfer != "auto" and executor != "ray":
+        raise click.UsageError("--ray-transfer needs --executor ray")
     if jobs is None:    # one process feeds a GPU best: each more worker imports torch and holds a context of its own
         jobs = 1 if device != "cpu" and executor == "process" else default_jobs()
     request = ConvertRequest(source=source, out=out, recipe=recipe, imatrix=imatrix, bootstrap=bootstrap,
@@ -92,8 +94,8 @@ def convert(source, out, recipe, imatrix, bootstrap, allow_synthetic_imatrix, jo
         click.echo(f"note: {prepared.workers_note}", err=True)
     if dry_run:
         return
-    check_outputs(prepared, request, report)
     manifest = manifest or names.manifest_path(out)
+    check_outputs(prepared, request, report, manifest)
     # a quantkit release manifest is replaced (this output's own, stale); any other file only with --force
     check_output(manifest, inputs=[*prepared.inputs, out, *([report] if report else [])],
                  overwrite=force or names.is_release_manifest(manifest), what="release manifest")

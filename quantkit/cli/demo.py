@@ -25,10 +25,12 @@ def _step(title: str) -> None:
               help="keep the artifacts here (default: a temporary directory, removed at the end)")
 @click.option("-j", "--jobs", type=click.IntRange(min=1), default=2, show_default=True,
               help="convert worker processes (on a first run each compiles its own share of the encoders)")
+@click.option("--force", is_flag=True, help="replace the artifacts of an earlier demo in --workdir")
 @click.pass_context
-def demo(ctx, workdir, jobs):
+def demo(ctx, workdir, jobs, force):
     """Convert the bundled model (IQ2_XXS/Q2_K recipe with its imatrix), validate, score and compare with F16."""
     from .. import examples
+    from ..errors import OutputExistsError
     from ..extras import require_runtime
     from .convert import convert
     from .score import run_compare, score
@@ -40,6 +42,10 @@ def demo(ctx, workdir, jobs):
         out = Path(workdir) if workdir else Path(tmp)
         out.mkdir(parents=True, exist_ok=True)
         candidate, control = out / "tiny-moe-q2.gguf", out / "tiny-moe-f16.gguf"
+        earlier = sorted(p.name for p in out.iterdir() if p.name.startswith(("tiny-moe-q2.", "tiny-moe-f16.")))
+        if earlier and not force:
+            raise OutputExistsError(f"holds {', '.join(earlier)} of an earlier demo; pass --force to replace them",
+                                    path=out)
         common = dict(source=source, allow_synthetic_imatrix=False, jobs=jobs, resume=False, force=True,
                       label=examples.FIXTURE_LABEL, pre_tokenizer=examples.PRE_TOKENIZER, report=None,
                       progress=True)

@@ -8,6 +8,7 @@ import click
 
 from . import one_output
 from .executors import TorchDevice, check_executor, executor_options
+from ..io import jsontext
 
 FORMAT_CHOICE = click.Choice(["gguf", "dat"])
 #: Suffixes of a --max-memory size (binary: 8G is 8 GiB).
@@ -51,29 +52,52 @@ def info(path, as_json, show_all, model):
     from ..imatrix.report import describe, render
 
     imx = load_imatrix(path)
+    fit = None
     if model is not None:
-        imx = _conform_to_model(imx, model)
+        imx, fit = _conform_to_model(imx, model)
     report = describe(imx)
+    if fit is not None:
+        report["model"] = fit
     if as_json:
         click.echo(json.dumps(report, indent=1))
     else:
         click.echo(render(report, show_all=show_all))
-        if model is not None:
-            click.echo(f"matches {model}: every entry names one of its tensors with the same shape")
+        if fit is not None:
+            click.echo(f"matches {model}: every entry names one of its tensors with the same shape; "
+                       f"{fit['covered']} of its {fit['tensors']} weight tensors covered"
+                       + (f" (missing: {_listed(fit['missing'])})" if fit["missing"] else ""))
+            if fit["other_checkpoint"]:
+                recorded, model_source = imx.provenance["source_digest"], fit["model_source"]
+                click.echo(f"note: collected from another checkpoint than the model was converted from (source "
+                           f"digest {recorded[:16]}…, the model's {model_source[:16]}…)")
+
+
+def _listed(names: list[str], shown: int = 6) -> str:
+    return ", ".join(names[:shown]) + (f" and {len(names) - shown} more" if len(names) > shown else "")
 
 
 def _conform_to_model(imx, model_path):
     """The imatrix checked against a GGUF model's tensors and laid out per matrix (legacy files get their
-    experts back, llama-imatrix's per-group entries of grouped weights are folded)."""
+    experts back, llama-imatrix's per-group entries of grouped weights are folded), and how it fits the model:
+    the weight tensors it covers and misses, and whether it records another checkpoint than the model's source
+    (both record a source digest: the same model in another encoding, FP8 or BF16, differs too, so a note)."""
     from pathlib import Path
 
     from ..imatrix.names import expected_entries, gguf_input_groups
     from ..io.gguf_reader import GGUFFile
+    from ..scoring.source import gguf_identity
 
     with GGUFFile(model_path) as f:
         shapes = {name: t.shape for name, t in f.tensors.items()}
         groups = gguf_input_groups(f.metadata, shapes, Path(model_path))
-    return imx.conform(expected_entries(shapes), required=(), groups=groups)
+        model_source = gguf_identity(f.metadata, path=model_path).source
+    expected = expected_entries(shapes)
+    imx = imx.conform(expected, required=(), groups=groups)
+    missing = sorted(name for name in expected if name not in imx.entries)
+    recorded = imx.provenance.get("source_digest")
+    return imx, {"tensors": len(expected), "covered": len(expected) - len(missing), "missing": missing,
+                 "model_source": model_source,
+                 "other_checkpoint": bool(recorded and model_source and recorded != model_source)}
 
 
 @imatrix.command()
@@ -139,7 +163,7 @@ def _arch_map(config_path):
     path = Path(config_path)
     path = path / "config.json" if path.is_dir() else path
     try:
-        config = json.loads(path.read_bytes().decode("utf-8"))
+        config = jsontext.loads(path.read_bytes().decode("utf-8"))
     except OSError as exc:
         raise SourceError(f"cannot read the config: {exc.strerror}", path=path) from None
     except ValueError as exc:
@@ -154,7 +178,8 @@ def _arch_map(config_path):
 @click.argument("source", type=click.Path(exists=True, file_okay=False))
 @click.option("--text", "text", required=True, type=click.Path(exists=True, dir_okay=False),
               help="calibration text (UTF-8)")
-@click.option("-o", "--output", required=True, type=click.Path(dir_okay=False), help="imatrix to write (GGUF)")
+@click.option("-o", "--output", required=True, type=click.Path(dir_okay=False),
+              help="imatrix to write (GGUF; llama.cpp's legacy format for a .dat name)")
 @click.option("--ctx", default=512, show_default=True, help="tokens per chunk")
 @click.option("-b", "--batch", type=click.IntRange(min=1), default=2048, show_default=True,
               help="tokens per forward pass (like llama-imatrix -b): batch / ctx chunks run together")
@@ -172,7 +197,8 @@ def _arch_map(config_path):
 @click.option("-t", "--threads", type=click.IntRange(min=1), default=None,
               help="CPU threads the model runs on (like llama-imatrix -t; default: one per 2^18 values of a "
                    "pass's hidden states, at most one per core)")
-@click.option("--save-every", default=10, show_default=True, help="write the resume state every N chunks")
+@click.option("--save-every", type=click.IntRange(min=0), default=10, show_default=True,
+              help="write the resume state every N chunks (0: never)")
 @click.option("--restart", is_flag=True, help="ignore a resume state left by an interrupted run")
 @click.option("--force", is_flag=True, help="overwrite the output")
 @click.option("--progress/--no-progress", default=True, show_default=True, help="show a progress bar (as convert)")

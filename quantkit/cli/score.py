@@ -12,6 +12,7 @@ import click
 from ..extras import require_runtime
 from . import one_output
 from .executors import check_executor, executor_options
+from ..io import jsontext
 
 DEVICES = ("cpu", "cuda")
 #: ``--arithmetic`` of the commands that run a model for parity with an engine (score, parity).
@@ -25,7 +26,7 @@ def _template_kwargs(text: str | None) -> dict:
     if not text:
         return {}
     try:
-        value = json.loads(text)
+        value = jsontext.loads(text)
     except ValueError as exc:
         raise click.BadParameter(f"not JSON: {exc}", param_hint="--chat-template-kwargs") from None
     if not isinstance(value, dict):
@@ -285,7 +286,8 @@ def score(model, fixture_dir, out_arg, out, ctx, device, allow_cross_checkpoint,
     fx = read_fixture(fixture_dir)
     codec, identity = describe_model(model, tokenizer=tokenizer)
     identity = with_label(identity, label)
-    plan = plan_scoring(fx, codec, identity, ctx=ctx, allow_cross_checkpoint=allow_cross_checkpoint)
+    plan = plan_scoring(fx, codec, identity, ctx=ctx, allow_cross_checkpoint=allow_cross_checkpoint,
+                        kld_base=kld_base, save_logits=save_logits is not None)
 
     def progress(s):
         click.echo(f"{s.id} prompt={s.prompt_tokens} target={s.target_tokens} avg_nll={s.avg_nll:.6f} "
@@ -323,7 +325,7 @@ def score(model, fixture_dir, out_arg, out, ctx, device, allow_cross_checkpoint,
 @click.argument("new", type=click.Path(exists=True, dir_okay=False, path_type=Path))
 @click.option("--resamples", type=click.IntRange(min=10_000), default=10_000, show_default=True,
               help="bootstrap resamples")
-@click.option("--seed", type=int, default=0, show_default=True, help="bootstrap seed")
+@click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True, help="bootstrap seed")
 @click.option("--policy", "policy_path", type=click.Path(dir_okay=False, path_type=Path),
               help="the gate's thresholds (TOML; default: the shipped quantkit/scoring/policy.toml)")
 @click.option("--baseline", help="recorded release figures to place NEW in: a shipped name "

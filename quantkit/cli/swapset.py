@@ -121,6 +121,8 @@ def make(model_dir, families, fmt, convention, name, source_dir, shared_experts,
                    f"{_size(summary['bytes'])}")
         for m in summary["modules"]:
             click.echo(f"  {m['origin']:14} {m['module']} -> {m['output_module']}")
+        for other in summary["overrules"]:
+            click.echo(f"{other}.json would stop superseding {summary['name']} (a cycle: the newest wins)")
         return
     result = build_swapset(request)
     m = result.manifest
@@ -133,6 +135,8 @@ def make(model_dir, families, fmt, convention, name, source_dir, shared_experts,
     click.echo(f"wrote {result.safetensors} ({_size(m['sidecar']['bytes'])}) and {result.manifest_path.name}: "
                f"{m['encoding']}, {origins.count('native')} native + {origins.count('self-quantized')} "
                f"self-quantized modules")
+    for other in result.plan.overrules:
+        click.echo(f"{other}.json no longer supersedes {m['name']} (a cycle: the newest wins)")
     info = m["draft_lm_head"]
     if info is not None:
         click.echo(f"draft head: {info['kept_rows']} of {info['source_rows']} rows ({info['selection']})")
@@ -198,7 +202,7 @@ def gc(model_dir, dry_run, yes, record):
 @click.argument("with_sidecar", type=_FILE)
 @click.option("--resamples", type=click.IntRange(min=10_000), default=10_000, show_default=True,
               help="bootstrap resamples")
-@click.option("--seed", type=int, default=0, show_default=True, help="bootstrap seed")
+@click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True, help="bootstrap seed")
 def record(model_dir, name, baseline, with_sidecar, resamples, seed):
     """Compare BASELINE.tsv with WITH_SIDECAR.tsv (scored with `quantkit score --sidecar NAME`) and store the
     result as sidecar NAME's quality block.

@@ -91,10 +91,14 @@ def fetch(repo, files, out_dir, manifest, revision, force, progress):
     download, each verified against --manifest's size and SHA-256 before it gets its final name."""
     from ..transport.fetch import fetch as run
 
-    for got in run(repo, list(files), out_dir, manifest=manifest, revision=revision, force=force, progress=progress):
+    def report(got):   # as each file is done: a later file's failure does not hide the ones already there
         resumed = f", resumed after {got.resumed_bytes:,} bytes" if got.resumed_bytes else ""
         check = "matches the manifest" if got.verified else "no manifest given: not verified"
-        click.echo(f"{got.path}: {got.size:,} bytes, sha256 {got.sha256} ({check}{resumed})")
+        there = "already there, " if got.already_there else ""
+        click.echo(f"{got.path}: {there}{got.size:,} bytes, sha256 {got.sha256} ({check}{resumed})")
+
+    run(repo, list(files), out_dir, manifest=manifest, revision=revision, force=force, progress=progress,
+        on_fetched=report)
 
 
 COMMANDS = [transport, fetch]

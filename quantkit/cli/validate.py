@@ -2,7 +2,8 @@
 
 Exit codes: 0 valid; 1 a check failed (the report says which); 2 the artifact, source, recipe or imatrix cannot be
 read.  With ``--report FILE`` the report is written there as JSON, also when the input cannot be read (then with
-``exit_code`` 2 and the error).  The work is :mod:`quantkit.validate`.
+``exit_code`` 2 and the error); ``--json`` prints the same JSON instead of the summary.  The work is
+:mod:`quantkit.validate`.
 """
 from __future__ import annotations
 
@@ -33,16 +34,16 @@ def _write_json(path: Path, data: dict, overwrite: bool) -> None:
               help="importance matrix the artifact was made with (default: the recorded file, if it still matches)")
 @click.option("--payload", type=click.Choice(PAYLOAD_CHOICES), default="sample", show_default=True,
               help="re-encode and compare no tensor, a sample (experts 0/middle/last, sampled table rows), or all")
-@click.option("--seed", type=int, default=0, show_default=True, help="seed of the sampled experts and rows")
+@click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True,
+              help="seed of the sampled experts and rows")
 @click.option("--structure-only", is_flag=True, help="check the file alone: no source, no re-plan, no payload")
 @click.option("--report", "json_path", type=click.Path(dir_okay=False, path_type=Path),
               help="write the full report (every check, every tensor) as JSON to this file (as convert --report)")
-@click.option("--json", "json_alias", type=click.Path(dir_okay=False, path_type=Path), hidden=True,
-              help="the former name of --report")
+@click.option("--json", "as_json", is_flag=True, help="print the full report as JSON instead of the summary")
 @click.option("--force", is_flag=True, help="replace an existing --report file")
 @click.option("--target", type=click.Path(exists=True, dir_okay=False, path_type=Path),
               help="ARTIFACT is a support (drafter) file: refuse it unless TARGET comes from the same checkpoint")
-def validate(artifact, source, recipe, imatrix, payload, seed, structure_only, json_path, json_alias, force, target):
+def validate(artifact, source, recipe, imatrix, payload, seed, structure_only, json_path, as_json, force, target):
     """Validate ARTIFACT: structure, inventory against a re-plan, and payload bytes against the source.
 
     A GGUF quantkit did not write (llama.cpp's converter and llama-quantize, ...) is validated against --source with
@@ -54,11 +55,6 @@ def validate(artifact, source, recipe, imatrix, payload, seed, structure_only, j
     from ..io.atomic import check_output, input_files
     from ..validate import validate as run
 
-    if json_alias is not None:
-        if json_path is not None and json_path != json_alias:
-            raise click.BadParameter("give the report file once (--report; --json is its former name)",
-                                     param_hint="--report")
-        json_path = json_alias
     if json_path is not None:   # before the long work: never an input, never an existing file unless --force
         check_output(json_path, inputs=input_files([artifact, source, recipe, imatrix]), overwrite=force,
                      what="--report file")
@@ -66,16 +62,19 @@ def validate(artifact, source, recipe, imatrix, payload, seed, structure_only, j
         report = run(artifact, source=source, recipe=recipe, imatrix=imatrix, payload=payload, seed=seed,
                      structure_only=structure_only, target=target)
     except (QuantkitError, OSError) as exc:
-        if json_path is not None:
+        if json_path is not None or as_json:
             from ..evidence import evidence
 
-            _write_json(json_path, {"format": "quantkit-validation", "artifact": str(artifact), "ok": False,
-                                    "exit_code": EXIT_BAD_INPUT, "error": " ".join(str(exc).split()),
-                                    "evidence": evidence()}, force)
+            record = {"format": "quantkit-validation", "artifact": str(artifact), "ok": False,
+                      "exit_code": EXIT_BAD_INPUT, "error": " ".join(str(exc).split()), "evidence": evidence()}
+            if json_path is not None:
+                _write_json(json_path, record, force)
+            if as_json:
+                click.echo(json.dumps(record, indent=1, default=str))
         raise
     if json_path is not None:
         _write_json(json_path, report.to_json(), force)
-    click.echo(report.render())
+    click.echo(json.dumps(report.to_json(), indent=1, default=str) if as_json else report.render())
     if not report.ok:
         sys.exit(report.exit_code)
 

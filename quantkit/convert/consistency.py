@@ -14,6 +14,11 @@ GGUF key (config key)                       tensors                             
 ``{arch}.expert_feed_forward_length``       ``blk.N.ffn_{gate,up}_exps.weight`` / ``down``  dimension 1 / 2
 (moe_intermediate_size)
 ==========================================  =============================================  ========================
+
+and the attention heads (:func:`_check_heads`), where llama.cpp sizes the projections from them: ``attn_q`` rows
+= heads x key length (x 2 where the query carries its gate: :data:`QUERY_FACTOR`), ``attn_k`` / ``attn_v`` rows =
+the layer's key-value heads x key / value length, ``attn_q_b`` rows = heads x the MLA key length, ``attn_k_b``
+one slice per head.  Key and value lengths default to the embedding length / heads, as llama.cpp's do.
 """
 from __future__ import annotations
 
@@ -31,6 +36,12 @@ CHECKS: tuple[tuple[str, str, str, int | str], ...] = (
     ("{arch}.expert_feed_forward_length", "moe_intermediate_size", r"blk\.\d+\.ffn_(gate|up)_exps\.weight", 1),
     ("{arch}.expert_feed_forward_length", "moe_intermediate_size", r"blk\.\d+\.ffn_down_exps\.weight", 2),
 )
+
+
+#: GGUF architectures whose heads are checked -> rows of ``attn_q`` per head and key length (Qwen3-Next's
+#: query projection carries the output gate: twice the rows).
+QUERY_FACTOR = {"qwen3moe": 1, "qwen4exp": 2, "deepseek2": 1, "deepseek4": 1, "glm5-next": 1}
+_HEAD_TENSOR = re.compile(r"blk\.(\d+)\.(attn_q|attn_k|attn_v|attn_q_b|attn_k_b)\.weight")
 
 
 def _value(kv: KV) -> int | None:
@@ -55,3 +66,40 @@ def check_config_against_tensors(metadata: Iterable[tuple[str, KV]], shapes: Map
             if regex.fullmatch(name) and len(shape) >= (dim + 1 if dim >= 0 else -dim) and shape[dim] != value:
                 raise SourceError(f"config.json gives {value} ({key}) but tensor {name!r} has shape {list(shape)}: "
                                   f"the config does not describe these weights", field=config_key, tensor=name)
+    if arch in QUERY_FACTOR:
+        _check_heads(meta, arch, shapes)
+
+
+def _check_heads(meta: Mapping[str, KV], arch: str, shapes: Mapping[str, tuple[int, ...]]) -> None:
+    def get(key: str):
+        kv = meta.get(f"{arch}.{key}")
+        return None if kv is None else kv.value
+
+    heads, embd = get("attention.head_count"), get("embedding_length")
+    if not isinstance(heads, int) or heads <= 0 or not isinstance(embd, int):
+        return
+    kv_heads = get("attention.head_count_kv")
+    key_len = get("attention.key_length") or embd // heads
+    value_len = get("attention.value_length") or embd // heads
+    mla_key_len = get("attention.key_length_mla")
+    for name in sorted(shapes):
+        if not (m := _HEAD_TENSOR.fullmatch(name)):
+            continue
+        layer, kind, shape = int(m.group(1)), m.group(2), shapes[name]
+        layer_kv = kv_heads[layer] if isinstance(kv_heads, list) and layer < len(kv_heads) else kv_heads
+        if kind == "attn_k_b":
+            want, config_key = heads, "num_attention_heads"
+        elif kind in ("attn_q", "attn_q_b"):
+            if kind == "attn_q" and layer_kv == 0:      # a layer without attention heads (GLM's KDA layers)
+                continue
+            want = heads * (mla_key_len or key_len) * (QUERY_FACTOR[arch] if kind == "attn_q" else 1)
+            config_key = "num_attention_heads"
+        elif isinstance(layer_kv, int) and layer_kv > 0:
+            want = layer_kv * (key_len if kind == "attn_k" else value_len)
+            config_key = "num_key_value_heads"
+        else:
+            continue
+        if len(shape) >= 2 and shape[0] != want:
+            raise SourceError(f"config.json's attention heads ({heads} heads, {layer_kv} key-value heads, key length "
+                              f"{key_len}) give {want} rows for tensor {name!r}, which has shape {list(shape)}: "
+                              f"the config does not describe these weights", field=config_key, tensor=name)

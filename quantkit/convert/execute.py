@@ -59,10 +59,10 @@ from pathlib import Path
 from typing import Callable, Iterable
 
 from ..arch import get_arch
-from ..errors import (MissingSourceError, OutOfSpaceError, OutputExistsError, QuantkitError, UnsupportedError,
-                      ValidationError)
+from ..errors import (EncodeError, FormatError, MissingSourceError, OutOfSpaceError, OutputExistsError,
+                      OutputPathError, QuantkitError, SourceError, UnsupportedError, ValidationError)
 from ..imatrix import Imatrix
-from ..io.atomic import LOCK_SUFFIX, check_output, input_files, is_out_of_space, output_lock
+from ..io.atomic import LOCK_SUFFIX, check_output, input_files, is_out_of_space, output_lock, same_file
 from ..io.checkpoint import open_checkpoint
 from ..io.gguf import KV
 from ..io.gguf_writer import PARTIAL_SUFFIX, GGUFWriter, Layout, pwrite_all, plan_layout
@@ -274,6 +274,11 @@ def _check_space(out: Path, layout: Layout, partial: Path, resuming: bool, reser
                               f"free (a smaller reserve: --free-space-reserve BYTES)", path=out.parent)
 
 
+#: Errors of a tensor's source bytes (a non-finite weight, a malformed scale): the partial output of a run that
+#: met one is removed, where an interruption, a full disk or a lost worker keep it for ``--resume``.
+SOURCE_DATA_ERRORS = (EncodeError, SourceError, FormatError)
+
+
 def _check_source_hashes(source: Path, journaled: JournalState, hashes: list[FileHash]) -> None:
     """Refuse to keep journaled payloads made from other bytes: a source edited in place keeping its size and mtime
     passes the journal's first check, not this one."""
@@ -350,13 +355,23 @@ def _write_header(partial: Path, header: bytes) -> None:
         os.close(fd)
 
 
-def check_outputs(prepared: Prepared, request: ConvertRequest, report: Path | None = None) -> None:
+def check_outputs(prepared: Prepared, request: ConvertRequest, report: Path | None = None,
+                  manifest: Path | None = None) -> None:
     """Before any work: no output path (the GGUF, its partial, journal and lock, the report) is an input, and each
-    can be created; an existing report is kept unless ``force``."""
+    can be created; the report and the release ``manifest`` are neither the GGUF nor its working files (the journal
+    is removed at the end, the partial renamed) nor each other; an existing report is kept unless ``force``."""
     out = Path(request.out)
-    for path in (out, out.with_name(out.name + PARTIAL_SUFFIX), journal_path(out),
-                 out.with_name(out.name + LOCK_SUFFIX)):
+    own = {"output": out, "partial output": out.with_name(out.name + PARTIAL_SUFFIX), "journal": journal_path(out),
+           "lock": out.with_name(out.name + LOCK_SUFFIX)}
+    for path in own.values():
         check_output(path, inputs=prepared.inputs, overwrite=True, what="output")
+    if report is not None and manifest is not None:
+        own["release manifest"] = manifest
+    for what, path in (("report", report), ("release manifest", manifest)):
+        for kind, taken in own.items():
+            if path is not None and kind != what and same_file(path, taken):
+                raise OutputPathError(f"the {what} would be this conversion's {kind}: choose another path",
+                                      path=path)
     if report is not None:
         check_output(report, inputs=[*prepared.inputs, out], overwrite=request.force, what="report")
 
@@ -491,6 +506,7 @@ def _execute(prepared: Prepared, request: ConvertRequest, out: Path, clock: _Clo
         hashes_journaled = True
 
     readback = None
+    unusable = False
     try:
         readback = ReadBack(partial, identity, layout, journaled.done, final_header, threads=helpers)
         clock.lap("header")
@@ -510,10 +526,16 @@ def _execute(prepared: Prepared, request: ConvertRequest, out: Path, clock: _Clo
             journal_hashes()
         sha256 = readback.result()   # never rename bytes nobody checked
         clock.lap("hash")
+    except SOURCE_DATA_ERRORS:
+        unusable = True
+        raise
     finally:
         if readback is not None:
             readback.cancel()
         journal.close()
+        if unusable:   # --resume would meet the same bytes, and a fixed source is another source: nothing to keep
+            partial.unlink(missing_ok=True)
+            jpath.unlink(missing_ok=True)
 
     final_layout = final["layout"]
     if partial_identity(partial) != identity:
@@ -540,7 +562,15 @@ def _complete(result: ConvertResult, completed: Callable[[ConvertResult], None] 
     """The caller's records of a renamed output, then the journal's removal: the last step, so that whatever
     interrupts the records leaves a run that ``--resume`` finishes."""
     if completed is not None:
-        completed(result)
+        try:
+            completed(result)
+        except OSError as exc:
+            if not is_out_of_space(exc):
+                raise
+            raise OutOfSpaceError("no space left on the device for the conversion's records (release manifest, "
+                                  f"report); the output {result.path} is complete: free some space, then run the "
+                                  "same command again with --resume to write them",
+                                  path=exc.filename or result.path) from None
     jpath.unlink(missing_ok=True)
     return result
 

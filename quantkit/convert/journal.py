@@ -38,6 +38,7 @@ from typing import Iterable
 
 from ..errors import FormatError, ValidationError
 from .source import FileHash
+from ..io import jsontext
 
 JOURNAL_SUFFIX = ".journal"
 JOURNAL_VERSION = 3
@@ -57,7 +58,7 @@ def _parse(path: Path) -> list[dict]:
     records = []
     for number, line in enumerate(lines, 1):
         try:
-            record = json.loads(line)
+            record = jsontext.loads(line)
             if not isinstance(record, dict):
                 raise ValueError("not an object")
         except ValueError as exc:

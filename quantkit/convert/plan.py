@@ -43,7 +43,7 @@ from typing import Any, Iterable, Mapping
 
 import numpy as np
 
-from ..arch import ROW_TABLE_CLASSES, Arch, ArchMap, OutputTensor, get_arch
+from ..arch import ROW_TABLE_CLASSES, SUPPORT_KINDS, Arch, ArchMap, OutputTensor, get_arch
 from ..arch import transforms
 from ..arch.dialects import (LAYOUT_A_LOG, LAYOUT_CONV, LLAMA_CPP, TensorMove, arch_dialect, is_native,
                               relaid_dialect, relaid_metadata, relaid_tensors, translate)
@@ -56,8 +56,6 @@ from ..io.gguf_writer import Layout, TensorSpec, plan_layout
 from ..recipes import Recipe, Resolution, load_recipe, resolve
 from ..recipes import name_tag as file_name_tag
 
-#: Support (drafter) files ``convert --support`` writes.
-SUPPORT_KINDS = ("mtp", "dspark")
 #: Tensors an MTP support file carries besides the MTP blocks (llama.cpp's ``--mtp`` export keeps the same three).
 MTP_SHARED_TENSORS = frozenset({"token_embd.weight", "output_norm.weight", "output.weight"})
 #: Version of :meth:`Plan.to_json`'s layout (independent of the package version).
@@ -410,11 +408,15 @@ def build_plan(source: str | os.PathLike | Checkpoint, recipe: Recipe | str | os
     ``pre_tokenizer``: llama.cpp's pre-tokenizer name, for tokenizers its hash table does not know.
     ``dialect``: the GGUF dialect of names, keys and order (:mod:`quantkit.arch.dialects`); None: the recipe's
     ``dialect``, else llama.cpp's.  ``support``: plan the support (drafter) file of this kind instead
-    (:func:`support_plan`).
+    (:func:`support_plan`); None: the recipe's ``support``, else the model.
     """
     if not isinstance(recipe, Recipe):
         recipe = load_recipe(recipe)
     dialect = dialect or recipe.dialect or LLAMA_CPP
+    if support is not None and recipe.support is not None and support != recipe.support:
+        raise RecipeError(f"recipe {recipe.name!r} writes the {recipe.support} support file, not {support}",
+                          path=recipe.where(), field="support")
+    support = support or recipe.support
     with contextlib.nullcontext(source) if isinstance(source, Checkpoint) else open_checkpoint(source) as ckpt:
         model_type = ckpt.config.get("model_type")
         if not isinstance(model_type, str):

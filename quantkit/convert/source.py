@@ -21,7 +21,6 @@ prove equal bytes), besides putting them in the header.
 from __future__ import annotations
 
 import fnmatch
-import json
 import os
 import re
 import threading
@@ -32,6 +31,7 @@ from typing import Iterable
 
 from ..errors import MissingSourceError, SourceError
 from ..io.atomic import sha256_file
+from ..io import jsontext
 
 #: Top-level non-weight files whose hashes are recorded (configs, tokenizer, chat template).
 PROVENANCE_PATTERNS = ("*.json", "tokenizer.model", "*.tiktoken", "*.jinja", "vocab.txt", "merges.txt")
@@ -118,7 +118,7 @@ def written_by_quantkit(path: Path) -> bool:
         data = path.read_bytes()
         if not any(mark in data for mark in _QUANTKIT_MARKS):
             return False
-        record = json.loads(data)
+        record = jsontext.loads(data)
     except (OSError, ValueError):
         return False
     return isinstance(record, dict) and (str(record.get("format", "")).startswith("quantkit-")

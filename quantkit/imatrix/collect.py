@@ -57,7 +57,6 @@ runs (a Hugging Face cache's blob names are their SHA-256: those files are not r
 from __future__ import annotations
 
 import functools
-import json
 import os
 import weakref
 from contextlib import contextmanager
@@ -78,6 +77,7 @@ from .formats import imatrix_output, load_imatrix, save_imatrix
 from .model import Entry, Imatrix, make_imatrix
 from .names import OUTPUT_HEAD, column_map
 from .provenance import EXAMPLE_MARKER, source_provenance
+from ..io import jsontext
 
 DEFAULT_CTX = 512
 #: Tokens per forward pass (llama-imatrix's ``-b`` default): ``batch // ctx`` chunks run together.
@@ -704,7 +704,7 @@ def _read_checkpoint(source: Path) -> tuple[dict, list[Path]]:
     if not path.is_file():
         raise SourceError("no config.json: collection needs a Hugging Face checkpoint directory", path=source)
     try:
-        config = json.loads(path.read_bytes().decode("utf-8"))
+        config = jsontext.loads(path.read_bytes().decode("utf-8"))
     except ValueError as exc:   # UnicodeDecodeError included
         raise SourceError(f"config.json is not valid JSON: {exc}", path=path) from None
     if not isinstance(config, dict):
@@ -846,7 +846,7 @@ def accumulate(acc: Accumulators, amap: ArchMap, n_chunks: int, run: Callable, o
                 save_imatrix(snapshot(n_done, chunks_done=str(n_done)), state, fmt="gguf", overwrite=True)
                 saved = n_done
     imatrix = snapshot(n_chunks)
-    save_imatrix(imatrix, out, fmt="gguf", overwrite=opts.overwrite)
+    save_imatrix(imatrix, out, overwrite=opts.overwrite)   # GGUF, or legacy for a .dat name (as merge, convert)
     state.unlink(missing_ok=True)
     imatrix.path = out
     imatrix.sha256 = sha256_file(out)

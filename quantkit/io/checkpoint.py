@@ -21,7 +21,6 @@ disk: a mismatch is a :class:`SourceError`.
 """
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,6 +31,7 @@ from ..errors import FormatError, MissingSourceError, SourceError, UnsupportedEr
 from ..formats import blockscaled
 from .safetensors import DEFAULT_MAX_HEADER_BYTES, SafetensorsFile
 from .config import check_config_sizes
+from . import jsontext
 
 CONFIG_NAME = "config.json"
 HF_QUANT_CONFIG_NAME = "hf_quant_config.json"
@@ -74,7 +74,7 @@ def _read_json(path: Path, what: str) -> dict:
     if size > MAX_JSON_BYTES:
         raise SourceError(f"{what} is {size} bytes, over the {MAX_JSON_BYTES}-byte cap", path=path)
     try:
-        value = json.loads(path.read_bytes().decode("utf-8"))
+        value = jsontext.loads(path.read_bytes().decode("utf-8"))
     except (UnicodeDecodeError, ValueError) as e:
         raise SourceError(f"{what} is not valid JSON: {e}", path=path) from None
     if not isinstance(value, dict):

@@ -12,12 +12,17 @@ vocabulary counts; a config is a hand-editable file, so its numbers are untruste
    stacked on the leading axis of 3-D expert tensors, no larger vocabulary than the embedding / head rows, and no
    width larger than the largest tensor dimension.  Checks with no matching tensor are skipped (a config alone
    cannot be cross-checked; its caps still hold).
+3. **Against each other and the engines' asserts.**  The fields of :data:`NEEDED_FIELDS` may be absent (the
+   architecture's default applies) but not null; no more experts used per token than routed experts; key-value
+   heads dividing the attention heads (grouped-query attention); the epsilons and rope bases of
+   :data:`REAL_FIELDS` finite numbers in range (llama.cpp asserts ``eps >= 0`` when it loads a file).
 
 Nested ``text_config`` objects (vision-language checkpoints) are checked the same way.  The error is a
 :class:`~quantkit.errors.SourceError` naming the file and the field.
 """
 from __future__ import annotations
 
+import math
 import re
 from pathlib import Path
 from typing import Any, Mapping
@@ -65,6 +70,18 @@ SIZE_FIELDS: Mapping[str, tuple[int, int, str | None]] = {
     "max_position_embeddings": (1, MAX_POSITIONS, None),
 }
 
+#: Size fields a model cannot do without: absent means the architecture's default, null is a broken config.
+NEEDED_FIELDS = frozenset({"num_hidden_layers", "hidden_size", "vocab_size", "num_attention_heads",
+                           "num_experts_per_tok"})
+_EXPERT_COUNTS = ("num_local_experts", "num_experts", "n_routed_experts")
+
+#: Real-valued fields written into the GGUF: field -> (lowest allowed, whether the lowest is allowed itself).
+REAL_FIELDS: Mapping[str, tuple[float, bool]] = {
+    "rms_norm_eps": (0.0, True), "norm_eps": (0.0, True), "layer_norm_eps": (0.0, True),
+    "layer_norm_epsilon": (0.0, True), "norm_epsilon": (0.0, True), "rope_theta": (0.0, False),
+    "routed_scaling_factor": (0.0, False),
+}
+
 _LAYER_INDEX = re.compile(r"(?:^|\.)(?:layers|blk|h)\.(\d+)\.")
 _EXPERT_INDEX = re.compile(r"(?:^|\.)experts\.(\d+)\.")
 _STACKED_EXPERTS = re.compile(r"(experts|_exps)\b")
@@ -104,6 +121,9 @@ def check_config_sizes(config: Mapping[str, Any], shapes: Mapping[str, tuple[int
     not an integer in range, or that exceeds what the tensors ``shapes`` (name -> shape) hold (module doc)."""
     present = _present(shapes) if shapes else {}
     for key, (low, cap, kind) in SIZE_FIELDS.items():
+        if key in NEEDED_FIELDS and key in config and config[key] is None:
+            raise SourceError("is null: the model needs it (leave it out for the architecture's default)",
+                              path=path, field=prefix + key)
         if key not in config or config[key] is None:
             continue
         value = config[key]
@@ -116,6 +136,33 @@ def check_config_sizes(config: Mapping[str, Any], shapes: Mapping[str, tuple[int
             raise SourceError(f"declares {value:,} but the checkpoint's tensors hold {present[kind]:,} "
                               f"({_SHOWN_AS[kind]}): the config does not describe these weights",
                               path=path, field=field)
+    _check_related_sizes(config, path, prefix)
+    _check_real_fields(config, path, prefix)
     text_config = config.get("text_config")
     if isinstance(text_config, Mapping) and not prefix:
         check_config_sizes(text_config, shapes, path=path, prefix="text_config.")
+
+
+def _check_related_sizes(config: Mapping[str, Any], path, prefix: str) -> None:
+    """Fields that must agree with each other (their types and ranges are checked already)."""
+    used = config.get("num_experts_per_tok")
+    experts = next((config[k] for k in _EXPERT_COUNTS if config.get(k) is not None), None)
+    if used is not None and experts is not None and used > experts:
+        raise SourceError(f"{used} experts used per token but the model routes to {experts}",
+                          path=path, field=prefix + "num_experts_per_tok")
+    heads, kv_heads = config.get("num_attention_heads"), config.get("num_key_value_heads")
+    if heads is not None and kv_heads is not None and (kv_heads > heads or heads % kv_heads):
+        raise SourceError(f"{kv_heads} key-value heads do not divide the {heads} attention heads",
+                          path=path, field=prefix + "num_key_value_heads")
+
+
+def _check_real_fields(config: Mapping[str, Any], path, prefix: str) -> None:
+    for key, (low, low_allowed) in REAL_FIELDS.items():
+        value = config.get(key)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise SourceError(f"expected a finite number, found {value!r}", path=path, field=prefix + key)
+        if value < low or (value == low and not low_allowed):
+            raise SourceError(f"{value!r} is {'below' if low_allowed else 'not above'} {low:g}", path=path,
+                              field=prefix + key)

@@ -37,6 +37,7 @@ import ml_dtypes
 import numpy as np
 
 from ..errors import FormatError, MissingSourceError, TruncatedFileError
+from . import jsontext
 from .atomic import atomic_output
 
 #: Largest header we parse; a longer length field is corruption or abuse (the safetensors library's cap).
@@ -182,9 +183,9 @@ class SafetensorsFile:
 
     def _parse_header(self, raw: bytes, data_size: int) -> tuple[dict[str, str], dict[str, TensorEntry]]:
         try:
-            header = json.loads(raw.decode("utf-8"), object_pairs_hook=_reject_duplicates,
-                                parse_constant=_reject_constant)
-        except (UnicodeDecodeError, ValueError, RecursionError) as e:
+            header = jsontext.loads(raw.decode("utf-8"), object_pairs_hook=_reject_duplicates,
+                                    parse_constant=_reject_constant)
+        except ValueError as e:   # UnicodeDecodeError included
             raise FormatError(f"header is not valid UTF-8 JSON: {e}", path=self.path,
                               offset=HEADER_LENGTH_BYTES) from None
         if not isinstance(header, dict):

@@ -19,14 +19,14 @@ if sys.version_info >= (3, 11):
 else:  # Python 3.10: the same parser, published as tomli
     import tomli as tomllib
 
-from ..arch import ARCHITECTURES, CLASS_GROUPS, TENSOR_CLASSES
+from ..arch import ARCHITECTURES, CLASS_GROUPS, SUPPORT_KINDS, TENSOR_CLASSES
 from ..arch.dialects import DIALECTS
 from ..errors import RecipeError, UnsupportedError
 from ..formats.registry import GGMLType, all_formats, get_format
 
 #: ``type = "source"``: keep the source encoding where GGUF holds it losslessly.
 SOURCE = "source"
-TOP_KEYS = ("name", "architectures", "description", "dialect", "skip", "defaults", "rule")
+TOP_KEYS = ("name", "architectures", "description", "dialect", "support", "skip", "defaults", "rule")
 REQUIRED_TOP_KEYS = ("name", "architectures")
 DEFAULTS_KEYS = ("type", "fallback")
 RULE_KEYS = ("class", "layers", "name", "type", "fallback", "tag")
@@ -201,6 +201,8 @@ class Recipe:
     text: str = field(default="", repr=False)
     dialect: str | None = None
     """The GGUF dialect convert writes when none is asked for (:mod:`quantkit.arch.dialects`); None: llama.cpp."""
+    support: str | None = None
+    """The support (drafter) file the recipe is for (``convert --support``, implied by it); None: a model."""
 
     @property
     def skipped_classes(self) -> frozenset[str]:
@@ -227,9 +229,9 @@ class Recipe:
     def to_dict(self) -> dict[str, Any]:
         return {"name": self.name, "path": str(self.path) if self.path else None, "sha256": self.sha256,
                 "architectures": list(self.architectures), "description": self.description,
-                "dialect": self.dialect, "skip": list(self.skip), "defaults": {"type": self.defaults.type_name,
-                                                      "fallback": self.defaults.fallback and
-                                                      self.defaults.fallback.name},
+                "dialect": self.dialect, "support": self.support, "skip": list(self.skip),
+                "defaults": {"type": self.defaults.type_name,
+                             "fallback": self.defaults.fallback and self.defaults.fallback.name},
                 "rules": [r.to_dict() for r in self.rules], "name_tag": self.name_tag, "text": self.text}
 
 
@@ -261,7 +263,9 @@ def parse_recipe(text: str, path: str | Path | None = None) -> Recipe:
     architectures = _architectures(ctx, data["architectures"])
     description = _string(ctx, data.get("description", ""), field="description", key="description",
                           allow_empty=True)
-    dialect = _dialect(ctx, data["dialect"]) if "dialect" in data else None
+    dialect = _choice(ctx, data["dialect"], DIALECTS, "dialect", "GGUF dialect") if "dialect" in data else None
+    support = _choice(ctx, data["support"], SUPPORT_KINDS, "support", "support file kind") \
+        if "support" in data else None
     skip = _skip(ctx, data.get("skip", []))
     defaults = _defaults(ctx, data.get("defaults", {}))
     raw_rules = data.get("rule", [])
@@ -269,7 +273,7 @@ def parse_recipe(text: str, path: str | Path | None = None) -> Recipe:
         raise ctx.fail(f"expected [[rule]] tables, found {type(raw_rules).__name__}", field="rule", key="rule")
     rules = tuple(_rule(ctx, raw, i) for i, raw in enumerate(raw_rules, start=1))
     _cross_checks(ctx, rules, skip)
-    return Recipe(name, architectures, rules, defaults, skip, description, path, text, dialect)
+    return Recipe(name, architectures, rules, defaults, skip, description, path, text, dialect, support)
 
 
 def _check_keys(ctx: _Context, table: Any, allowed: tuple[str, ...], required: tuple[str, ...], *, where: str,
@@ -316,10 +320,10 @@ def _architectures(ctx: _Context, value: Any) -> tuple[str, ...]:
     return tuple(names)
 
 
-def _dialect(ctx: _Context, value: Any) -> str:
-    name = _string(ctx, value, field="dialect", key="dialect")
-    if name not in DIALECTS:
-        raise ctx.fail(f"unknown GGUF dialect {name!r}; known: {', '.join(DIALECTS)}", field="dialect", key="dialect")
+def _choice(ctx: _Context, value: Any, known, key: str, what: str) -> str:
+    name = _string(ctx, value, field=key, key=key)
+    if name not in known:
+        raise ctx.fail(f"unknown {what} {name!r}; known: {', '.join(known)}", field=key, key=key)
     return name
 
 

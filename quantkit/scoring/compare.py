@@ -419,6 +419,9 @@ def gate_rules(old: ScoreTable, new: ScoreTable, policy: Policy, api_state: str,
         statistics.append(PairedRatio(old_num, old_den, new_num, new_den))
     intervals = paired_intervals(statistics, resamples=resamples, seed=seed)
     for (rule, result), statistic, (low, high) in zip(measured, statistics, intervals):
+        if not np.isfinite([low, high, statistic.point()]).all():   # a gate never passes on a NaN bound
+            raise FixtureError(f"rule {rule.name}: the tables' values give a non-finite difference or interval "
+                               f"({statistic.point()}, [{low}, {high}])")
         sign = 1.0 if rule.higher_is_worse else -1.0
         result.regression = sign * statistic.point() + 0.0          # + 0.0: no "-0.000000"
         result.interval = (low, high) if sign > 0 else (-high + 0.0, -low + 0.0)

@@ -184,6 +184,11 @@ _DECIMAL = re.compile(r"-?(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][-+]?[0-9]+)?")
 FLOAT_COLUMNS = frozenset({"nll", "avg_nll", "api_target_mae", "api_target_mean_delta", "api_top_coverage",
                            "api_top1_rate", "api_topn_recall", "api_top_mae", "api_top_mean_delta",
                            "api_pair_rate"})
+#: Float columns that cannot be negative (a negative log-likelihood, mean absolute errors, rates).
+NON_NEGATIVE_COLUMNS = FLOAT_COLUMNS - {"api_target_mean_delta", "api_top_mean_delta"}
+#: Largest mean NLL per target token a row may hold (nats): far above any model's (a float32 log-softmax spans
+#: ~100 nats), far below sums that overflow the comparison's float64 arithmetic.
+MAX_NLL_PER_TOKEN = 1e6
 
 
 def case_row(s: CaseScore, columns: Sequence[str] = COLUMNS) -> str:
@@ -219,12 +224,17 @@ def parse_row(fields_: Sequence[str], where: str, columns: Sequence[str] = COLUM
             raise FixtureError(f"{where}: column {name} is {raw!r}, expected a finite number")
         if name not in FLOAT_COLUMNS and v[name] < 0:
             raise FixtureError(f"{where}: column {name} is {raw!r}, expected a count >= 0")
+        if name in NON_NEGATIVE_COLUMNS and v[name] < 0:
+            raise FixtureError(f"{where}: column {name} is {raw!r}, expected a number >= 0")
     api = ApiCounts(v["api_target_tokens"], v["api_target_mae"] * v["api_target_tokens"],
                     v["api_target_mean_delta"] * v["api_target_tokens"], v["api_top_items"], v["api_top_mapped"],
                     v["api_top_logprob_count"], v["api_top_mae"] * v["api_top_logprob_count"],
                     v["api_top_mean_delta"] * v["api_top_logprob_count"], v["api_top1_count"],
                     v["api_top1_match"], v["api_topn_ref"], v["api_topn_hit"], v["api_pair_total"],
                     v["api_pair_agree"])
+    if v["nll"] > MAX_NLL_PER_TOKEN * max(1, int(v["target_tokens"])):
+        raise FixtureError(f"{where}: column nll is {v['nll']!r}, more than {MAX_NLL_PER_TOKEN:g} nats per target "
+                           "token")
     score = CaseScore(str(v["id"]), v["prompt_tokens"], v["target_tokens"], v["nll"], v["first_match"],
                       v["greedy_lcp"], v["api_ref_tokens"], api)
     if score.target_tokens < 1 or score.greedy_lcp > score.target_tokens or score.first_match not in (0, 1) \

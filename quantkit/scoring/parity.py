@@ -12,7 +12,9 @@ Three kinds of engine output, each read with every check before the model runs:
   "top_k", "steps": [{"step", "selected": {"id", "text", "bytes"}, "top_logprobs": [{"token": {"id", ...}, "logit",
   "logprob"}, ...]}]}``, a greedy continuation with the top ``top_k`` alternatives per step): the sequence is the
   prompt (which must render to ``prompt_tokens`` tokens) and the selected tokens; only the listed alternatives are
-  known, so no KLD, but the largest log-probability difference over them;
+  known, so the KLD is that of the distributions coarsened to the listed tokens and "the rest" (by the data
+  processing inequality a lower bound of the full KLD, so a bound it exceeds is exceeded), beside the largest
+  log-probability difference over the listed tokens;
 * a ``.npy`` float array ``[positions, vocab]`` of logits (or log-probabilities) of the given tokens, row ``i``
   predicting token ``i + 1``.
 
@@ -48,7 +50,6 @@ Verdict: ``passed`` is false on any failure above (``quantkit parity`` exits 1);
 """
 from __future__ import annotations
 
-import json
 import os
 import re
 from dataclasses import dataclass, field
@@ -60,6 +61,7 @@ import numpy as np
 from ..errors import FormatError, ValidationError
 from ..sampling import LAW_NAMES, Sampler, SamplingParams, first_divergence
 from .kld import MAGIC, KldAccumulator, KldStats
+from ..io import jsontext
 
 CONFIDENT = 0.5
 MIN_TOP1 = 0.5
@@ -95,10 +97,12 @@ class LogitsParity:
     positions: int = 0
     confident_positions: int = 0
     same_top: int = 0
-    kld: list[float] | None = field(default_factory=list)
+    kld: list[float] = field(default_factory=list)
     misses: list[dict] = field(default_factory=list)
     max_logprob_delta: float | None = None
     llama_stats: KldStats | None = None
+    kld_bound: bool = False
+    """The KLD is the lower bound over a dump's listed tokens (module doc, (a))."""
 
     @property
     def top1_agreement(self) -> float | None:
@@ -129,8 +133,7 @@ class LogitsParity:
         """Account for reference logits and engine log-probabilities ``[n, vocab]`` of positions ``offset...``."""
         ref = _log_softmax(reference)
         eng = _log_softmax(engine_logprobs)
-        if self.kld is not None:
-            self.kld += (np.exp(eng) * (eng - ref)).sum(axis=1).tolist()
+        self.kld += (np.exp(eng) * (eng - ref)).sum(axis=1).tolist()
         self._tops(ref, _top_ids(eng, TOP_SLOTS), offset, confident)
 
     def _tops(self, ref: np.ndarray, engine_top: np.ndarray, offset: int, confident: float) -> None:
@@ -151,8 +154,9 @@ class LogitsParity:
                                "min_top1": self.min_top1, "max_mean_kld": self.max_mean_kld,
                                "confident_positions": self.confident_positions,
                                "confident_top1_missing_from_engine_top8": self.misses}
-        if self.kld is not None and self.kld:
-            out.update(mean_kld=float(np.mean(self.kld)), max_kld=float(np.max(self.kld)), kld=self.kld)
+        if self.kld:
+            out.update(mean_kld=float(np.mean(self.kld)), max_kld=float(np.max(self.kld)), kld=self.kld,
+                       kld_is_lower_bound=self.kld_bound)
         if self.max_logprob_delta is not None:
             out["max_listed_logprob_delta"] = self.max_logprob_delta
         if self.llama_stats is not None:
@@ -167,6 +171,7 @@ class LogitsParity:
                 f"agreement {agreement:.6f}")
         if self.kld:
             line += f", mean KLD {np.mean(self.kld):.6f}, max KLD {np.max(self.kld):.6f}"
+            line += " (at least: listed tokens and the rest)" if self.kld_bound else ""
         if self.max_logprob_delta is not None:
             line += f", max |logprob delta| over listed tokens {self.max_logprob_delta:.6f}"
         lines = [line]
@@ -187,7 +192,7 @@ def _read_json(path: Path) -> Any:
     if path.stat().st_size > MAX_JSON_BYTES:
         raise FormatError(f"JSON dump is larger than {MAX_JSON_BYTES} bytes", path=path)
     try:
-        return json.loads(path.read_bytes().decode("utf-8"))
+        return jsontext.loads(path.read_bytes().decode("utf-8"))
     except UnicodeDecodeError as exc:
         raise FormatError(f"not UTF-8 text ({exc.reason} at byte {exc.start})", path=path) from None
     except ValueError as exc:
@@ -296,12 +301,13 @@ def read_stream(path: str | os.PathLike) -> tuple[list[int], SamplingParams, int
     for key, value in settings.items():
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise FormatError(f"{key}: expected a number, found {value!r}", path=path)
+    seed = _int(data["seed"], "seed", path)
     try:
         params = SamplingParams(**settings)
-        Sampler(params, 0, law)         # the law accepts the settings
+        Sampler(params, seed, law)         # the law accepts the settings and the seed
     except (ValidationError, TypeError) as exc:
         raise FormatError(str(exc), path=path) from None
-    return tokens, params, _int(data["seed"], "seed", path), law
+    return tokens, params, seed, law
 
 
 def read_token_ids(path: str | os.PathLike) -> list[int]:
@@ -368,7 +374,7 @@ def compare_logits(kind: str, content: Any, reference: Logits, tokens: Sequence[
         def each(rows, records, targets):
             per_position = KldAccumulator()         # llama.cpp's per-token KLD, one definition
             per_position.add(rows, records, targets)
-            result.kld += [float(v) for v in per_position.kld_values[0]]
+            result.kld += [float(v) for v in np.concatenate(per_position.kld_values)]   # blocks of ROW_BLOCK
             q = np.asarray(records[:, 4:4 + n_vocab])
             head = np.ascontiguousarray(records[:, :4]).view(np.float32)
             engine = head[:, :1] * q.astype(np.float32) + head[:, 1:2]
@@ -397,14 +403,25 @@ def compare_logits(kind: str, content: Any, reference: Logits, tokens: Sequence[
     _check_ids(dump.selected + [t for step in dump.listed for t, _ in step], n_vocab, "ds4 dump")
     p = len(tokens)
     ref = _log_softmax(reference(list(tokens) + dump.selected[:-1])[p - 1:])
-    result.kld = None
+    result.kld_bound = True
     engine_top = np.array([[t for t, _ in step[:TOP_SLOTS]] + [-1] * (TOP_SLOTS - len(step[:TOP_SLOTS]))
                            for step in dump.listed])
     engine_top[:, 0] = dump.selected        # the engine's choice is its top-1 (greedy dump)
     result._tops(ref, engine_top, 0, confident)
     deltas = [abs(ref[i, t] - lp) for i, step in enumerate(dump.listed) for t, lp in step]
     result.max_logprob_delta = float(max(deltas)) if deltas else 0.0
+    result.kld = [_coarse_kld(np.array([lp for _, lp in step]), ref[i, [t for t, _ in step]])
+                  for i, step in enumerate(dump.listed)]
     return result
+
+
+def _coarse_kld(engine: np.ndarray, reference: np.ndarray) -> float:
+    """KLD of the engine's distribution from the reference's over the listed tokens (their log-probabilities) and
+    one outcome holding the rest of each: at most the KLD over the whole vocabulary."""
+    p, q = np.exp(engine), np.exp(reference)
+    p_rest, q_rest = max(0.0, 1.0 - p.sum()), max(1.0 - q.sum(), np.finfo(np.float64).tiny)
+    listed = float(np.sum(np.where(p > 0, p * (engine - reference), 0.0)))
+    return listed + (p_rest * np.log(p_rest / q_rest) if p_rest > 0 else 0.0)
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,6 @@ Errors name the file and the key (:class:`~quantkit.errors.FormatError`, exit 2)
 """
 from __future__ import annotations
 
-import json
 import math
 import sys
 from dataclasses import dataclass
@@ -27,6 +26,7 @@ else:  # Python 3.10: the same parser, published as tomli
     import tomli as tomllib
 
 from ..errors import FormatError
+from ..io import jsontext
 
 POLICY_VERSION = 1
 #: The gate's rules, in report order (their statistics are defined in :mod:`.compare`).
@@ -81,7 +81,7 @@ def _read(path: Path, what: str) -> dict[str, Any]:
     data = path.read_bytes()
     try:
         if path.suffix == ".json":
-            value = json.loads(data)
+            value = jsontext.loads(data)
             if not isinstance(value, dict):
                 raise ValueError("the top level must be an object")
             return value

@@ -330,14 +330,20 @@ def _chunk_rows(source: LogitSource, tokens: np.ndarray, n_ctx: int, n_chunk: in
         yield from checked
 
 
+def _logits_chunks(n_tokens: int, n_ctx: int) -> int:
+    """Chunks of a base logits file of ``n_tokens`` tokens; at least one, with a position to score."""
+    n_chunk = n_tokens // n_ctx
+    if n_chunk == 0 or scored_per_chunk(n_ctx) < 1:
+        raise FixtureError(f"the fixture's {n_tokens} tokens do not fill one chunk of --ctx {n_ctx} with a "
+                           "position to score; lower --ctx for --save-logits")
+    return n_chunk
+
+
 def save_logits(source: LogitSource, codec: TextCodec, cases: Sequence[PreparedCase], n_ctx: int,
                 path: str | os.PathLike, n_vocab: int, batch_tokens: int = DEFAULT_BATCH_TOKENS) -> int:
     """Write the base logits file of ``cases`` with ``n_ctx``-token chunks; returns the number of chunks."""
     tokens = kld_stream(cases)
-    n_chunk = len(tokens) // n_ctx
-    if n_chunk == 0 or scored_per_chunk(n_ctx) < 1:
-        raise FixtureError(f"the fixture's {len(tokens)} tokens do not fill one chunk of --ctx {n_ctx} with a "
-                           "position to score; lower --ctx for --save-logits")
+    n_chunk = _logits_chunks(len(tokens), n_ctx)
     bos = codec.bos_id if codec.add_bos else None
     write_logits_file(path, n_ctx, n_vocab, tokens[:n_chunk * n_ctx],
                       (rows for rows, _ in _chunk_rows(source, tokens, n_ctx, n_chunk, bos, batch_tokens)))
@@ -376,8 +382,10 @@ class ScoringPlan:
 
 
 def plan_scoring(fixture: Fixture, codec: TextCodec, identity: ModelIdentity, *, ctx: int,
-                 allow_cross_checkpoint: bool = False) -> ScoringPlan:
-    """Steps 1-2 of the module doc; needs the model's tokenizer and identity, not its weights."""
+                 allow_cross_checkpoint: bool = False, kld_base: str | os.PathLike | None = None,
+                 save_logits: bool = False) -> ScoringPlan:
+    """Steps 1-2 of the module doc; needs the model's tokenizer and identity, not its weights.  A ``kld_base``
+    file is read (header, size, tokens) and a base file to ``save_logits`` sized here too: before the cases run."""
     if ctx < 2:
         raise FixtureError(f"--ctx must be at least 2, found {ctx}")
     cross = [f"cross-checkpoint: {problem}" for problem in
@@ -385,6 +393,10 @@ def plan_scoring(fixture: Fixture, codec: TextCodec, identity: ModelIdentity, *,
                          fixture_path=fixture.path)]
     warnings = list(cross)
     cases = prepare_cases(fixture, codec, ctx=ctx, allow_unmapped=allow_cross_checkpoint, warnings=warnings)
+    if kld_base is not None:
+        LogitsFile(kld_base)
+    if save_logits:
+        _logits_chunks(len(kld_stream(cases)), ctx)
     return ScoringPlan(fixture, identity, ctx, cases, cross, warnings)
 
 

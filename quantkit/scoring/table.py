@@ -47,6 +47,7 @@ from typing import Any, Mapping, Sequence
 from ..errors import FixtureError
 from ..io.atomic import atomic_output
 from .metrics import COLUMNS, NLL_COLUMNS, CaseScore, Totals, case_row, parse_row
+from ..io import jsontext
 
 HEADER_PREFIX = "# quantkit-score "
 TABLE_VERSION = 1
@@ -148,7 +149,7 @@ def _check_header(header: Any, where: str) -> dict[str, Any]:
 
 def _header(line: str, where: str) -> dict[str, Any]:
     try:
-        header = json.loads(line[len(HEADER_PREFIX):])
+        header = jsontext.loads(line[len(HEADER_PREFIX):])
     except ValueError as exc:
         raise FixtureError(f"{where}: header is not valid JSON ({exc})") from None
     return _check_header(header, where)
@@ -208,7 +209,7 @@ def _read_sidecar(table: Path, data: bytes, layout: str, max_bytes: int) -> tupl
         raise FixtureError(f"sidecar is {size} bytes, more than the limit of {max_bytes} (max_sidecar_bytes)",
                            path=path)
     try:
-        record = json.loads(path.read_bytes())
+        record = jsontext.loads(path.read_bytes())
     except (ValueError, UnicodeDecodeError) as exc:
         raise FixtureError(f"not valid JSON ({exc})", path=path) from None
     if not isinstance(record, dict) or record.get("format") != SIDECAR_FORMAT:

@@ -9,12 +9,15 @@ one NVFP4 global scale, the checkpoint tensors it replaces, and every output ten
 refuses, with one error naming the problem and before anything is written: an unknown family, a family that selects
 nothing, a module missing from the source or shaped differently there, a row length the encoding cannot take, an
 NVFP4 convention different from the checkpoint's, a tensor another current sidecar already covers (unless that
-sidecar is listed in ``supersedes``), and a name that collides with checkpoint files.
+sidecar is listed in ``supersedes``), and a name that collides with checkpoint files.  The newest manifest wins a
+supersede cycle: a sidecar that supersedes this one through ``supersedes`` (remaking A with ``--supersedes B``
+after B superseded A, a roll-back) stops superseding it, so A is current and B obsolete.
 
 Execution (:func:`build_swapset`) measures activation amax (with ``calibration``) and the draft head's hidden
 states (with sample text) on the CPU reference model, then encodes fused group by fused group, writing each
 tensor at its planned offset (:mod:`.writer`); NaN/Inf in a source weight stops it, naming the tensor and row.
 The safetensors file and then the manifest are renamed into place; on any error neither final name is created.
+Then the manifests of the sidecars that superseded this one in a cycle are rewritten without its name.
 """
 from __future__ import annotations
 
@@ -33,9 +36,9 @@ from . import calibrate, draft
 from .encodings import Encoding, get_encoding
 from .families import FAMILIES, ROUTED, Family, fused_group
 from .tensors import ROW_ROLES, decoded_shape, module_of, source_hash, stored_weight, tensor_sha256
-from .inventory import current_sidecars, sidecar_paths, scan
+from .inventory import current_sidecars, sidecar_paths, scan, superseded_closure
 from .manifest import (KINDS, SCHEMA, SCHEMA_VERSION, TP_LAYOUT_NONE, check_name, checkpoint_identity,
-                       manifest_text, shard_files, validate_manifest)
+                       manifest_text, read_manifest, shard_files, validate_manifest, write_manifest)
 from .writer import Planned, PlannedSafetensors
 
 #: Source scheme (:meth:`Checkpoint.tensor_f32` decoding) whose stored bytes ARE each target encoding.
@@ -110,6 +113,8 @@ class SwapsetPlan:
     calibration_ids: list[int] | None = None
     calibration_sha256: str | None = None
     sample_ids: list[int] | None = None
+    overrules: tuple[str, ...] = ()
+    """Sidecars that supersede this one through ``supersedes``: their manifests drop this name (newest wins)."""
 
     def specs(self) -> dict[str, Planned]:
         return {o.name: o.spec for m in self.modules for o in m.outputs}
@@ -122,6 +127,7 @@ class SwapsetPlan:
         """The plan as printable data (``--dry-run``)."""
         return {"name": self.name, "kind": self.kind, "model_type": self.model_type, "families": list(self.families),
                 "encoding": self.encoding.name, "optional": self.optional, "supersedes": list(self.supersedes),
+                "overrules": list(self.overrules),
                 "bytes": self.nbytes, "kept_rows": None if self.token_ids is None else int(len(self.token_ids)),
                 "modules": [{"module": m.module, "output_module": m.output_module, "family": m.family,
                              "group": m.group, "origin": m.origin, "source_encoding": m.source_encoding,
@@ -397,7 +403,8 @@ def _plan(request: SwapsetRequest, ckpt: Checkpoint, src: Checkpoint) -> Swapset
 
 
 def _check_outputs(plan: SwapsetPlan, request: SwapsetRequest, ckpt: Checkpoint) -> None:
-    """Refuse names that collide with checkpoint files, existing outputs, and overlaps with other sidecars."""
+    """Refuse names that collide with checkpoint files, existing outputs, and overlaps with other sidecars; set
+    ``plan.overrules``."""
     st, js = sidecar_paths(ckpt.path, plan.name)
     if st.name in shard_files(ckpt.path):
         raise OutputExistsError("the sidecar name is a checkpoint shard; choose another --name", path=st)
@@ -423,6 +430,10 @@ def _check_outputs(plan: SwapsetPlan, request: SwapsetRequest, ckpt: Checkpoint)
             if clash is not None:
                 raise SourceError(f"sidecar {other!r} already covers this tensor; pass --supersedes {other} to "
                                   f"replace it", path=ckpt.path, tensor=clash)
+    # the old manifest of this name is being replaced: its supersedes do not count
+    others = {e.name: e.manifest for e in present if e.manifest is not None and e.name != plan.name}
+    plan.overrules = tuple(sorted(other for other in superseded_closure(others, plan.supersedes)
+                                  if other in others and plan.name in others[other]["supersedes"]))
 
 
 def plan_swapset(request: SwapsetRequest) -> SwapsetPlan:
@@ -629,6 +640,12 @@ def build_swapset(request: SwapsetRequest) -> BuildResult:
             if renamed:
                 st.unlink(missing_ok=True)
             raise
+        # after the new manifest is in place: an interruption leaves a cycle, which status shows and gc keeps
+        for other in plan.overrules:
+            path = sidecar_paths(ckpt.path, other)[1]
+            old = read_manifest(path)
+            write_manifest(path, {**old, "supersedes": [n for n in old["supersedes"] if n != plan.name]},
+                           overwrite=True)
         return BuildResult(plan, st, js, manifest)
 
 

@@ -17,8 +17,11 @@ tensors were copied into the sidecar.
    payload) -- unless a current sidecar's ``supersedes`` names it, then ``obsolete``;
 2. ``stale``: see above;
 3. ``required``: named by the record (``--record FILE``);
-4. ``obsolete``: named in ``supersedes`` of another sidecar with a valid manifest;
-5. ``optional`` when a record was given (a record names everything it needs), otherwise ``optional`` or
+4. ``obsolete``: named in ``supersedes`` of another sidecar with a valid manifest, unless both are in one
+   supersede cycle (A supersedes B, B supersedes A, directly or through others);
+5. ``unknown``: in a supersede cycle, where which sidecar is current cannot be told (``make`` never writes one:
+   the newest manifest wins, see :mod:`.build`);
+6. ``optional`` when a record was given (a record names everything it needs), otherwise ``optional`` or
    ``required`` as the manifest's ``optional`` flag says.
 
 A record is a JSON object with ``"sidecars"``: a list of names, or of ``{"name", "sha256"}`` objects (the
@@ -38,9 +41,9 @@ from pathlib import Path
 
 from ..errors import FormatError, QuantkitError
 from ..io.atomic import sha256_file
-from ..io.checkpoint import MAX_JSON_BYTES, Checkpoint, open_checkpoint
-from .manifest import (checkpoint_identity, identity_differences, is_manifest, read_manifest, shard_files,
-                       write_manifest)
+from ..io.checkpoint import Checkpoint, open_checkpoint
+from .manifest import (checkpoint_identity, identity_differences, is_manifest, read_json, read_manifest,
+                       shard_files, write_manifest)
 from .tensors import source_hash, tensor_sha256
 
 STATES = ("required", "optional", "obsolete", "stale", "unknown")
@@ -91,11 +94,35 @@ def scan(model_dir: str | Path) -> list[Candidate]:
     return out
 
 
+def superseded_closure(manifests: dict[str, dict], names) -> set[str]:
+    """``names`` and every name reachable from them through the ``supersedes`` of ``manifests`` (name -> manifest)."""
+    seen, todo = set(names), list(names)
+    while todo:
+        manifest = manifests.get(todo.pop())
+        for old in manifest["supersedes"] if manifest is not None else ():
+            if old not in seen:
+                seen.add(old)
+                todo.append(old)
+    return seen
+
+
+def supersessions(manifests: dict[str, dict]) -> tuple[dict[str, str], dict[str, list[str]]]:
+    """(superseded name -> a name that supersedes it, name -> the members of its supersede cycle) over the valid
+    ``manifests`` (name -> manifest).  Supersessions inside a cycle are left out: they cannot all hold, and
+    honouring them would make every member obsolete."""
+    reach = {name: superseded_closure(manifests, m["supersedes"]) for name, m in manifests.items()}
+    cycles = {name: sorted(n for n in reachable if name in reach.get(n, ()))
+              for name, reachable in reach.items() if name in reachable}
+    superseded_by = {old: new for new, m in manifests.items() for old in m["supersedes"]
+                     if old not in cycles.get(new, ())}
+    return superseded_by, cycles
+
+
 def current_sidecars(model_dir: str | Path) -> list[tuple[str, dict]]:
     """(name, manifest) of the sidecars with a valid manifest that no other valid manifest supersedes."""
-    valid = [(c.name, c.manifest) for c in scan(model_dir) if c.manifest is not None]
-    superseded = {old for _, m in valid for old in m["supersedes"]}
-    return [(name, m) for name, m in valid if name not in superseded]
+    valid = {c.name: c.manifest for c in scan(model_dir) if c.manifest is not None}
+    superseded_by, _ = supersessions(valid)
+    return [(name, m) for name, m in valid.items() if name not in superseded_by]
 
 
 @dataclass
@@ -199,12 +226,7 @@ class StatusReport:
 def read_record(path: str | Path) -> dict[str, str | None]:
     """name -> expected sidecar SHA-256 (or None) from a record file (module docstring)."""
     path = Path(path)
-    if path.stat().st_size > MAX_JSON_BYTES:
-        raise FormatError(f"record is over {MAX_JSON_BYTES} bytes", path=path)
-    try:
-        record = json.loads(path.read_bytes().decode("utf-8"))
-    except (UnicodeDecodeError, ValueError) as e:
-        raise FormatError(f"record is not valid JSON: {e}", path=path) from None
+    record = read_json(path, "record")
     entries = record.get("sidecars") if isinstance(record, dict) else None
     if not isinstance(entries, list):
         raise FormatError('record must be a JSON object with a "sidecars" list', path=path, field="sidecars")
@@ -226,13 +248,13 @@ def status(model_dir: str | Path, record: str | Path | None = None, *, full: boo
     d = Path(model_dir)
     needed = read_record(record) if record is not None else None
     candidates = scan(d)
-    superseded_by = {old: c.name for c in candidates if c.manifest is not None for old in c.manifest["supersedes"]}
+    superseded_by, cycles = supersessions({c.name: c.manifest for c in candidates if c.manifest is not None})
     out = []
     with open_checkpoint(d) as ckpt:
         for c in candidates:
             m = c.manifest
             info = {} if m is None else {"kind": m["kind"], "families": m["families"], "encoding": m["encoding"]}
-            state, reason = _classify(d, c, ckpt, needed, superseded_by, full)
+            state, reason = _classify(d, c, ckpt, needed, superseded_by, cycles, full)
             out.append(SidecarStatus(c.name, state, c.bytes, [p.name for p in c.files], reason,
                                      superseded_by=superseded_by.get(c.name), **info))
     present = {c.name for c in candidates}
@@ -241,7 +263,7 @@ def status(model_dir: str | Path, record: str | Path | None = None, *, full: boo
 
 
 def _classify(d: Path, c: Candidate, ckpt: Checkpoint, needed: dict | None, superseded_by: dict[str, str],
-              full: bool) -> tuple[str, str]:
+              cycles: dict[str, list[str]], full: bool) -> tuple[str, str]:
     if c.manifest is None:
         if c.name in superseded_by:
             return "obsolete", f"superseded by {superseded_by[c.name]} ({c.problem})"
@@ -259,6 +281,9 @@ def _classify(d: Path, c: Candidate, ckpt: Checkpoint, needed: dict | None, supe
         return "required", "named by the record" + (f"; {notes}" if notes else "")
     if c.name in superseded_by:
         return "obsolete", f"superseded by {superseded_by[c.name]}"
+    if c.name in cycles:
+        return "unknown", (f"supersede cycle among {', '.join(cycles[c.name])}: which is current cannot be told; "
+                           f"remake the one to keep with --force --supersedes the others")
     if needed is not None:
         return "optional", "not named by the record" + (f"; {notes}" if notes else "")
     state = "optional" if c.manifest["optional"] else "required"

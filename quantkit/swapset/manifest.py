@@ -3,7 +3,8 @@
 A sidecar is two files beside a checkpoint: ``<name>.safetensors`` (the tensors) and ``<name>.json`` (this
 manifest).  The manifest is written last, so its presence marks a complete sidecar.  Format version
 :data:`SCHEMA_VERSION` (independent of the quantkit version); a reader MUST refuse another ``schema`` or a
-version it does not know, unknown keys and wrong types (each error names the field).
+version it does not know, unknown keys and wrong types, negative sizes and counts included (each error names the
+field).
 
 Top level (all keys required; ``null`` where noted):
 
@@ -30,7 +31,8 @@ Top level (all keys required; ``null`` where noted):
   "source", "source_sha256"}`` (``source_sha256``: SHA-256 of the source tensor's stored bytes; for a
   self-quantized weight, of the source weight followed by the companions it was decoded with, in name order);
 - ``calibration``: ``null`` or ``{"text_sha256", "tokens", "calibrated", "uncalibrated"}``;
-- ``draft_lm_head``: ``null`` or ``{"source_rows", "kept_rows", "selection", "token_ids", "agreement"}``;
+- ``draft_lm_head``: ``null`` or ``{"source_rows", "kept_rows", "selection", "token_ids", "agreement"}``
+  (``agreement``: ``null`` or ``{"positions", "top1", "top5", "coverage"}``);
 - ``shared_as_expert``: ``null`` or ``{"expert_index"}``;
 - ``generator``: ``{"name": "quantkit", "version", "arguments"}``;
 - ``quality``: ``null`` or an object (results of ``quantkit compare``, recorded with :func:`record_quality`).
@@ -47,6 +49,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import FormatError
+from ..io import jsontext
 from ..io.atomic import atomic_output, sha256_file
 from ..io.checkpoint import CONFIG_NAME, HF_QUANT_CONFIG_NAME, INDEX_NAME, MAX_JSON_BYTES, SINGLE_NAME
 from ..io.safetensors import DEFAULT_MAX_HEADER_BYTES, HEADER_LENGTH_BYTES
@@ -75,6 +78,14 @@ def _str(v) -> bool:
 
 def _int(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _count(v) -> bool:
+    return _int(v) and v >= 0
+
+
+def _opt_fraction(v) -> bool:
+    return v is None or (isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v <= 1)
 
 
 def _bool(v) -> bool:
@@ -117,7 +128,7 @@ def _origin(v) -> bool:
     return v in ORIGINS
 
 
-_SHARD = {"bytes": _int, "header_sha256": _sha}
+_SHARD = {"bytes": _count, "header_sha256": _sha}
 _IDENTITY = {"config_sha256": _opt_sha, "quant_config_sha256": _opt_sha, "revision": _opt_str,
              "quantization": _str, "shards": _dict}
 _MODULE = {"module": _str, "output_module": _str, "family": _str, "group": _str, "origin": _origin,
@@ -130,7 +141,12 @@ _TOP = {"schema": lambda v: v == SCHEMA, "schema_version": lambda v: v == SCHEMA
         "tensor_parallel": lambda v: v == TP_LAYOUT_NONE, "supersedes": _strs, "checkpoint": _dict, "source": _dict,
         "sidecar": _dict, "modules": _list, "tensors": _list, "calibration": _opt_obj, "draft_lm_head": _opt_obj,
         "shared_as_expert": _opt_obj, "generator": _dict, "quality": _opt_obj}
-_SIDECAR = {"file": _str, "bytes": _int, "sha256": _sha}
+_SIDECAR = {"file": _str, "bytes": _count, "sha256": _sha}
+_CALIBRATION = {"text_sha256": _sha, "tokens": _count, "calibrated": _strs, "uncalibrated": _strs}
+_DRAFT = {"source_rows": _count, "kept_rows": _count, "selection": _str, "token_ids": _opt_str,
+          "agreement": _opt_obj}
+_AGREEMENT = {"positions": _count, "top1": _opt_fraction, "top5": _opt_fraction, "coverage": _opt_fraction}
+_SHARED = {"expert_index": _count}
 _GENERATOR = {"name": _str, "version": _str, "arguments": _dict}
 
 
@@ -165,6 +181,11 @@ def validate_manifest(manifest: Any, path: Path) -> dict:
         raise FormatError("source.path must be a string", path=path, field="source.path")
     _check(manifest["sidecar"], _SIDECAR, "sidecar", path)
     _check(manifest["generator"], _GENERATOR, "generator", path)
+    for key, spec in (("calibration", _CALIBRATION), ("draft_lm_head", _DRAFT), ("shared_as_expert", _SHARED)):
+        if manifest[key] is not None:
+            _check(manifest[key], spec, key, path)
+    if manifest["draft_lm_head"] is not None and manifest["draft_lm_head"]["agreement"] is not None:
+        _check(manifest["draft_lm_head"]["agreement"], _AGREEMENT, "draft_lm_head.agreement", path)
     for i, module in enumerate(manifest["modules"]):
         _check(module, _MODULE, f"modules[{i}]", path)
         if not all(_str(k) and _sha(v) for k, v in module["replaces"].items()):
@@ -175,26 +196,28 @@ def validate_manifest(manifest: Any, path: Path) -> dict:
     return manifest
 
 
+def read_json(path: Path, what: str) -> Any:
+    """The parsed JSON file ``path`` (at most MAX_JSON_BYTES); FormatError naming it and ``what`` it is."""
+    size = path.stat().st_size
+    if size > MAX_JSON_BYTES:
+        raise FormatError(f"{what} is {size} bytes, over the {MAX_JSON_BYTES}-byte cap", path=path)
+    try:
+        return jsontext.loads(path.read_bytes().decode("utf-8"))
+    except ValueError as e:   # UnicodeDecodeError included
+        raise FormatError(f"{what} is not valid JSON: {e}", path=path) from None
+
+
 def read_manifest(path: str | os.PathLike) -> dict:
     """Read and validate ``<name>.json``."""
     path = Path(path)
-    size = path.stat().st_size
-    if size > MAX_JSON_BYTES:
-        raise FormatError(f"manifest is {size} bytes, over the {MAX_JSON_BYTES}-byte cap", path=path)
-    try:
-        manifest = json.loads(path.read_bytes().decode("utf-8"))
-    except (UnicodeDecodeError, ValueError) as e:
-        raise FormatError(f"manifest is not valid JSON: {e}", path=path) from None
-    return validate_manifest(manifest, path)
+    return validate_manifest(read_json(path, "manifest"), path)
 
 
 def is_manifest(path: Path) -> bool:
     """Whether ``path`` is a JSON file that claims to be a swapset manifest (valid or not)."""
     try:
-        if path.stat().st_size > MAX_JSON_BYTES:
-            return False
-        value = json.loads(path.read_bytes().decode("utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError):
+        value = read_json(path, "manifest")
+    except (OSError, FormatError):
         return False
     return isinstance(value, dict) and value.get("schema") == SCHEMA
 
@@ -239,10 +262,10 @@ def shard_files(directory: Path) -> list[str]:
     """The checkpoint's safetensors files: the index's shards, or ``model.safetensors``."""
     index = directory / INDEX_NAME
     if index.is_file():
-        try:
-            weight_map = json.loads(index.read_bytes().decode("utf-8")).get("weight_map") or {}
-        except (UnicodeDecodeError, ValueError, AttributeError) as e:
-            raise FormatError(f"index is not valid JSON: {e}", path=index) from None
+        value = read_json(index, "index")
+        if not isinstance(value, dict):
+            raise FormatError(f"index must be a JSON object, found {type(value).__name__}", path=index)
+        weight_map = value.get("weight_map") or {}
         return sorted(set(weight_map.values()))
     return [SINGLE_NAME] if (directory / SINGLE_NAME).is_file() else []
 

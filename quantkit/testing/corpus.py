@@ -204,8 +204,9 @@ def draw_case(data, block_size: int, max_blocks: int = 4):
 
 
 #: Hostile ``config.json`` edits (field, value) for the example model (8 experts, 4 layers, vocabulary 512):
-#: counts that would size petabytes, counts the tensors do not hold, and values of the wrong type or zero.  Each
-#: must be refused naming config.json and the field before anything is allocated (``quantkit.io.config``).
+#: counts that would size petabytes, counts the tensors do not hold, values of the wrong type, zero or null, and
+#: values at odds with each other or with the engines' asserts.  Each must be refused naming config.json and the
+#: field before anything is allocated (``quantkit.io.config``, ``quantkit.convert.consistency``).
 MALFORMED_CONFIGS: tuple[tuple[str, object], ...] = (
     ("num_local_experts", 10 ** 12),
     ("num_local_experts", 9),
@@ -224,4 +225,13 @@ MALFORMED_CONFIGS: tuple[tuple[str, object], ...] = (
     ("num_key_value_heads", "two"),
     ("moe_intermediate_size", 10 ** 7),
     ("num_experts_per_tok", 0),
+    ("num_experts_per_tok", 9),           # more than the 8 routed experts: llama.cpp asserts
+    ("num_experts_per_tok", None),
+    ("num_hidden_layers", None),
+    ("num_attention_heads", None),
+    ("num_key_value_heads", 3),           # does not divide the 4 heads
+    ("num_attention_heads", 2),           # divisible by the 2 key-value heads, but not the projections' rows
+    ("rms_norm_eps", float("nan")),
+    ("rms_norm_eps", -1.0),
+    ("rms_norm_eps", "x"),
 )

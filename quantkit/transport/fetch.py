@@ -7,8 +7,10 @@ connection) into ``<dir>/<file>.partial``, hashed while they arrive.  Beside the
 records the ETag and commit it belongs to: a later run (after a kill, a reboot, a network failure) re-hashes the
 partial and asks only for the rest (``Range: bytes=N-``); a partial of another ETag is discarded.  Then the size
 and SHA-256 are checked against the manifest's entry for the file's name (the whole file or one of its parts): a
-mismatch removes the partial and is refused naming the file (:class:`CorruptDataError`, exit 1).  Only a verified
-file is renamed to ``<dir>/<file>``.
+mismatch (also a body longer than the file's size) removes the partial and is refused naming the file
+(:class:`CorruptDataError`, exit 1).  Only a verified file is renamed to ``<dir>/<file>``; a file already there
+whose size and SHA-256 match the manifest is kept and not downloaded again, so rerunning an interrupted
+multi-file fetch resumes it.
 
 ``hf_hub_download`` itself is not used: in huggingface_hub 2.x it downloads to a process-unique temporary file and
 deletes it on failure, so a download interrupted with the process does not resume.  Files over 50 GB need the Xet
@@ -20,11 +22,13 @@ import hashlib
 import json
 import os
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
-from ..errors import CorruptDataError, MissingSourceError, OutOfSpaceError, SourceError, UnsupportedError
-from ..io.atomic import HASH_CHUNK_BYTES, check_output, fsync_path, output_lock
+from ..errors import (CorruptDataError, MissingSourceError, OutOfSpaceError, OutputExistsError, SourceError,
+                      UnsupportedError)
+from ..io.atomic import HASH_CHUNK_BYTES, check_output, fsync_path, output_lock, sha256_file
 from .manifest import Entry, Manifest, load_manifest
 
 PARTIAL_SUFFIX = ".partial"
@@ -38,6 +42,8 @@ class Fetched:
     sha256: str
     resumed_bytes: int
     verified: bool
+    already_there: bool = False
+    """Found complete under its name (size and SHA-256 as the manifest says): not downloaded."""
 
 
 class _HashingFile:
@@ -103,11 +109,10 @@ def fetch_file(repo_id: str, filename: str, out_dir: Path, *, revision: str | No
     from huggingface_hub.file_download import http_get
     from huggingface_hub.utils import build_hf_headers
 
-    name = PurePosixPath(filename)
-    if name.is_absolute() or ".." in name.parts:
-        raise MissingSourceError(f"file name {filename!r} must be a path inside the repository", path=filename)
-    final = out_dir.joinpath(*name.parts)
+    final = local_path(out_dir, filename)
     final.parent.mkdir(parents=True, exist_ok=True)
+    if expected is not None and not force and final.is_file():
+        return _already_there(final, expected)
     check_output(final, overwrite=force, what="downloaded file")
     # one download of a file at a time: a second run would share its partial and its journal
     with output_lock(final):
@@ -156,21 +161,47 @@ def fetch_file(repo_id: str, filename: str, out_dir: Path, *, revision: str | No
         except (httpx2.HTTPError, HfHubHTTPError, OSError) as exc:
             if isinstance(exc, OSError) and not isinstance(exc, HfHubHTTPError) and exc.errno is not None:
                 raise   # a local file error (a full disk): the CLI names it
-            raise SourceError(f"download stopped after {sink.tell():,} of {meta.size or 0:,} bytes ({_first_line(exc)}); "
-                              f"run the same command again to resume", path=where) from None
+            if meta.size is None or sink.tell() <= meta.size:
+                raise SourceError(f"download stopped after {sink.tell():,} of {meta.size or 0:,} bytes "
+                                  f"({_first_line(exc)}); run the same command again to resume", path=where) from None
+            # more bytes than the file has: a rerun would get them again, so they are refused below
         finally:
             sink.close()
         size, digest = partial.stat().st_size, sink.digest.hexdigest()
         if expected is not None and (size != expected.size or digest != expected.sha256):
+            wanted = f"the manifest says {expected.size:,} bytes, {expected.sha256}"
+        elif meta.size is not None and size != meta.size:
+            wanted = f"the repository says the file has {meta.size:,} bytes"
+        else:
+            wanted = None
+        if wanted is not None:
             partial.unlink()
             journal.unlink(missing_ok=True)
-            raise CorruptDataError(f"downloaded {size:,} bytes with SHA-256 {digest}; the manifest says {expected.size:,} "
-                                   f"bytes, {expected.sha256}: refused (the partial download was removed)",
-                                   path=where)
+            raise CorruptDataError(f"downloaded {size:,} bytes with SHA-256 {digest}; {wanted}: refused (the partial "
+                                   f"download was removed)", path=where)
         os.replace(partial, final)
         fsync_path(final.parent, directory=True)
         journal.unlink(missing_ok=True)
         return Fetched(final, size, digest, resumed, expected is not None)
+
+
+def local_path(out_dir: Path, filename: str) -> Path:
+    """Where repository file ``filename`` (a path inside the repository) is downloaded under ``out_dir``."""
+    name = PurePosixPath(filename)
+    if name.is_absolute() or ".." in name.parts:
+        raise MissingSourceError(f"file name {filename!r} must be a path inside the repository", path=filename)
+    return out_dir.joinpath(*name.parts)
+
+
+def _already_there(final: Path, expected: Entry) -> Fetched:
+    """``final`` exists: kept when it is the manifest's file (an earlier run finished it), refused otherwise."""
+    size = final.stat().st_size
+    digest = sha256_file(final) if size == expected.size else None
+    if digest != expected.sha256:
+        found = f"{size:,} bytes, SHA-256 {digest}" if digest else f"{size:,} bytes"
+        raise OutputExistsError(f"downloaded file exists and is not the manifest's ({found}; the manifest says "
+                                f"{expected.size:,} bytes, {expected.sha256}); refusing to replace it", path=final)
+    return Fetched(final, size, digest, 0, True, already_there=True)
 
 
 def _first_line(exc: BaseException) -> str:
@@ -190,17 +221,18 @@ def _silent_tqdm():
 
 def fetch(repo_id: str, filenames: list[str], out_dir: str | os.PathLike, *, manifest: str | None = None,
           revision: str | None = None, token: str | bool | None = None, force: bool = False,
-          progress: bool = False) -> list[Fetched]:
+          progress: bool = False, on_fetched: Callable[[Fetched], None] | None = None) -> list[Fetched]:
     """Download ``filenames``; with ``manifest`` (a local transport manifest, or the name of one in the
-    repository, downloaded first) each is verified against its entry, and a name it does not list is refused
-    before anything is downloaded."""
+    repository, downloaded first, or found where an earlier run downloaded it) each is verified against its entry,
+    and a name it does not list is refused before anything is downloaded.  ``on_fetched`` is called with each file
+    as it is done (a later file may still fail)."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     entries: dict[str, Entry] = {}
     if manifest is not None:
         local = Path(manifest)
         if not local.is_file():
-            local = out_dir / PurePosixPath(manifest).name
+            local = local_path(out_dir, manifest)
             if not local.is_file() or force:
                 local = fetch_file(repo_id, manifest, out_dir, revision=revision, token=token, force=force,
                                    progress=progress).path
@@ -210,5 +242,10 @@ def fetch(repo_id: str, filenames: list[str], out_dir: str | os.PathLike, *, man
             raise MissingSourceError(f"{unlisted[0]!r} is not listed in the manifest (it lists "
                                      f"{', '.join(sorted(entries)[:5])}{', …' if len(entries) > 5 else ''})",
                                      path=local)
-    return [fetch_file(repo_id, f, out_dir, revision=revision, expected=entries.get(PurePosixPath(f).name),
-                       token=token, force=force, progress=progress) for f in filenames]
+    fetched = []
+    for f in filenames:
+        fetched.append(fetch_file(repo_id, f, out_dir, revision=revision, expected=entries.get(PurePosixPath(f).name),
+                                  token=token, force=force, progress=progress))
+        if on_fetched is not None:
+            on_fetched(fetched[-1])
+    return fetched

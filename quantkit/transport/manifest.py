@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import FormatError, MissingSourceError
+from ..io import jsontext
 
 MANIFEST_FORMAT = "quantkit-transport"
 MANIFEST_VERSION = 1
@@ -130,14 +131,15 @@ def load_manifest(path: str | os.PathLike, *, max_bytes: int = MAX_MANIFEST_BYTE
     if size > max_bytes:
         raise FormatError(f"manifest is {size} bytes, more than the limit of {max_bytes} (max_bytes)", path=path)
     try:
-        raw = json.loads(path.read_bytes())
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raw = jsontext.loads(path.read_bytes())
+    except ValueError as exc:   # UnicodeDecodeError and JSONDecodeError included
         raise FormatError(f"not a JSON transport manifest: {exc}", path=path) from None
     if not isinstance(raw, dict) or raw.get("format") != MANIFEST_FORMAT:
         found = raw.get("format") if isinstance(raw, dict) else type(raw).__name__
         raise FormatError(f"not a transport manifest: format is {found!r}, expected {MANIFEST_FORMAT!r}", path=path)
-    if raw.get("version") != MANIFEST_VERSION:
-        raise FormatError(f"manifest version {raw.get('version')!r} is not supported; quantkit reads version "
+    version = raw.get("version")
+    if type(version) is not int or version != MANIFEST_VERSION:   # True and 1.0 compare equal to 1
+        raise FormatError(f"manifest version {version!r} is not supported; quantkit reads version "
                           f"{MANIFEST_VERSION}", path=path)
     if set(raw) != _TOP_KEYS:
         extra, missing = sorted(set(raw) - _TOP_KEYS), sorted(_TOP_KEYS - set(raw))

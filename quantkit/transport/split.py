@@ -21,12 +21,13 @@ from pathlib import Path
 
 from gguf.constants import GGUFValueType
 
-from ..errors import FormatError, OutOfSpaceError, OutputExistsError, QuantkitError, UnsupportedError
-from ..io.atomic import atomic_output, check_output, commit_partial, is_out_of_space, output_lock
+from ..errors import (FormatError, MissingSourceError, OutOfSpaceError, OutputExistsError, QuantkitError,
+                      UnsupportedError)
+from ..io.atomic import atomic_output, check_output, commit_partial, is_out_of_space, output_lock, same_file
 from ..io.gguf import KV, SPLIT_COUNT, SPLIT_NO, SPLIT_TENSORS_COUNT, align
 from ..io.gguf_reader import GGUFFile
 from ..io.gguf_writer import plan_layout, pwrite_all
-from .manifest import MAX_PARTS, Entry, Manifest, manifest_name
+from .manifest import MAX_PARTS, Entry, Manifest, load_manifest, manifest_name
 from .stream import Syncer, copy_range, progress_bar
 
 #: In llama.cpp's order: gguf-split sets ``split.count`` last (a placeholder replaced once the shards are counted,
@@ -137,11 +138,31 @@ def split_file(source: str | os.PathLike, out_dir: str | os.PathLike, part_size:
         # one split into a directory per source name: a second run would share the parts' partial files, and each
         # would record its own hashes over the other's bytes
         with output_lock(out_dir / manifest_name(source.name)):
-            return (split_gguf if gguf else split_bytes)(source, out_dir, part_size, force=force, progress=progress)
+            previous = _previous_parts(out_dir / manifest_name(source.name)) if force else set()
+            m = (split_gguf if gguf else split_bytes)(source, out_dir, part_size, force=force, progress=progress)
+            _remove_stale_parts(out_dir, previous - {p.name for p in m.parts} - {m.path.name}, source)
+            return m
     except OSError as exc:
         if is_out_of_space(exc):
             raise OutOfSpaceError(f"filesystem full while writing parts: {exc.strerror}", path=out_dir) from None
         raise
+
+
+def _previous_parts(manifest_path: Path) -> set[str]:
+    """The part names the manifest being replaced records (none when there is none, or it cannot be read)."""
+    try:
+        return {p.name for p in load_manifest(manifest_path).parts}
+    except (MissingSourceError, FormatError):
+        return set()
+
+
+def _remove_stale_parts(out_dir: Path, names: set[str], source: Path) -> None:
+    """Parts of the replaced set that the new set does not overwrite would lie beside it as if they belonged to it
+    (another part count names other files); only files the old manifest recorded are removed, never the source."""
+    for name in names:
+        path = out_dir / name
+        if path.is_file() and not same_file(path, source):
+            path.unlink()
 
 
 def split_bytes(source: Path, out_dir: Path, part_size: int, *, force: bool = False,

@@ -45,35 +45,30 @@ def validate_manifest(path: Path, payload: str) -> Report:
     if payload == "none":
         report.checks += [skipped(name, "--payload none") for name in ("transport.part_hashes", "transport.file_hash")]
         return report
-    hashed, whole, plan = _hash_parts(m, problems)
-    report.checks.append(hashed)
-    if whole is None:
-        report.checks.append(skipped("transport.file_hash", plan or "a part is missing or has the wrong size"))
-    else:
-        found = whole.hexdigest()
-        report.checks.append(check("transport.file_hash", [] if found == m.file.sha256 else [
-            f"{m.file.name}: SHA-256 {found} from the parts, the manifest says {m.file.sha256}"],
-            f"{m.file.name}: {m.file.sha256} ({m.file.size:,} bytes) from the parts in order"))
+    report.checks += _hash_parts(m, problems)
     report.io = {"artifact_bytes": sum(p.size for p in m.parts)}
     return report
 
 
-def _hash_parts(m, size_problems: list[str]):
-    """Every present part hashed; the whole file's digest too when the parts are complete (None otherwise)."""
-    plan, why = None, None
+def _hash_parts(m, size_problems: list[str]) -> list[Check]:
+    """``transport.part_hashes`` over every part present with its manifest size, and ``transport.file_hash`` from
+    the same pass when the parts are complete and match; parts that do not make the file (GGUF shards out of order,
+    a wrong ``file.size``) fail it, as ``transport assemble`` refuses them."""
+    plan, merge_problem = None, None
     if not size_problems:
         try:
             plan = plan_assembly(m)
         except (CorruptDataError, FormatError) as exc:
-            why = f"the shards do not merge: {exc}"
-    whole = hashlib.sha256() if plan is not None else None
-    if whole is not None and plan.header:
+            merge_problem = f"the parts do not make {m.file.name}: {exc}"
+    whole = hashlib.sha256()
+    if plan is not None and plan.header:
         whole.update(plan.header)
-    problems = []
+    problems, hashed = [], 0
     for i, part in enumerate(m.parts):
         path = m.part_path(i)
         if not path.is_file() or path.stat().st_size != part.size:
             continue
+        hashed += 1
         digest = hashlib.sha256()
         with open(path, "rb") as f:
             if plan is not None and plan.header:   # GGUF shards: the header is the shard's own, not the file's
@@ -81,14 +76,27 @@ def _hash_parts(m, size_problems: list[str]):
                 copy_range(f.fileno(), 0, seg.source_offset, None, 0, [digest], src_path=path)
                 copy_range(f.fileno(), seg.source_offset, seg.length, None, 0, [digest, whole], src_path=path)
             else:
-                copy_range(f.fileno(), 0, part.size, None, 0, [digest] + ([whole] if whole else []), src_path=path)
+                copy_range(f.fileno(), 0, part.size, None, 0, [digest, whole] if plan is not None else [digest],
+                           src_path=path)
         if digest.hexdigest() != part.sha256:
             problems.append(str(mismatch_error(m, i, digest.hexdigest(), path)))
-    hashed = check("transport.part_hashes", problems, f"{len(m.parts)} parts match their SHA-256")
-    if problems:
-        whole = None
-        why = "a part's SHA-256 differs"
-    return hashed, whole, why
+    if not hashed:
+        part_hashes = skipped("transport.part_hashes", "no part is present with its size")
+    else:
+        left_out = "" if hashed == len(m.parts) else \
+            f" ({len(m.parts) - hashed} of {len(m.parts)} not hashed: missing or of the wrong size)"
+        part_hashes = check("transport.part_hashes", problems, f"{hashed} parts match their SHA-256{left_out}")
+    if merge_problem is not None:
+        file_hash = check("transport.file_hash", [merge_problem])
+    elif plan is None or problems:
+        file_hash = skipped("transport.file_hash", "a part's SHA-256 differs" if plan is not None else
+                            "a part is missing or has the wrong size")
+    else:
+        found = whole.hexdigest()
+        file_hash = check("transport.file_hash", [] if found == m.file.sha256 else [
+            f"{m.file.name}: SHA-256 {found} from the parts, the manifest says {m.file.sha256}"],
+            f"{m.file.name}: {m.file.sha256} ({m.file.size:,} bytes) from the parts in order")
+    return [part_hashes, file_hash]
 
 
 SHARDS_SCOPE = ("structure only: no shard's bytes compared (validate FILE.transport.json to prove every shard's "
