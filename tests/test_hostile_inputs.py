@@ -75,6 +75,16 @@ def test_config_numbers_are_checked_before_anything_is_sized(example_copy, tmp_p
     assert peak < 64 << 20, peak
 
 
+def test_a_config_without_its_layer_count_is_named_as_such(example_copy, tmp_path):
+    """Without num_hidden_layers the architecture's default applies: the error says so, not "the config declares"."""
+    config = json.loads((example_copy / "config.json").read_text())
+    del config["num_hidden_layers"]
+    (example_copy / "config.json").write_text(json.dumps(config))
+    result = run("convert", example_copy, "-o", tmp_path / "o.gguf", "--recipe", "q8_0", "--dry-run",
+                 "--pre-tokenizer", examples.PRE_TOKENIZER)
+    assert_refused(result, EXIT_BAD_INPUT, "gives no num_hidden_layers (the architecture's default:")
+
+
 def test_validate_source_with_a_huge_config_is_refused(example_copy, tmp_path):
     gguf = tmp_path / "q.gguf"
     made = run("convert", examples.example_model_dir(), "-o", gguf, "--recipe", "tiny-moe-f16", "-j", "1",
@@ -113,6 +123,8 @@ def test_sample_mode_catches_a_flipped_byte_in_any_expert_for_every_seed(tmp_pat
             report = json.loads((tmp_path / "r.json").read_text())
             (entry,) = [e for e in report["tensors"] if e["name"] == t.name]
             assert entry["differing_experts"] == [expert], (expert, seed, entry)
+            # the row count is of the rows sampled (every expert's), the expert is where the difference is
+            assert f"{t.name}: 1 of {entry['rows']} sampled rows differ, in expert {expert};" in result.stdout
     gguf.write_bytes(original)
 
 

@@ -231,7 +231,7 @@ def test_a_flipped_byte_is_found_and_named(artifact, tmp_path):
     assert result.exit_code == 1
     assert failed(report) == {"payload.bytes"}
     where = f"expert 5, row 9, block 0 (file offset {start:,})"
-    item = f"{name}: 1 of 2048 rows differ in expert 5; first at {where}"
+    item = f"{name}: 1 of 2048 rows differ, in expert 5; first at {where}"
     assert checks(report)["payload.bytes"]["items"] == [item]
     assert item in result.stdout
     assert "INVALID" in result.stdout
@@ -266,7 +266,7 @@ def test_swapped_experts_are_found(artifact, tmp_path):
     (entry,) = [t for t in report["tensors"] if t["name"] == name]
     assert entry["differing_rows"] == 2 * 256 and entry["differing_experts"] == [2, 6]
     assert entry["differences"][0].startswith("expert 2, row 0, block 0")
-    assert checks(report)["payload.bytes"]["items"][0].startswith(f"{name}: 512 of 2048 rows differ in experts 2, 6")
+    assert checks(report)["payload.bytes"]["items"][0].startswith(f"{name}: 512 of 2048 rows differ, in experts 2, 6")
     assert not entry["error_ok"] and entry["rel_rmse"] > 0.6   # two of eight experts wrong: ~sqrt(2 * 2/8)
     assert any(item.startswith(f"{name}: relative RMSE") for item in checks(report)["payload.error"]["items"])
 
@@ -282,6 +282,24 @@ def test_a_wrong_recipe_gives_an_inventory_diff(artifact, tmp_path):
     assert any(i.startswith("quantkit.recipe.name: STRING 'q4_k_m-control', expected STRING 'q8_0'") for i in meta)
     assert report["recipe"]["name"] == "q8_0"
     assert "not compared (inventory differs)" in checks(report)["payload.bytes"]["detail"]
+
+
+def test_an_edited_recorded_recipe_fails_provenance_and_is_not_replanned(artifact, tmp_path):
+    """A recorded recipe text that no longer hashes to its recorded SHA-256 (here: no longer TOML) is the artifact's
+    defect (exit 1, structure.provenance), not an unusable input: the re-plan and payload checks say why they were
+    skipped, and --recipe re-plans."""
+    src, gguf = artifact("qwen3_moe")
+    bad = copy(gguf, tmp_path)
+    data = bad.read_bytes()
+    at = data.index(b'name = "q4_k_m-control"')
+    poke(bad, at, b"!")
+    result, report = validate(bad, "--source", src, json_path=tmp_path / "r.json")
+    assert result.exit_code == 1, result.output
+    assert "structure.provenance" in failed(report)
+    for name in ("inventory.tensors", "payload.bytes"):
+        assert checks(report)[name]["status"] == "skipped" and "pass --recipe" in checks(report)[name]["detail"]
+    result, report = validate(bad, "--source", src, "--recipe", RECIPE, json_path=tmp_path / "r2.json")
+    assert result.exit_code == 1 and checks(report)["payload.bytes"]["status"] == "passed", result.output
 
 
 def test_a_truncated_file_exits_2_with_one_line(artifact, tmp_path):

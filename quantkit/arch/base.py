@@ -572,9 +572,13 @@ class ArchMap:
         blocks = self.block_count + self.mtp_blocks
         missing = sorted(set(range(blocks)) - seen)
         if missing:
-            raise SourceError(f"the config declares {self.block_count} blocks and the checkpoint holds "
-                              f"{self.mtp_blocks} MTP blocks, but no tensor maps to blocks {missing[:8]}",
-                              field="num_hidden_layers")
+            text_config = self.config.get("text_config")
+            given = "num_hidden_layers" in self.config or (isinstance(text_config, Mapping)
+                                                          and "num_hidden_layers" in text_config)
+            blocks = (f"declares {self.block_count} blocks" if given else
+                      f"gives no num_hidden_layers (the architecture's default: {self.block_count} blocks)")
+            raise SourceError(f"the config {blocks} and the checkpoint holds {self.mtp_blocks} MTP blocks, but no "
+                              f"tensor maps to blocks {missing[:8]}", field="num_hidden_layers")
 
     def assemble(self, output: OutputTensor, load: Callable[[str], np.ndarray],
                  out: np.ndarray | None = None) -> np.ndarray:

@@ -47,7 +47,7 @@ from .engram import row_stores, spec_check
 from .naming import name_checks
 from .support import target_check
 from .payload import PAYLOAD_MODES, audit
-from .replan import describe_inputs, inventory_checks, replan, source_check
+from .replan import describe_inputs, inventory_checks, replan, source_check, tampered_recipe
 from .report import FAILED, PASSED, Check, Report, skipped
 from ..transport.manifest import is_manifest
 from .transport import is_shard_name, validate_manifest, validate_shards
@@ -95,10 +95,11 @@ def _gguf(f: GGUFFile, reader: ArtifactReader, *, source, recipe, imatrix, paylo
     if recipe is None and is_foreign(f):
         return _foreign(f, reader, source=None if structure_only else source, imatrix=imatrix, mode=mode, seed=seed)
     report = Report(str(f.path), "gguf", mode, seed)
-    plan = None if structure_only else replan(f, source=source, recipe=recipe, imatrix=imatrix)
+    not_replanned = "--structure-only" if structure_only else tampered_recipe(f, recipe)
+    plan = None if not_replanned else replan(f, source=source, recipe=recipe, imatrix=imatrix)
     scan = ScaleScan(row_stores(f))
     if plan is None:
-        payload_checks = [skipped(name, "--structure-only") for name in ("payload.bytes", "payload.error")]
+        payload_checks = [skipped(name, not_replanned) for name in ("payload.bytes", "payload.error")]
     else:
         payload_checks, report.tensors = audit(f, plan, reader, scan, mode, seed)
     _scan_rest(f, reader, scan, report.tensors, mode)
@@ -107,7 +108,7 @@ def _gguf(f: GGUFFile, reader: ArtifactReader, *, source, recipe, imatrix, paylo
                      scan.check(f.tensors, scope), metadata_check(f), provenance_check(f)]
     report.checks += [c for c in (spec_check(f),) if c is not None]
     if plan is None:
-        report.checks += [skipped(name, "--structure-only") for name in INVENTORY_CHECKS]
+        report.checks += [skipped(name, not_replanned) for name in INVENTORY_CHECKS]
     else:
         report.source, report.recipe, report.imatrix = describe_inputs(plan)
         report.checks += [*inventory_checks(f, plan, reader), source_check(f, plan, shards_hashed=mode == "full")]

@@ -299,7 +299,7 @@ def _audit_tensor(ctx: SourceContext, job: TensorJob, t: GGUFTensor, comparer: _
 def _in_experts(experts: list[int]) -> str:
     if not experts:
         return ""
-    return f" in expert{'s' if len(experts) > 1 else ''} " + ", ".join(map(str, experts))
+    return f", in expert{'s' if len(experts) > 1 else ''} " + ", ".join(map(str, experts))
 
 
 def _shard_order(ctx: SourceContext, job: TensorJob, shards: list) -> int:
@@ -349,8 +349,9 @@ def audit(f: GGUFFile, plan: "Replan | ForeignPlan", reader: ArtifactReader, sca
         ctx.release()
     results.sort(key=lambda r: f.tensors[r.name].offset)
 
-    differing = [f"{r.name}: {r.differing_rows} of {r.rows} rows differ{_in_experts(r.differing_experts)}; first at "
-                 f"{r.differences[0]}" for r in results if r.differences]
+    differing = [f"{r.name}: {r.differing_rows} of {r.rows} {'sampled ' if r.compared == 'sample' else ''}rows "
+                 f"differ{_in_experts(r.differing_experts)}; first at {r.differences[0]}"
+                 for r in results if r.differences]
     sampled = sum(r.compared == "sample" for r in results)
     scope = f"{len(results)} tensors" + (f" ({sampled} sampled)" if sampled else "")
     note = f"; {len(not_compared)} tensors not compared (inventory differs)" if not_compared else ""

@@ -32,6 +32,7 @@ Inventory checks: ``inventory.tensors`` (missing, extra, different name/shape/ty
 """
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -122,6 +123,17 @@ def _string(f: GGUFFile, key: str) -> str | None:
 def _strings(f: GGUFFile, key: str) -> list[str]:
     kv = f.metadata.get(key)
     return list(kv.value) if kv is not None and kv.type == ArrayOf(GGUFValueType.STRING) else []
+
+
+def tampered_recipe(f: GGUFFile, given: str | None) -> str | None:
+    """Why the artifact cannot be re-planned from its own recipe: its recorded text does not hash to its recorded
+    SHA-256 (an edited file, which ``structure.provenance`` fails); None when it can, or when ``given``."""
+    text, recorded = _string(f, "quantkit.recipe.text"), _string(f, "quantkit.recipe.sha256")
+    if given is not None or text is None or recorded is None:
+        return None
+    if hashlib.sha256(text.encode("utf-8", "surrogateescape")).hexdigest() == recorded:
+        return None
+    return "the recorded recipe does not hash to quantkit.recipe.sha256: pass --recipe to re-plan"
 
 
 def _recipe(f: GGUFFile, given: str | None) -> tuple[Recipe, str]:
@@ -404,4 +416,4 @@ def describe_inputs(plan: Replan) -> tuple[dict, dict, dict | None]:
             None if imatrix is None else {"path": plan.imatrix_path, "sha256": imatrix.sha256})
 
 
-__all__ = ["Replan", "describe_inputs", "inventory_checks", "replan", "source_check"]
+__all__ = ["Replan", "describe_inputs", "inventory_checks", "replan", "source_check", "tampered_recipe"]
