@@ -302,6 +302,27 @@ def test_an_edited_recorded_recipe_fails_provenance_and_is_not_replanned(artifac
     assert result.exit_code == 1 and checks(report)["payload.bytes"]["status"] == "passed", result.output
 
 
+def test_a_token_changed_deep_in_the_vocabulary_is_named_by_its_index(artifact, tmp_path):
+    """Two vocabularies of one length whose first items agree: the metadata check names the first item that
+    differs, not two identical-looking previews."""
+    import struct
+
+    src, gguf = artifact("qwen3_moe")
+    bad = copy(gguf, tmp_path)
+    with GGUFFile(bad) as f:
+        tokens = list(f.metadata["tokenizer.ggml.tokens"].value)
+    i = next(i for i in range(100, len(tokens)) if tokens[i].isascii() and tokens[i].isalpha() and len(tokens[i]) > 2)
+    stored = struct.pack("<Q", len(tokens[i].encode())) + tokens[i].encode()
+    data = bad.read_bytes()
+    at = data.index(stored) + 8
+    changed = ("Q" if tokens[i][0] != "Q" else "Z") + tokens[i][1:]
+    poke(bad, at, changed.encode()[:1])
+    result, report = validate(bad, "--source", src, "--payload", "none", json_path=tmp_path / "r.json")
+    assert result.exit_code == 1, result.output
+    items = checks(report)["inventory.metadata"]["items"]
+    assert f"tokenizer.ggml.tokens: ARRAY[STRING] item {i} of {len(tokens)}: {changed!r}, expected {tokens[i]!r}" in items
+
+
 def test_a_truncated_file_exits_2_with_one_line(artifact, tmp_path):
     src, gguf = artifact("qwen3_moe")
     cut = tmp_path / "cut.gguf"

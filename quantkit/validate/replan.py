@@ -331,6 +331,21 @@ def _show(kv: KV) -> str:
     return f"{type_name(kv.type)} {shown}"
 
 
+def _show_difference(found: KV, expected: KV) -> str:
+    """Found and expected values; for two arrays of one type and length, the first item that differs (their first
+    items alike say nothing of a token changed deep in a vocabulary)."""
+    if isinstance(found.type, ArrayOf) and found.type == expected.type and len(found.value) == len(expected.value):
+        def encoded(value, i):   # one item as its array type encodes it
+            return _encoded("k", KV([value[i]], found.type))
+
+        i = next((i for i in range(len(found.value)) if encoded(found.value, i) != encoded(expected.value, i)), None)
+        if i is not None:
+            item = f"item {i} of {len(found.value)}: {found.value[i]!r}, expected {expected.value[i]!r}"
+            return f"{type_name(found.type)} " + (item if len(item) <= VALUE_CHARS_SHOWN else
+                                                 item[:VALUE_CHARS_SHOWN] + "…")
+    return f"{_show(found)}, expected {_show(expected)}"
+
+
 def _first_difference(a: list, b: list) -> str:
     return next(f"{x!r} where {y!r} was expected" for x, y in zip(a, b) if x != y)
 
@@ -360,7 +375,7 @@ def metadata_check(f: GGUFFile, expected: Layout) -> Check:
     found, planned = f.metadata, expected.metadata
     problems = [f"missing {k} ({_show(kv)})" for k, kv in planned.items() if k not in found]
     problems += [f"extra {k} ({_show(kv)})" for k, kv in found.items() if k not in planned]
-    problems += [f"{k}: {_show(found[k])}, expected {_show(kv)}" for k, kv in planned.items()
+    problems += [f"{k}: {_show_difference(found[k], kv)}" for k, kv in planned.items()
                  if k in found and not _same_kv(found[k], kv)]
     common_found = [k for k in found if k in planned]
     common_planned = [k for k in planned if k in found]
