@@ -227,6 +227,31 @@ def test_llama_quantize_q4_k_m_is_proven_byte_for_byte(q4_k_m, arch, tmp_path):
     assert sampled.exit_code == 0, sampled.output
 
 
+def test_llama_quantize_drops_trailing_unit_dimensions_and_the_tensor_is_still_proven(converted, tmp_path):
+    """llama-quantize writes ggml_n_dims dimensions: GLM-5.3's KDA convolutions [1, 256, 1, 4] are stored as
+    [256, 1, 4], the same ggml tensor. Validate compares shapes as ggml sees them (they were "shape differs", and
+    no GLM file llama-quantize made could pass)."""
+    source, f32 = converted("glm5_next")
+    path = quantize(f32, tmp_path / "glm5_next-Q8_0.gguf", "LLAMA_FTYPE_MOSTLY_Q8_0")
+    with GGUFFile(path) as f:
+        total = len(f.tensors)
+        assert list(f.tensors["blk.0.ssm_conv1d_k.weight"].shape) == [256, 1, 4]
+    result = validate(path, "--source", source, "--payload", "full")
+    assert result.exit_code == 0 and f"valid ({total} of {total} tensors proven)" in result.output, result.output
+    assert validate(path, "--source", source).exit_code == 0
+
+
+def test_a_tensor_neither_compared_nor_unproven_fails_the_proof():
+    """The proof counts every tensor of the file: one the audit skipped without a reason of its own (an inventory
+    difference) is not proven, and "valid (81 of 84 tensors proven)" was possible."""
+    from quantkit.validate.foreign import proof_check
+
+    compared = [{"match": True, "compared": "full"}] * 3
+    proof = proof_check(5, compared, {"x": "quantkit cannot encode TQ1_0"}, "full")
+    assert proof.status == "failed" and proof.detail.endswith("1 not compared (see inventory.tensors)"), proof.detail
+    assert proof_check(4, compared, {"x": "why"}, "full").detail == "3 of 4 tensors proven, 1 unproven (1: why)"
+
+
 def test_llama_cpp_deepseek_v4_is_proven_with_its_integer_table(converted, tmp_path):
     """llama.cpp's conversion of the official DeepSeek V4 layout (FP4 experts dequantized to F32) carries the hash
     routing table ``ffn_gate_tid2eid`` as I32: proven as the copy it is, where it was "unproven: quantkit cannot
@@ -286,12 +311,25 @@ def test_flipped_payload_byte_is_named(q4_k_m, arch, tmp_path):
     assert "blk.1.ffn_down_exps.weight: 1 of" in result.output and "INVALID" in result.output
 
 
-def test_without_source_only_the_structure_is_checked(q4_k_m):
+def test_without_source_only_the_structure_is_checked(q4_k_m, tmp_path):
+    """No payload is read without --source (sample mode): the scales check says so rather than passing over
+    0 bytes; --payload full scans every block and finds a NaN scale."""
     _, path = q4_k_m("qwen3_moe")
     result = validate(path)
     assert result.exit_code == 0, result.output
     assert "structure checks only" in result.output
     assert "valid (structure only: no tensor proven (pass --source))" in result.output
+    assert "skipped structure.scales      no payload bytes read" in result.output, result.output
+    bad = tmp_path / "nan-scale.gguf"
+    bad.write_bytes(path.read_bytes())
+    with GGUFFile(bad) as f:
+        t = next(t for t in f.tensors.values() if t.type.name == "Q8_0")
+        at = f.data_offset + t.offset + 5 * 34                    # block 5's F16 scale
+    with open(bad, "r+b") as fh:
+        fh.seek(at)
+        fh.write(np.float16(np.nan).tobytes())
+    result = validate(bad, "--payload", "full")
+    assert result.exit_code == 1 and "failed  structure.scales" in result.output, result.output
 
 
 def test_imatrix_types_without_the_imatrix_are_unproven(tiny_checkpoints, tmp_path):

@@ -127,6 +127,15 @@ def min_value_bytes(vtype: ValueType) -> int:
     return SCALAR_DTYPES[vtype].itemsize
 
 
+def ggml_dims(shape) -> tuple[int, ...]:
+    """A numpy-order shape as ggml sees it: ``ggml_n_dims`` drops ggml's trailing (numpy's leading) size-1
+    dimensions, as llama-quantize writes them ([1, 256, 1, 4] is stored as [256, 1, 4]: the same tensor)."""
+    dims = tuple(int(d) for d in shape)
+    while len(dims) > 1 and dims[0] == 1:
+        dims = dims[1:]
+    return dims
+
+
 def align(n: int, alignment: int) -> int:
     """``n`` rounded up to a multiple of ``alignment``."""
     return -(-n // alignment) * alignment

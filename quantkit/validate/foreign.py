@@ -43,6 +43,7 @@ from ..errors import SourceError, UnsupportedError
 from ..formats.api import tensor_nbytes
 from ..formats.registry import GGMLType, ImatrixUse, get_format
 from ..io.checkpoint import open_checkpoint
+from ..io.gguf import ggml_dims
 from ..io.gguf_reader import GGUFFile
 from .replan import SourceFileHashes, _show, _same_kv
 from .report import FAILED, PASSED, SKIPPED, Check, check
@@ -164,7 +165,7 @@ def foreign_plan(f: GGUFFile, source: str, imatrix: str | None) -> tuple[Foreign
         if o is None:
             unproven[t.name] = "no source tensor maps to it"
             continue
-        if tuple(t.shape) != tuple(o.shape):
+        if ggml_dims(t.shape) != ggml_dims(o.shape):
             problems.append(f"{t.name}: shape {list(t.shape)}, the source gives {list(o.shape)}")
             continue
         encoding = {encodings[m.hf_name] for m in o.sources}
@@ -225,13 +226,17 @@ def proof_check(total: int, results: list[dict], unproven: dict[str, str], mode:
     why = "; ".join(f"{count}: {reason}" for reason, count in reasons.most_common(REASONS_SHOWN))
     scope = " (sampled experts and rows)" if mode == "sample" and any(r["compared"] == "sample" for r in results) \
         else ""
+    # tensors neither compared nor unproven for a reason: the inventory check names them (a shape, a type)
+    uncompared = total - proven - differing - len(unproven)
     detail = f"{proven} of {total} tensors proven{scope}"
     if differing:
         detail += f", {differing} differ"
     if unproven:
         detail += f", {len(unproven)} unproven ({why})"
+    if uncompared:
+        detail += f", {uncompared} not compared (see inventory.tensors)"
     items = [f"{name}: {reason}" for name, reason in unproven.items()]
-    return Check("payload.proof", FAILED if unproven or differing else PASSED, detail, items)
+    return Check("payload.proof", FAILED if unproven or differing or uncompared else PASSED, detail, items)
 
 
 def unverified_checks(total: int, why: str) -> list[Check]:

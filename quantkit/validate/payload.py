@@ -49,7 +49,7 @@ from ..arch import CLASS_GROUPS, ROW_TABLE_CLASSES   # row tables are sampled by
 from ..convert.tensors import SourceContext, TensorJob, tensor_rows
 from ..formats.api import decode
 from ..formats.registry import GGMLType, layout as type_layout
-from ..io.gguf import GGUFTensor
+from ..io.gguf import GGUFTensor, ggml_dims
 from ..io.gguf_reader import GGUFFile
 from .pieces import chosen
 from .foreign import ForeignPlan
@@ -330,7 +330,7 @@ def audit(f: GGUFFile, plan: "Replan | ForeignPlan", reader: ArtifactReader, sca
         hashed: set[str] = set()
         for job in jobs:
             t = f.tensors.get(plan.stored_name(job.name))
-            if t is None or t.type != job.qtype or tuple(t.shape) != tuple(job.output.shape):
+            if t is None or t.type != job.qtype or ggml_dims(t.shape) != ggml_dims(job.output.shape):
                 not_compared.append(job.name)
                 continue
             if mode == "full":

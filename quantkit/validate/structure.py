@@ -39,7 +39,7 @@ from ..imatrix.bootstrap import BOOTSTRAP_KEY, CALIBRATION_KEY
 from ..io.gguf import KV, ArrayOf, GGUFTensor, align, type_name
 from ..io.gguf_reader import GGUFFile
 from ..io.gguf_writer import plan_layout
-from .report import Check, check
+from .report import Check, check, skipped
 from ..formats.rowdata import check_row_data
 
 #: Payload bytes read and scanned at a time (bounds memory when scanning whole tensors).
@@ -199,6 +199,8 @@ class ScaleScan:
                  for name, (first, count, what) in self.problems.items()]
         items += [f"Engram table {name}: {count} invalid row{'s' if count > 1 else ''}; first at {what}"
                   for name, (first, count, what) in self.row_problems.items()]
+        if not items and not self.bytes_scanned:   # nothing read: no block was shown finite
+            return skipped("structure.scales", f"no payload bytes read ({scope}); --payload full scans every block")
         return check("structure.scales", items, passed=f"every block's scales finite ({scope}, "
                                                        f"{self.bytes_scanned:,} payload bytes)")
 
