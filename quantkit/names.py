@@ -200,11 +200,22 @@ class ArtifactName:
 
     @property
     def claims(self) -> tuple[Claim, ...]:
-        return tuple(f.claim() for f in self.fragments)
+        mix = (Claim(frozenset(), (self.mix_type,)),) if self.mix_type else ()
+        return mix + tuple(f.claim() for f in self.fragments)
+
+    @property
+    def mix_type(self) -> str | None:
+        """``ud``: the GGML type a mix is named after (``IQ2_XXS``, ``Q2_K`` of ``Q2_K_XL``): the file holds
+        tensors of it."""
+        if self.style != "ud" or not self.mix:
+            return None
+        words = self.mix.split("_")
+        return next(("_".join(words[:n]) for n in range(len(words), 0, -1)
+                     if "_".join(words[:n]) in GGMLType.__members__), None)
 
     @property
     def claims_anything(self) -> bool:
-        return bool(self.fragments or self.calibration or self.label)
+        return bool(self.fragments or self.mix_type or self.calibration or self.label)
 
     def suffix_words(self) -> list[str]:
         words = list(self.variant)

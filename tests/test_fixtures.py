@@ -184,6 +184,11 @@ def test_read_prompts(tmp_path):
     (tmp_path / "bad.jsonl").write_text('{"text": "c"}\n')
     with pytest.raises(FixtureError, match="line 1: expected a JSON string"):
         read_prompts(tmp_path / "bad.jsonl")
+    # a byte-order mark (and CRLF) as a Windows editor writes them: not part of the first prompt, in either format
+    (tmp_path / "bom.txt").write_bytes("\ufefffirst prompt\r\nsecond prompt\r\n".encode())
+    assert read_prompts(tmp_path / "bom.txt") == [("case_0001", "first prompt"), ("case_0002", "second prompt")]
+    (tmp_path / "bom.jsonl").write_bytes('\ufeff"a"\r\n'.encode())
+    assert read_prompts(tmp_path / "bom.jsonl") == [("case_0001", "a")]
 
 
 # -- capture rules with a scripted model --------------------------------------------------------------------

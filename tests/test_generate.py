@@ -142,6 +142,12 @@ def test_cli_generate_prints_the_sampled_continuation(tiny_checkpoints):
     assert out.exit_code == 2 and "min_p belongs to the ds4 law" in out.output
     out = CliRunner().invoke(main, args + ["--law", "ds4", "--min-p", "0.1", "--json"])
     assert out.exit_code == 0 and json.loads(out.output)["sampling"]["law"] == "ds4"
+    # past the model's context (max_position_embeddings): refused before a token is made; an empty prompt too
+    context = json.loads((path / "config.json").read_text())["max_position_embeddings"]
+    out = CliRunner().invoke(main, args[:6] + ["-n", str(context)])
+    assert out.exit_code == 2 and f"pass the model's context of {context} tokens" in out.output, out.output
+    out = CliRunner().invoke(main, ["generate", str(path), "--prompt", "", "--rendering", "raw"])
+    assert out.exit_code == 2 and "--prompt" in out.output and out.output.count("\n") == 1, out.output
 
 
 def test_cli_sampled_capture_records_its_law(tmp_path, text_model):  # noqa: F811 - pytest fixture

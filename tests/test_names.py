@@ -79,6 +79,17 @@ def test_seed_name_round_trips_and_claims_what_it_says(row):
     assert (name.calibration or "") == row["calibration"] and (name.label or "") == row["label"]
 
 
+@pytest.mark.parametrize("name, mix_type", [("Qwen3-30B-A3B-UD-Q4_K_XL.gguf", "Q4_K"),
+                                             ("GLM-5.2-UD-IQ2_XXS.gguf", "IQ2_XXS"), ("X-UD-Q3_K_M.gguf", "Q3_K")])
+def test_a_ud_mix_claims_tensors_of_its_type(name, mix_type):
+    """Unsloth's UD-<mix> is named after its main type (a UD-IQ2_XXS file holds IQ2_XXS tensors): claimed, so a
+    renamed file is caught (a UD name claimed nothing)."""
+    parsed = parse(name)
+    assert parsed.style == "ud" and parsed.claims_anything
+    assert contradictions(parsed, _tensors(mix_type, "Q8_0"), {}) == []
+    assert contradictions(parsed, _tensors("Q8_0", "F16"), {})
+
+
 @pytest.mark.parametrize("text", ["model.gguf", "Qwen3-30B-A3B-Q4_K_M.gguf", "ds4flash.gguf", "OLD.gguf", ""])
 def test_a_name_outside_the_grammar_claims_nothing_and_still_round_trips(text):
     name = parse(text)

@@ -299,6 +299,8 @@ def test_summary_reports_classes_and_totals(tiny):
 
 
 def test_recipes_command_lists_the_shipped_recipes():
+    from quantkit.recipes.catalog import EXAMPLE_DIR
+
     runner = CliRunner()
     result = runner.invoke(main, ["recipes"])
     assert result.exit_code == 0, result.output
@@ -306,7 +308,9 @@ def test_recipes_command_lists_the_shipped_recipes():
         assert re.search(rf"^{re.escape(r.name)}\n    architectures  {', '.join(r.architectures)}\n"
                          rf"    name tag       {re.escape(r.name_tag)}\n", result.output, re.M)
     listed = json.loads(runner.invoke(main, ["recipes", "--json"]).output)
-    assert [e["name"] for e in listed] == [r.name for r in shipped_recipes()]
+    examples = [r.name for r in shipped_recipes(EXAMPLE_DIR)]
+    assert [e["name"] for e in listed] == [r.name for r in shipped_recipes()] + examples and examples
+    assert [e["name"] for e in listed if e["example"]] == examples
     shown = runner.invoke(main, ["recipes", "q8_0"])
     assert shown.exit_code == 0 and 'name = "q8_0"' in shown.output
     missing = runner.invoke(main, ["recipes", "q9_0"])

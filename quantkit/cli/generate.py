@@ -34,8 +34,14 @@ def generate(model, prompt, max_new_tokens, temperature, top_k, top_p, presence_
     Sampler(params, seed, law)          # settings the law refuses fail before the model loads
     codec = TextCodec(load_tokenizer(model, tokenizer))
     prompt_ids = codec.render(prompt, _rendering(rendering, chat_template_kwargs))
+    if not prompt_ids:
+        raise click.BadParameter("renders to no tokens: give some text", param_hint="--prompt")
     runtime = load_model(model, device=device, stream=stream_weights)
     try:
+        context = _context_length(runtime.config)
+        if context is not None and len(prompt_ids) + max_new_tokens > context:
+            raise click.BadParameter(f"the prompt's {len(prompt_ids)} tokens and {max_new_tokens} more pass the "
+                                     f"model's context of {context} tokens", param_hint="-n")
         result = sample(runtime, prompt_ids, max_new_tokens, params, seed, law=law,
                         stop=lambda token: not codec.is_text_token(token), use_cache=not no_cache)
     finally:
@@ -46,6 +52,13 @@ def generate(model, prompt, max_new_tokens, temperature, top_k, top_p, presence_
                                "sampling": {**params.to_json(), "seed": seed, "law": law}}, indent=1))
     else:
         click.echo(text)
+
+
+def _context_length(config: dict) -> int | None:
+    """The context the model was trained for (``max_position_embeddings``, of the text model where nested)."""
+    text = config.get("text_config")
+    value = (text if isinstance(text, dict) else config).get("max_position_embeddings")
+    return value if isinstance(value, int) and value > 0 else None
 
 
 COMMANDS = [generate]

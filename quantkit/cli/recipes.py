@@ -22,12 +22,12 @@ def recipes(name, as_json):
         recipe = load_recipe(name)
         click.echo(json.dumps(recipe.to_dict(), indent=1) if as_json else recipe.text.rstrip("\n"))
         return
-    listed = shipped_recipes()
-    if as_json:
+    listed, examples = shipped_recipes(), shipped_recipes(EXAMPLE_DIR)
+    if as_json:   # the same recipes as the listing: the example ones are --recipe names too
         keys = ("name", "architectures", "name_tag", "description", "path", "sha256")
-        click.echo(json.dumps([{k: r.to_dict()[k] for k in keys} for r in listed], indent=1))
+        click.echo(json.dumps([{**{k: r.to_dict()[k] for k in keys}, "example": r in examples}
+                               for r in [*listed, *examples]], indent=1))
         return
-    examples = shipped_recipes(EXAMPLE_DIR)
     for r in [*listed, None, *examples]:
         if r is None:
             click.echo("\nexample recipes (for the bundled tiny model, quantkit demo):")
