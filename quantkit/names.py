@@ -111,6 +111,20 @@ _TYPE = f"(?:{_alternation(TYPE_SPELLINGS)})"
 _OWN_LABEL = rf"(?!{_TYPE})[A-Z][A-Za-z]*"
 _LABEL = f"(?:{_alternation(LABEL_CLASSES)}|{_OWN_LABEL})"
 _LAYERS = r"\d+(?:-\d+)?(?:\+\d+(?:-\d+)?)*"
+
+
+def tag_problem(tag: str, class_name: str) -> str | None:
+    """Why a recipe rule's ``tag`` cannot stand in a file name for a rule of ``class_name``: it is the label of other
+    classes (the name would claim the rule's type for them), or a word the grammar does not read as a label (the
+    conversion would suggest no name).  None when it can."""
+    claimed = LABEL_CLASSES.get(tag)
+    if claimed is not None and claimed != _classes(class_name):
+        return (f"tag {tag!r} is the file-name label of {'/'.join(sorted(claimed))}: a name would claim this rule's "
+                f"type for those tensors; choose another tag")
+    if claimed is None and not re.fullmatch(_OWN_LABEL, tag):
+        return (f"tag {tag!r} is not a word file names read as a label (a capital letter, then letters, not "
+                f"starting with a type spelling such as Q4K; e.g. 'FFNDown'); the conversion could suggest no name")
+    return None
 _BODY = (rf"(?:(?P<label>{_LABEL})(?P<type>{_TYPE})|(?P<type2>{_TYPE})(?P<label2>{_LABEL})?)")
 _DS4_FRAGMENT = re.compile(rf"(?:Layers(?P<layers>{_LAYERS}))?(?P<other>OtherExpertLayers)?{_BODY}(?=-|$)")
 _UD_FRAGMENT = re.compile(rf"(?:blk(?P<layers>{_LAYERS}))?{_BODY}")

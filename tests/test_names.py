@@ -419,3 +419,31 @@ def test_the_suggested_name_of_every_shipped_recipe_holds_for_its_plan(tmp_path_
     routed = {t.name: t.qtype.name for t in plan.tensors if "_exps." in t.name}
     if any(c.classes & {"routed_gate", "routed_down"} for c in name.claims):
         assert contradictions(parse(name.render()), [(n, "TQ1_0", 3) for n in routed], {})   # the check can fail
+
+
+#: Recipes whose ranged rules split a range's expert types or overlap (qwen3_moe's tiny model has layers 0-3).
+RANGED_RECIPES = {
+    "narrow-down": 'class = "routed_experts"\ntype = "Q4_K"\n[[rule]]\nclass = "routed_down"\nlayers = "1"\n'
+                   'type = "Q2_K"\n',
+    "overlapping": 'class = "routed_experts"\nlayers = "0-2"\ntype = "Q4_K"\n[[rule]]\nclass = "routed_down"\n'
+                   'layers = "1"\ntype = "Q2_K"\n',
+}
+
+
+@pytest.mark.parametrize("body", RANGED_RECIPES.values(), ids=list(RANGED_RECIPES))
+def test_the_suggested_name_of_a_ranged_recipe_holds_for_its_plan(tmp_path_factory, tmp_path, body):
+    """A range's down projection named without its range claimed every layer's down projection, and a narrower
+    range took the default type for what a wider range gives: validate refused the names convert suggested."""
+    from quantkit.convert import build_plan
+
+    path = tmp_path / "r.toml"
+    path.write_text(f'name = "r"\narchitectures = ["qwen3_moe"]\n[defaults]\ntype = "Q8_0"\n[[rule]]\n{body}')
+    source = TinyCheckpointCache(tmp_path_factory.getbasetemp() / "names-cache").get("qwen3_moe", "per-expert",
+                                                                                       "bf16")
+    plan = build_plan(source, str(path), pre_tokenizer=PRE)
+    name = parse(suggest("qwen3_moe", plan.name_tag).render())
+    tensors = [(t.name, t.qtype.name, len(t.output.shape)) for t in plan.tensors]
+    assert contradictions(name, tensors, {}) == [], name.render()
+    down = next(t.name for t in plan.tensors if t.name.startswith("blk.1.ffn_down_exps"))
+    assert contradictions(name, [(n, "Q4_K" if n == down else q, d) for n, q, d in tensors], {})   # it can fail
+

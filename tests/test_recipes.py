@@ -96,6 +96,12 @@ def test_class_labels_cover_every_class_and_group():
     (rule("routed_experts", "Q4_K", layers="3-5"), 'type = "Q8_0"', "Layers3-5Q4KExperts-OtherExpertLayersQ8Experts"),
     (rule("routed_experts", "Q4_K", layers=[1, "3-5", 6]) + rule("routed_experts", "Q2_K"), None,
      "Layers1+3-6Q4KExperts-OtherExpertLayersQ2KExperts"),
+    # a range's split types each carry the range (a part without one claims every layer); a narrower range takes
+    # the types of the wider rules that cover it
+    (rule("routed_experts", "Q4_K") + rule("routed_down", "Q2_K", layers="1"), 'type = "Q8_0"',
+     "Layers1Q4KGateUp-Layers1Q2KDown-OtherExpertLayersQ4KExperts"),
+    (rule("routed_experts", "Q4_K", layers="0-3") + rule("routed_down", "Q2_K", layers="1"), 'type = "Q8_0"',
+     "Layers0-3Q4KExperts-Layers1Q4KGateUp-Layers1Q2KDown-OtherExpertLayersQ8Experts"),
     # float and source choices are not quantization choices; tag = "" hides a rule; tag labels a rule
     (rule("indexer", "BF16") + rule("ngram_table", "source") + rule("attn_proj", "Q8_0", tag="")
      + rule("shared_expert", "Q6_K", tag="Shared"), 'type = "Q8_0"', "Q8-SharedQ6K"),
@@ -145,6 +151,11 @@ BAD_RECIPES = [
      "not allowed", 6),
     (HEADER + '[defaults]\nfallback = "Q8_0"\n', "defaults.fallback", "without a default type", 4),
     (HEADER + '[[rule]]\nclass = "attn_q"\ntype = "Q8_0"\ntag = "A Q"\n', "rule[1].tag", "may only hold", 6),
+    # a tag file names read as another class's label (they would claim this type for it), or cannot read at all
+    (HEADER + '[[rule]]\nclass = "attn_q"\ntype = "Q4_K"\ntag = "w2"\n', "rule[1].tag", "label of routed_down", 6),
+    (HEADER + '[[rule]]\nclass = "attn_q"\ntype = "Q4_K"\ntag = "Out"\n', "rule[1].tag", "label of output", 6),
+    (HEADER + '[[rule]]\nclass = "attn_q"\ntype = "Q4_K"\ntag = "lower"\n', "rule[1].tag", "not a word", 6),
+    (HEADER + '[[rule]]\nclass = "attn_q"\ntype = "Q4_K"\ntag = "Q4K"\n', "rule[1].tag", "not a word", 6),
     (HEADER + '[[rule]]\nclass = "hash_routing"\ntype = "F32"\n', "rule[1].class", "always written as I32", 4),
     (HEADER + 'skip = ["mtp"]\n[[rule]]\nclass = "mtp"\ntype = "Q8_0"\n', "rule[1].class", "which the recipe skips",
      5),

@@ -79,14 +79,18 @@ trailing ``_0`` (``Q8_0`` -> ``Q8``, ``Q4_K`` -> ``Q4K``, ``IQ2_XXS`` -> ``IQ2XX
    starts with the default type (``Q8``).  Otherwise, for every distinct ``layers`` value of these rules, in
    order of first layer: ``Layers<layers><experts>``, then for the other layers ``<experts>``, prefixed
    ``OtherExpertLayers`` when ranged fragments precede it.  ``<experts>`` describes the gate/up/down types that
-   unnamed rules for exactly those layers (or for all layers) give, else the default type: ``<T>Experts`` when
-   all three agree; otherwise ``<G>-w2<D>`` (gate/up type, then the down type
+   the most specific unnamed rule covering those layers (or all layers) gives each, else the default type:
+   ``<T>Experts`` when all three agree; otherwise ``<G>-w2<D>`` (gate/up type, then the down type
    after DeepSeek's name for the down projection, ``w2``) in a tag without ranged fragments, and
-   ``<G>GateUp-<D>Down`` beside them; ``<G>Gate-<U>Up-...`` if gate and up differ.
+   ``<G>GateUp-<D>Down`` beside them (in a ranged fragment each part carries the range:
+   ``Layers1Q4KGateUp-Layers1Q2KDown``, since a part without one claims every layer); ``<G>Gate-<U>Up-...``
+   if gate and up differ.
 2. Every other rule in file order: ``[Layers<layers>]<label><T>``, where the label is the rule's ``tag`` or
    the class's label (:data:`CLASS_LABELS`: ``attn_proj`` -> ``AProj``, ``shared_expert`` -> ``SExp``,
    ``output`` -> ``Out``, ...).  Rules keeping a float type (F32, F16, BF16) or the source encoding, and rules
-   with ``tag = ""``, add nothing.
+   with ``tag = ""``, add nothing.  A ``tag`` must be a word file names read as a label (a capital letter, then
+   letters) and not another class's label (``tag = "Out"`` on an attention rule would claim its type for the
+   output head): :func:`quantkit.names.tag_problem`.
 
 Shipped recipes live in ``quantkit/recipes/shipped/<name>.toml``; :func:`shipped_recipes` lists them and
 :func:`load_recipe` takes a path or a shipped name.

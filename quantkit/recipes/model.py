@@ -450,6 +450,10 @@ def _rule(ctx: _Context, raw: Any, index: int) -> Rule:
         if tag and not _NAME_CHARS.fullmatch(tag):
             raise ctx.fail(f"tag {tag!r} may only hold letters, digits and _ . + -", field=prefix + "tag",
                            table="rule", index=index, key="tag")
+        from ..names import tag_problem   # here: quantkit.names reads the recipes' labels
+
+        if tag and (problem := tag_problem(tag, class_name)):
+            raise ctx.fail(problem, field=prefix + "tag", table="rule", index=index, key="tag")
     return Rule(index, class_name, expand_class(class_name), qtype, fallback, layers, name, tag,
                 ctx.locator.line("rule", index), pattern)
 

@@ -44,11 +44,19 @@ def _is_expert_rule(r: "Rule") -> bool:
     return r.name is None and r.tag is None and r.classes <= frozenset(ROUTED)
 
 
+def _covers(outer: Layers | None, inner: Layers | None) -> bool:
+    """Whether a rule for layers ``outer`` (None: all) applies to every layer of ``inner`` (None: all)."""
+    if outer is None:
+        return True
+    return inner is not None and all(any(lo <= a and b <= hi for lo, hi in outer) for a, b in inner)
+
+
 def _expert_types(rules: "list[Rule]", default: str | None, layers: Layers | None) -> tuple[str | None, ...]:
-    """The type names that unnamed rules for ``layers`` exactly (or for all layers) give gate, up and down."""
+    """The type names that unnamed rules covering ``layers`` (or all layers) give gate, up and down there: the most
+    specific rule wins, as in the plan."""
     types = []
     for cls in ROUTED:
-        candidates = [r for r in rules if r.name is None and cls in r.classes and r.layers in (None, layers)]
+        candidates = [r for r in rules if r.name is None and cls in r.classes and _covers(r.layers, layers)]
         if candidates:
             best = max(r.specificity for r in candidates)
             types.append(next(r for r in candidates if r.specificity == best).type_name)
@@ -57,16 +65,16 @@ def _expert_types(rules: "list[Rule]", default: str | None, layers: Layers | Non
     return tuple(types)
 
 
-def _experts(types: tuple[str | None, ...], beside_ranges: bool) -> str:
+def _experts(types: tuple[str | None, ...], beside_ranges: bool) -> list[str]:
     gate, up, down = (type_abbreviation(t) for t in types)
     if gate == up == down:
-        return f"{gate}Experts"
+        return [f"{gate}Experts"]
     head = [gate] if gate == up else [f"{gate}Gate", f"{up}Up"]
     if beside_ranges:
         if gate == up:
             head = [f"{gate}GateUp"]
-        return "-".join(head + [f"{down}Down"])
-    return "-".join(head + [f"w2{down}"])
+        return head + [f"{down}Down"]
+    return head + [f"w2{down}"]
 
 
 def name_tag(recipe: "Recipe", resolution: "Resolution | None" = None) -> str:
@@ -90,9 +98,10 @@ def name_tag(recipe: "Recipe", resolution: "Resolution | None" = None) -> str:
             if r.layers is not None and r.layers not in ranges:
                 ranges.append(r.layers)
         ranges.sort()
-        for layers in ranges:
-            fragments.append(f"Layers{layers_text(layers)}{_experts(_expert_types(rules, default, layers), True)}")
-        others = _experts(_expert_types(rules, default, None), bool(ranges))
+        for layers in ranges:   # each part its range: a part without one claims every layer
+            fragments += [f"Layers{layers_text(layers)}{part}"
+                          for part in _experts(_expert_types(rules, default, layers), True)]
+        others = "-".join(_experts(_expert_types(rules, default, None), bool(ranges)))
         fragments.append(f"OtherExpertLayers{others}" if ranges else others)
     for r in rules:
         if _is_expert_rule(r) or r.tag == "" or r.qtype is None or r.qtype in FLOAT_TYPES:
