@@ -210,7 +210,7 @@ class Recipe:
 
     @property
     def sha256(self) -> str:
-        return hashlib.sha256(self.text.encode("utf-8")).hexdigest()
+        return text_sha256(self.text)
 
     @property
     def name_tag(self) -> str:
@@ -233,6 +233,12 @@ class Recipe:
                 "defaults": {"type": self.defaults.type_name,
                              "fallback": self.defaults.fallback and self.defaults.fallback.name},
                 "rules": [r.to_dict() for r in self.rules], "name_tag": self.name_tag, "text": self.text}
+
+
+def text_sha256(text: str) -> str:
+    """A recipe's SHA-256: of its text's UTF-8 bytes (a text read back from a file with invalid UTF-8 holds them as
+    lone surrogates, which hash as those bytes)."""
+    return hashlib.sha256(text.encode("utf-8", "surrogateescape")).hexdigest()
 
 
 def expand_class(name: str) -> frozenset[str]:

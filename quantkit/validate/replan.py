@@ -32,7 +32,6 @@ Inventory checks: ``inventory.tensors`` (missing, extra, different name/shape/ty
 """
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -51,7 +50,7 @@ from ..io.gguf import KV, ArrayOf, type_name
 from ..io.gguf_reader import GGUFFile
 from ..io.gguf_writer import Layout, plan_layout
 from ..recipes import Recipe, load_recipe
-from ..recipes.model import parse_recipe
+from ..recipes.model import parse_recipe, text_sha256
 from .report import Check, check, printable
 from .structure import ArtifactReader
 
@@ -131,7 +130,7 @@ def tampered_recipe(f: GGUFFile, given: str | None) -> str | None:
     text, recorded = _string(f, "quantkit.recipe.text"), _string(f, "quantkit.recipe.sha256")
     if given is not None or text is None or recorded is None:
         return None
-    if hashlib.sha256(text.encode("utf-8", "surrogateescape")).hexdigest() == recorded:
+    if text_sha256(text) == recorded:
         return None
     return "the recorded recipe does not hash to quantkit.recipe.sha256: pass --recipe to re-plan"
 

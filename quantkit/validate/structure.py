@@ -24,7 +24,6 @@ file the reader accepted:
 """
 from __future__ import annotations
 
-import hashlib
 import os
 import re
 from pathlib import Path
@@ -39,6 +38,7 @@ from ..imatrix.bootstrap import BOOTSTRAP_KEY, CALIBRATION_KEY
 from ..io.gguf import KV, ArrayOf, GGUFTensor, align, type_name
 from ..io.gguf_reader import GGUFFile
 from ..io.gguf_writer import plan_layout
+from ..recipes.model import text_sha256
 from .report import Check, check, skipped
 from ..formats.rowdata import check_row_data
 
@@ -334,7 +334,7 @@ def provenance_check(f: GGUFFile) -> Check:
     if problems:
         return check("structure.provenance", problems)
     text, recorded = md["quantkit.recipe.text"].value, md["quantkit.recipe.sha256"].value
-    if hashlib.sha256(text.encode("utf-8", "surrogateescape")).hexdigest() != recorded:
+    if text_sha256(text) != recorded:
         problems.append(f"quantkit.recipe.text does not hash to quantkit.recipe.sha256 ({recorded[:16]}…)")
     files, hashes = md["quantkit.source.files"].value, md["quantkit.source.sha256"].value
     if len(files) != len(hashes):
