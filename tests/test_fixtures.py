@@ -515,6 +515,19 @@ def test_cached_greedy_matches_uncached(tiny_checkpoints, arch):
     assert diff <= 1e-4 * float(np.abs(uncached.logits).max()), diff
 
 
+def test_generation_without_kept_logits_chooses_the_same_tokens(tiny_checkpoints):
+    # generate keeps no rows: a vocabulary's float32 row a token grew its memory over a long generation
+    from quantkit.runtime import greedy, load_model
+
+    model = load_model(tiny_checkpoints.get("qwen3_moe", "per-expert", "f32"))
+    try:
+        kept = greedy(model, _greedy_prompt(), GREEDY_NEW)
+        unkept = greedy(model, _greedy_prompt(), GREEDY_NEW, keep_logits=False)
+    finally:
+        model.close()
+    assert unkept.tokens == kept.tokens and unkept.logits is None
+
+
 @pytest.fixture(scope="module")
 def qwen_runtime(tiny_checkpoints):
     from quantkit.runtime import load_model

@@ -48,17 +48,18 @@ class Generation:
     """A continuation and the logits rows it was chosen from."""
 
     tokens: list[int]
-    logits: np.ndarray
+    logits: np.ndarray | None
     """float32 ``[steps, vocab]``: row ``i`` chose ``tokens[i]``; when ``stop`` ended the generation, the last row is
-    the one whose maximum ``stop`` refused (so ``steps`` is ``len(tokens)`` or ``len(tokens) + 1``)."""
+    the one whose maximum ``stop`` refused (so ``steps`` is ``len(tokens)`` or ``len(tokens) + 1``); None unless
+    kept (``keep_logits``)."""
 
 
 def greedy(model: RuntimeModel, prompt_ids: Sequence[int], max_new_tokens: int, *,
-           stop: Callable[[int], bool] | None = None, use_cache: bool = True) -> Generation:
+           stop: Callable[[int], bool] | None = None, use_cache: bool = True, keep_logits: bool = True) -> Generation:
     """Continue ``prompt_ids`` greedily for up to ``max_new_tokens`` tokens, ending before the first token ``stop``
     returns true for (module doc)."""
     return continuation(model, prompt_ids, max_new_tokens, lambda row: int(np.argmax(row)), stop=stop,
-                        use_cache=use_cache)
+                        use_cache=use_cache, keep_logits=keep_logits)
 
 
 def sample(model: RuntimeModel, prompt_ids: Sequence[int], max_new_tokens: int, params: SamplingParams, seed: int,
@@ -70,8 +71,9 @@ def sample(model: RuntimeModel, prompt_ids: Sequence[int], max_new_tokens: int, 
 
 def continuation(model: RuntimeModel, prompt_ids: Sequence[int], max_new_tokens: int,
                  choose: Callable[[np.ndarray], int], *, stop: Callable[[int], bool] | None = None,
-                 use_cache: bool = True) -> Generation:
-    """Continue ``prompt_ids`` with ``choose(logits row) -> token`` (module doc)."""
+                 use_cache: bool = True, keep_logits: bool = True) -> Generation:
+    """Continue ``prompt_ids`` with ``choose(logits row) -> token`` (module doc).  ``keep_logits=False`` keeps no
+    rows (a vocabulary's float32 row a token adds up over a long generation)."""
     if max_new_tokens < 1:
         raise FixtureError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     if use_cache:
@@ -82,7 +84,8 @@ def continuation(model: RuntimeModel, prompt_ids: Sequence[int], max_new_tokens:
     rows = []
     row = next(step)
     while True:
-        rows.append(row)
+        if keep_logits:
+            rows.append(row)
         token = choose(row)
         if stop is not None and stop(token):
             break
@@ -91,7 +94,7 @@ def continuation(model: RuntimeModel, prompt_ids: Sequence[int], max_new_tokens:
             break
         row = step.send(token)
     step.close()
-    return Generation(tokens, np.stack(rows))
+    return Generation(tokens, np.stack(rows) if keep_logits else None)
 
 
 def _uncached_steps(model: RuntimeModel, prompt_ids: Sequence[int]):

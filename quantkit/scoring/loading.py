@@ -103,8 +103,8 @@ class RuntimeSource:
         from ..runtime.generate import continuation
 
         if choose is None:
-            return greedy(self.model, prompt_ids, max_new_tokens, stop=stop).tokens
-        return continuation(self.model, prompt_ids, max_new_tokens, choose, stop=stop).tokens
+            return greedy(self.model, prompt_ids, max_new_tokens, stop=stop, keep_logits=False).tokens
+        return continuation(self.model, prompt_ids, max_new_tokens, choose, stop=stop, keep_logits=False).tokens
 
     def close(self) -> None:
         self.model.close()
