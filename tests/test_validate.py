@@ -399,6 +399,31 @@ def test_a_file_without_provenance(tmp_path):
     assert checks(report)["payload.proof"]["status"] == "skipped"
 
 
+@pytest.mark.parametrize("arch, dialect", [("qwen3_moe", "llama.cpp"), ("deepseek_v4", "ds4"),
+                                           ("glm5_next", "llama.cpp")])
+def test_an_expert_count_the_tensors_contradict_fails_structure_shapes(artifact, tmp_path, arch, dialect):
+    """llama.cpp sizes each tensor from the keys and refuses a file they contradict; without a source, validate said
+    nothing of it (a hand-edited or mis-merged header)."""
+    import gguf as gguf_py
+
+    _, made = artifact(arch, RECIPE, "per-expert", "bf16", "--dialect", dialect)
+    result, report = validate(made, "--structure-only", json_path=tmp_path / "ok.json")
+    assert result.exit_code == 0, result.output
+    assert checks(report)["structure.shapes"]["status"] == "passed"
+    edited = copy(made, tmp_path)
+    reader = gguf_py.GGUFReader(edited, "r+")
+    (key,) = [k for k in reader.fields if k.endswith(".expert_count")]
+    field = reader.fields[key]
+    experts = int(field.parts[field.data[0]][0])
+    field.parts[field.data[0]][0] = experts + 1
+    del reader
+    result, report = validate(edited, "--structure-only", json_path=tmp_path / "r.json")
+    assert result.exit_code == 1 and failed(report) == {"structure.shapes"}, result.output
+    items = checks(report)["structure.shapes"]["items"]
+    assert items and all(f"gives {experts + 1} (" in item and "_exps.weight" in item for item in items)
+    assert "llama.cpp refuses to load it" in result.output
+
+
 def test_invalid_utf8_in_a_recorded_string_is_reported_not_a_crash(tmp_path):
     """Found by bench/fuzz.py: a string value holding invalid UTF-8 reached the printed report unescaped."""
     import struct
@@ -480,7 +505,7 @@ def test_the_json_report_lists_every_check(artifact, tmp_path):
     assert result.exit_code == 0, result.output
     assert [c["check"] for c in report["checks"]] == [
         "structure.header", "structure.layout", "structure.file_size", "structure.padding", "structure.scales",
-        "structure.metadata", "structure.provenance", "inventory.tensors", "inventory.metadata",
+        "structure.metadata", "structure.shapes", "structure.provenance", "inventory.tensors", "inventory.metadata",
         "inventory.file_size", "inventory.header", "provenance.source", "payload.bytes", "payload.error"]
     assert report["format"] == "quantkit-validation" and report["seed"] == 7 and report["payload"] == "sample"
     (table,) = [t for t in report["tensors"] if t["name"] == "per_layer_token_embd.weight"]

@@ -23,7 +23,9 @@ one slice per head.  Key and value lengths default to the embedding length / hea
 from __future__ import annotations
 
 import re
-from typing import Iterable, Mapping
+from typing import Iterable, Iterator, Mapping, NamedTuple
+
+import numpy as np
 
 from ..errors import SourceError
 from ..io.gguf import KV
@@ -44,15 +46,31 @@ QUERY_FACTOR = {"qwen3moe": 1, "qwen4exp": 2, "deepseek2": 1, "deepseek4": 1, "g
 _HEAD_TENSOR = re.compile(r"blk\.(\d+)\.(attn_q|attn_k|attn_v|attn_q_b|attn_k_b)\.weight")
 
 
+def _plain(value):
+    """A key's value with a file's arrays (numpy, as the reader gives them) as lists, as the converter builds them."""
+    return value.tolist() if isinstance(value, np.ndarray) else value
+
+
 def _value(kv: KV) -> int | None:
     """An integer key's value, a string array's length (the vocabulary); None for per-layer arrays."""
-    if isinstance(kv.value, list):
+    if isinstance(kv.value, (list, np.ndarray)):
         return len(kv.value)
     return kv.value if isinstance(kv.value, int) and not isinstance(kv.value, bool) else None
 
 
-def check_config_against_tensors(metadata: Iterable[tuple[str, KV]], shapes: Mapping[str, tuple[int, ...]]) -> None:
-    """Raise :class:`SourceError` naming the config key, the tensor and both values at the first disagreement."""
+class Disagreement(NamedTuple):
+    """A tensor whose shape its hyperparameters contradict."""
+
+    tensor: str
+    field: str
+    """The config.json field behind the GGUF key."""
+    detail: str
+    """``"<what the keys give> for tensor 'name', which has shape [...]"``."""
+
+
+def disagreements(metadata: Iterable[tuple[str, KV]], shapes: Mapping[str, tuple[int, ...]]
+                  ) -> Iterator[Disagreement]:
+    """Every tensor of ``shapes`` (numpy order, llama.cpp's names) whose shape the keys contradict, in order."""
     meta = dict(metadata)
     arch_kv = meta.get("general.architecture")
     arch = arch_kv.value if arch_kv is not None else ""
@@ -64,16 +82,24 @@ def check_config_against_tensors(metadata: Iterable[tuple[str, KV]], shapes: Map
         for name in sorted(shapes):
             shape = shapes[name]
             if regex.fullmatch(name) and len(shape) >= (dim + 1 if dim >= 0 else -dim) and shape[dim] != value:
-                raise SourceError(f"config.json gives {value} ({key}) but tensor {name!r} has shape {list(shape)}: "
-                                  f"the config does not describe these weights", field=config_key, tensor=name)
+                yield Disagreement(name, config_key, f"{value} ({key}) for tensor {name!r}, which has shape "
+                                                     f"{list(shape)}")
     if arch in QUERY_FACTOR:
-        _check_heads(meta, arch, shapes)
+        yield from _head_disagreements(meta, arch, shapes)
 
 
-def _check_heads(meta: Mapping[str, KV], arch: str, shapes: Mapping[str, tuple[int, ...]]) -> None:
+def check_config_against_tensors(metadata: Iterable[tuple[str, KV]], shapes: Mapping[str, tuple[int, ...]]) -> None:
+    """Raise :class:`SourceError` naming the config key, the tensor and both values at the first disagreement."""
+    for found in disagreements(metadata, shapes):
+        raise SourceError(f"config.json gives {found.detail}: the config does not describe these weights",
+                          field=found.field, tensor=found.tensor)
+
+
+def _head_disagreements(meta: Mapping[str, KV], arch: str, shapes: Mapping[str, tuple[int, ...]]
+                        ) -> Iterator[Disagreement]:
     def get(key: str):
         kv = meta.get(f"{arch}.{key}")
-        return None if kv is None else kv.value
+        return None if kv is None else _plain(kv.value)
 
     heads, embd = get("attention.head_count"), get("embedding_length")
     if not isinstance(heads, int) or heads <= 0 or not isinstance(embd, int):
@@ -100,6 +126,6 @@ def _check_heads(meta: Mapping[str, KV], arch: str, shapes: Mapping[str, tuple[i
         else:
             continue
         if len(shape) >= 2 and shape[0] != want:
-            raise SourceError(f"config.json's attention heads ({heads} heads, {layer_kv} key-value heads, key length "
-                              f"{key_len}) give {want} rows for tensor {name!r}, which has shape {list(shape)}: "
-                              f"the config does not describe these weights", field=config_key, tensor=name)
+            yield Disagreement(name, config_key, f"{want} rows ({heads} attention heads, {layer_kv} key-value heads, "
+                                                 f"key length {key_len}) for tensor {name!r}, which has shape "
+                                                 f"{list(shape)}")

@@ -52,7 +52,7 @@ from .report import FAILED, PASSED, Check, Report, skipped
 from ..transport.manifest import is_manifest
 from .transport import is_shard_name, validate_manifest, validate_shards
 from .structure import (ArtifactReader, ScaleScan, header_check, layout_checks, metadata_check, padding_check,
-                        provenance_check, scan_tensor)
+                        provenance_check, scan_tensor, shapes_check)
 
 SIDECAR_SUFFIXES = (".json", ".safetensors")
 INVENTORY_CHECKS = ("inventory.tensors", "inventory.metadata", "inventory.file_size", "inventory.header",
@@ -105,7 +105,7 @@ def _gguf(f: GGUFFile, reader: ArtifactReader, *, source, recipe, imatrix, paylo
     _scan_rest(f, reader, scan, report.tensors, mode)
     scope = "sampled regions only" if mode == "sample" else "every block"
     report.checks = [header_check(f), *layout_checks(f), padding_check(reader, f, payloads=mode != "sample"),
-                     scan.check(f.tensors, scope), metadata_check(f), provenance_check(f)]
+                     scan.check(f.tensors, scope), metadata_check(f), shapes_check(f), provenance_check(f)]
     report.checks += [c for c in (spec_check(f),) if c is not None]
     if plan is None:
         report.checks += [skipped(name, not_replanned) for name in INVENTORY_CHECKS]
@@ -152,7 +152,7 @@ def _foreign(f: GGUFFile, reader: ArtifactReader, *, source, imatrix, mode: str,
     _scan_rest(f, reader, scan, report.tensors, mode)
     scope = "sampled regions only" if mode == "sample" else "every block"
     report.checks = [header_check(f), *layout_checks(f), padding_check(reader, f, payloads=mode != "sample"),
-                     scan.check(f.tensors, scope), metadata_check(f),
+                     scan.check(f.tensors, scope), metadata_check(f), shapes_check(f),
                      skipped("structure.provenance", "not written by quantkit: no quantkit.* provenance keys")]
     report.checks += [c for c in (spec_check(f),) if c is not None]
     if plan is not None:

@@ -18,6 +18,11 @@ file the reader accepted:
   llama.cpp reads have the types gguf-py writes (:data:`KEY_TYPES`); tokenizer arrays agree in length and token ids
   lie inside the vocabulary; keys printable without whitespace; string values valid UTF-8 (token and merge lists
   may hold raw bytes); float values finite (token scores excepted);
+- ``structure.shapes``: the tensors the hyperparameters size (embeddings and output by the embedding length and
+  vocabulary, routed experts by their count and width, attention projections by the heads) have those sizes
+  (:func:`quantkit.convert.consistency.disagreements`, the checks convert makes of a source): llama.cpp creates
+  each tensor from the keys and refuses a file they contradict.  A ds4-dialect file is seen under llama.cpp's
+  names (:func:`quantkit.arch.gguf_config.llama_cpp_view`);
 - ``structure.provenance``: the keys ``quantkit convert`` writes (:mod:`quantkit.convert.provenance`) are present
   with their types, the recipe text hashes to the recorded SHA-256, file and hash lists pair up, hashes are
   64 hex digits, calibration values are known, and imatrix keys are present exactly when an imatrix was used.
@@ -32,7 +37,9 @@ import numpy as np
 from gguf.constants import GGUFValueType, Keys
 
 from ..arch.dialects import ds4_key_types
-from ..errors import TruncatedFileError
+from ..arch.gguf_config import llama_cpp_view
+from ..convert.consistency import disagreements
+from ..errors import QuantkitError, TruncatedFileError
 from ..formats.registry import layout as type_layout
 from ..imatrix.bootstrap import BOOTSTRAP_KEY, CALIBRATION_KEY
 from ..io.gguf import KV, ArrayOf, GGUFTensor, align, type_name
@@ -357,6 +364,19 @@ def provenance_check(f: GGUFFile) -> Check:
                         f"{md[CALIBRATION_KEY].value!r}")
 
 
+def shapes_check(f: GGUFFile) -> Check:
+    """``structure.shapes`` (module doc)."""
+    try:
+        view = llama_cpp_view(f.metadata, f.tensors)
+    except QuantkitError as exc:
+        return skipped("structure.shapes", f"the file cannot be seen under llama.cpp's names: {exc}")
+    shapes = {name: tuple(f.tensors[stored].shape) for name, stored in view.stored.items() if name not in view.relaid}
+    problems = [f"the metadata gives {found.detail}: llama.cpp refuses to load it"
+                for found in disagreements(view.metadata.items(), shapes)]
+    return check("structure.shapes", problems, passed="the tensors sized by the hyperparameters (embeddings, experts, "
+                                                     "attention heads) have their sizes")
+
+
 def header_check(f: GGUFFile) -> Check:
     """What the reader verified on open (an unreadable file never gets here)."""
     return check("structure.header", [], passed=f"GGUF v{f.version}, {len(f.tensors)} tensors, {len(f.metadata)} "
@@ -365,4 +385,4 @@ def header_check(f: GGUFFile) -> Check:
 
 
 __all__ = ["ArtifactReader", "ScaleScan", "header_check", "header_length", "layout_checks", "locate",
-           "metadata_check", "padding_check", "provenance_check", "scan_tensor"]
+           "metadata_check", "padding_check", "provenance_check", "scan_tensor", "shapes_check"]
