@@ -61,8 +61,15 @@ def validate(*args, json_path: Path | None = None):
     """(CliRunner result, JSON report or None)."""
     extra = ["--report", str(json_path)] if json_path is not None else []
     result = CliRunner().invoke(main, ["validate", *map(str, args), *extra])
-    report = json.loads(json_path.read_text()) if json_path is not None and json_path.exists() else None
+    report = strict_json(json_path.read_text()) if json_path is not None and json_path.exists() else None
     return result, report
+
+
+def strict_json(text: str):
+    """JSON as strict parsers read it: a bare NaN or Infinity (Python's extension) is refused."""
+    def refuse(constant):
+        raise AssertionError(f"not JSON: {constant}")
+    return json.loads(text, parse_constant=refuse)
 
 
 def checks(report: dict) -> dict[str, dict]:
@@ -359,6 +366,13 @@ def test_scales_padding_and_size(artifact, tmp_path):
     assert result.exit_code == 1 and failed(report) == {"structure.scales"}
     (item,) = checks(report)["structure.scales"]["items"]
     assert item == f"{t.name}: 1 block (f16 scale is Inf or NaN); first at row 0, block 5"
+    # the payload's error is NaN there: the report says so in standard JSON, printed (--json) or written
+    result, report = validate(nan, "--source", src, "--payload", "full", json_path=tmp_path / "a2.json")
+    assert result.exit_code == 1 and "structure.scales" in failed(report)
+    (row,) = [r for r in report["tensors"] if r["name"] == t.name]
+    assert row["rel_rmse"] == "nan"
+    printed = CliRunner().invoke(main, ["validate", str(nan), "--source", str(src), "--payload", "full", "--json"])
+    assert strict_json(printed.stdout)["tensors"] == report["tensors"]
 
     for path, at, what in [(gguf, header_pad, "header"), _tensor_padding(artifact("deepseek_v4")[1])]:
         padded = copy(path, tmp_path, "padded.gguf")
@@ -422,6 +436,29 @@ def test_an_expert_count_the_tensors_contradict_fails_structure_shapes(artifact,
     items = checks(report)["structure.shapes"]["items"]
     assert items and all(f"gives {experts + 1} (" in item and "_exps.weight" in item for item in items)
     assert "llama.cpp refuses to load it" in result.output
+
+
+def test_a_vocabulary_only_file_as_gguf_py_writes_it_is_well_formed(tmp_path):
+    """gguf-py (llama.cpp's converter with --vocab-only, its models/ggml-vocab-*.gguf) ends a file without tensors at
+    the header, unpadded, and llama.cpp loads it: not a missing padding."""
+    import gguf as gguf_py
+
+    path = tmp_path / "vocab.gguf"
+    writer = gguf_py.GGUFWriter(path, "llama")
+    writer.add_block_count(1)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list(["a", "b", "ab", "abc"])
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()     # and no tensor section, as llama.cpp's converter does with --vocab-only
+    writer.close()
+    with GGUFFile(path) as f:
+        assert not f.tensors and f.file_size < f.data_offset     # unpadded, as the case needs
+    result, report = validate(path, "--structure-only", json_path=tmp_path / "r.json")
+    assert checks(report)["structure.file_size"]["status"] == "passed", result.output
+    with open(path, "ab") as fh:
+        fh.write(b"\x01")
+    result, report = validate(path, "--structure-only", json_path=tmp_path / "r2.json")
+    assert checks(report)["structure.file_size"]["status"] == "failed"
 
 
 def test_invalid_utf8_in_a_recorded_string_is_reported_not_a_crash(tmp_path):

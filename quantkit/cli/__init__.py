@@ -27,12 +27,12 @@ exception name or traceback; an unexpected exception prints ``error: internal er
 """
 from __future__ import annotations
 
-import json
 import os
 import sys
 
 import click
 
+from ..io import jsontext
 from .. import __version__
 from ..errors import (CorruptDataError, FixtureError, FormatError, MissingDependencyError, OutputExistsError, QuantkitError,
                       RecipeError, SourceError, UnsupportedError, ValidationError)
@@ -152,7 +152,7 @@ def inspect(path, as_json, show_all):
 
     report = describe(path)
     if as_json:
-        click.echo(json.dumps(report, indent=1, default=str))
+        click.echo(jsontext.dumps(report, indent=1, default=str))
     else:
         click.echo(render(report, show_all=show_all))
 

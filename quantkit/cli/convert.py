@@ -1,13 +1,13 @@
 """``quantkit convert``: a checkpoint and a recipe in, a GGUF out (the work is :mod:`quantkit.convert.execute`)."""
 from __future__ import annotations
 
-import json
 import sys
 import time
 from pathlib import Path
 
 import click
 
+from ..io import jsontext
 from ..evidence import artifact_sha256, remember_artifact_sha256
 
 from . import EXIT_INTERRUPTED
@@ -110,10 +110,10 @@ def convert(source, out, recipe, imatrix, bootstrap, allow_synthetic_imatrix, jo
             sha256, _ = artifact_sha256(result.path, progress=progress, reuse=False)
         record = names.release_manifest(result.path, sha256, suggested)
         with atomic_output(manifest, overwrite=True) as tmp:   # checked above, before the work
-            tmp.write_text(json.dumps(record, indent=1) + "\n")
+            tmp.write_text(jsontext.dumps(record, indent=1) + "\n")
         if report is not None:
             with atomic_output(report, overwrite=force) as tmp:
-                tmp.write_text(json.dumps({"format": "quantkit-convert-report", "version": 1,
+                tmp.write_text(jsontext.dumps({"format": "quantkit-convert-report", "version": 1,
                                            "name_tag": prepared.plan.name_tag, "suggested_name": suggested,
                                            "sha256": sha256, "release_manifest": str(manifest),
                                            "prepare_seconds": planned, **result.report()}, indent=1) + "\n")

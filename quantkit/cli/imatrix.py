@@ -2,8 +2,6 @@
 :mod:`quantkit.imatrix`, imported inside each command so ``quantkit --help`` stays fast)."""
 from __future__ import annotations
 
-import json
-
 import click
 
 from . import one_output
@@ -59,7 +57,7 @@ def info(path, as_json, show_all, model):
     if fit is not None:
         report["model"] = fit
     if as_json:
-        click.echo(json.dumps(report, indent=1))
+        click.echo(jsontext.dumps(report, indent=1))
     else:
         click.echo(render(report, show_all=show_all))
         if fit is not None:

@@ -2,12 +2,12 @@
 (:mod:`quantkit.scoring.parity`)."""
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
 import click
 
+from ..io import jsontext
 from ..extras import require_runtime
 from . import EXIT_CHECK_FAILED
 from .score import ARITHMETIC_OPTION, DEVICES, _rendering, _rendering_options, _with
@@ -102,7 +102,7 @@ def parity(model, logits_dump, streams, hidden, prompt, tokens_file, confident, 
         runtime.close()
     report["passed"] = all(part["passed"] for part in [report.get("logits"), report.get("hidden"),
                                                          *report.get("streams", [])] if part is not None)
-    click.echo(json.dumps(report, indent=1) if as_json else "\n".join(lines + [
+    click.echo(jsontext.dumps(report, indent=1) if as_json else "\n".join(lines + [
         "parity: " + ("pass" if report["passed"] else "DIVERGENCE")]))
     if not report["passed"]:
         sys.stdout.flush()

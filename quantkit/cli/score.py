@@ -2,7 +2,6 @@
 :mod:`quantkit.fixtures` and :mod:`quantkit.scoring` (formats and rules are documented there)."""
 from __future__ import annotations
 
-import json
 import os
 import sys
 from pathlib import Path
@@ -355,7 +354,7 @@ def run_compare(old, new, *, resamples: int = 10_000, seed: int = 0, policy_path
     recorded = load_baseline(baseline) if baseline is not None else None
     result = compare_tables(read_table(old), read_table(new), resamples=resamples, seed=seed, policy=policy,
                             baseline=recorded)
-    click.echo(json.dumps(result.to_json(), indent=1) if as_json else "\n".join(result.report_lines()))
+    click.echo(jsontext.dumps(result.to_json(), indent=1) if as_json else "\n".join(result.report_lines()))
     return bool(result.failed)
 
 

@@ -7,12 +7,12 @@ MODEL_DIR`` manage what is there; ``quantkit swapset record MODEL_DIR NAME PLAIN
 """
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
 import click
 
+from ..io import jsontext
 from . import EXIT_CHECK_FAILED
 
 FORMAT_CHOICES = ("nvfp4", "fp8-tensor", "fp8-channel", "fp8-block128", "fp8-block128-e8m0")
@@ -96,7 +96,7 @@ def make(model_dir, families, fmt, convention, name, source_dir, shared_experts,
     if list_families:
         rows = families_of(model_dir)
         if as_json:
-            click.echo(json.dumps(rows, indent=1))
+            click.echo(jsontext.dumps(rows, indent=1))
         else:
             for r in rows:
                 flag = " (opt-in)" if r["optional"] else ""
@@ -115,7 +115,7 @@ def make(model_dir, families, fmt, convention, name, source_dir, shared_experts,
         plan = plan_swapset(request)
         summary = plan.summary()
         if as_json:
-            click.echo(json.dumps(summary, indent=1))
+            click.echo(jsontext.dumps(summary, indent=1))
             return
         click.echo(f"plan {summary['name']}: {summary['encoding']}, {len(summary['modules'])} modules, "
                    f"{_size(summary['bytes'])}")
@@ -127,7 +127,7 @@ def make(model_dir, families, fmt, convention, name, source_dir, shared_experts,
     result = build_swapset(request)
     m = result.manifest
     if as_json:
-        click.echo(json.dumps({"safetensors": str(result.safetensors), "manifest": str(result.manifest_path),
+        click.echo(jsontext.dumps({"safetensors": str(result.safetensors), "manifest": str(result.manifest_path),
                                **{k: m[k] for k in ("name", "encoding", "sidecar", "calibration", "draft_lm_head")}},
                               indent=1))
         return
@@ -161,7 +161,7 @@ def status(model_dir, record, full, as_json):
     report = sidecar_status(model_dir, record, full=full)
     data = report.to_dict()
     if as_json:
-        click.echo(json.dumps(data, indent=1))
+        click.echo(jsontext.dumps(data, indent=1))
     else:
         for s in report.sidecars:
             click.echo(f"{s.state:9} {s.name:40} {_size(s.bytes):>12}  {s.reason}")

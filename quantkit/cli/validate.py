@@ -7,12 +7,12 @@ read.  With ``--report FILE`` the report is written there as JSON, also when the
 """
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
 import click
 
+from ..io import jsontext
 from . import EXIT_BAD_INPUT
 
 PAYLOAD_CHOICES = ("none", "sample", "full")
@@ -22,7 +22,7 @@ def _write_json(path: Path, data: dict, overwrite: bool) -> None:
     from ..io.atomic import atomic_output
 
     with atomic_output(path, overwrite=overwrite) as tmp:
-        tmp.write_text(json.dumps(data, indent=1, default=str) + "\n")
+        tmp.write_text(jsontext.dumps(data, indent=1, default=str) + "\n")
 
 
 @click.command("validate")
@@ -70,11 +70,11 @@ def validate(artifact, source, recipe, imatrix, payload, seed, structure_only, j
             if json_path is not None:
                 _write_json(json_path, record, force)
             if as_json:
-                click.echo(json.dumps(record, indent=1, default=str))
+                click.echo(jsontext.dumps(record, indent=1, default=str))
         raise
     if json_path is not None:
         _write_json(json_path, report.to_json(), force)
-    click.echo(json.dumps(report.to_json(), indent=1, default=str) if as_json else report.render())
+    click.echo(jsontext.dumps(report.to_json(), indent=1, default=str) if as_json else report.render())
     if not report.ok:
         sys.exit(report.exit_code)
 

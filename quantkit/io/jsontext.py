@@ -1,11 +1,17 @@
-"""JSON read from files a user hands quantkit: one parser whose every failure is a ``ValueError``.
+"""JSON read from files a user hands quantkit, and the reports quantkit prints or writes.
 
 ``json.loads`` raises ``RecursionError`` on input nested a few thousand levels deep (``[[[[…``); through
 :func:`loads` it is a ``ValueError`` as any other malformed JSON, so each reader's one-line error names its file.
+
+``json.dumps`` writes a NaN or infinite float as the bare ``NaN`` / ``Infinity``, which is not JSON (strict
+parsers, ``jq`` and JavaScript among them, refuse the whole report), and reports hold such values exactly when
+something is wrong (a NaN scale's error).  :func:`dumps` writes them as the strings ``"nan"``, ``"inf"`` and
+``"-inf"``.
 """
 from __future__ import annotations
 
 import json
+import math
 from typing import Any
 
 
@@ -15,3 +21,23 @@ def loads(data: str | bytes, **kwargs: Any) -> Any:
         return json.loads(data, **kwargs)
     except RecursionError:
         raise ValueError("nested too deeply to parse") from None
+
+
+def _finite(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
+
+
+def dumps(obj: Any, **kwargs: Any) -> str:
+    """``json.dumps(obj, **kwargs)`` whose output is standard JSON: non-finite floats as strings (module doc)."""
+    try:
+        return json.dumps(obj, allow_nan=False, **kwargs)
+    except ValueError:
+        default = kwargs.pop("default", None)
+        plain = json.loads(json.dumps(obj, default=default))   # numpy scalars and other defaults resolved first
+        return json.dumps(_finite(plain), allow_nan=False, **kwargs)

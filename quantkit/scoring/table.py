@@ -128,7 +128,7 @@ def write_table(path: str | os.PathLike, header: Mapping[str, Any], scores: Sequ
         record = {"format": SIDECAR_FORMAT, "version": SIDECAR_VERSION, "layout": layout,
                   "table_sha256": hashlib.sha256(text).hexdigest(), "header": dict(header), "trailer": list(trailer)}
         with atomic_output(sidecar_path(path), overwrite=overwrite) as tmp:
-            tmp.write_text(json.dumps(record, indent=1) + "\n", encoding="utf-8")
+            tmp.write_text(jsontext.dumps(record, indent=1) + "\n", encoding="utf-8")
 
 
 def _check_header(header: Any, where: str) -> dict[str, Any]:

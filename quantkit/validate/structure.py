@@ -8,7 +8,8 @@ file the reader accepted:
 - ``structure.layout``: payloads in declaration order, each at the previous end padded to the alignment (the only
   placement ggml's loader accepts);
 - ``structure.file_size``: the file ends exactly at the end of the last payload padded to the alignment, as ggml's
-  ``gguf_write_out`` and gguf-py's ``GGUFWriter`` write it (the header is padded too, even without tensors);
+  ``gguf_write_out`` and gguf-py's ``GGUFWriter`` write it (ggml pads the header even without tensors; gguf-py
+  does not, and llama.cpp's vocabulary-only files end at the header: either is accepted);
 - ``structure.padding``: the padding after the header and after each payload is zero bytes (both writers write
   zeros).  Padding after payloads is read only when payloads are read in full (not in ``sample`` mode);
 - ``structure.scales``: every block's scales are finite, as ggml's ``ggml_validate_row_data``
@@ -233,6 +234,8 @@ def layout_checks(f: GGUFFile) -> list[Check]:
     problem = f.ggml_layout_problem()
     end = max((t.offset + t.nbytes for t in f.tensors.values()), default=0)
     expected = f.data_offset + align(end, f.alignment)
+    if not f.tensors and f.file_size == header_length(f):
+        expected = f.file_size     # gguf-py leaves a file without tensors (a vocabulary) unpadded; llama.cpp loads it
     size = [] if f.file_size == expected else [
         f"the file has {f.file_size:,} bytes; the last payload padded to the alignment {f.alignment} ends at "
         f"{expected:,} ({'trailing bytes' if f.file_size > expected else 'the final padding is missing'})"]
