@@ -461,6 +461,58 @@ def test_a_vocabulary_only_file_as_gguf_py_writes_it_is_well_formed(tmp_path):
     assert checks(report)["structure.file_size"]["status"] == "failed"
 
 
+def without_quantkit_keys(path: Path, out: Path, edit=None) -> Path:
+    """``path`` as another writer leaves it: no quantkit.* keys (a foreign file); ``edit(metadata)`` changes keys."""
+    from quantkit.io.gguf_writer import GGUFWriter, plan_layout
+
+    with GGUFFile(path) as f:
+        meta = {k: v for k, v in f.metadata.items() if not k.startswith(("quantkit.", "GGUF."))}
+        if edit is not None:
+            edit(meta)
+        with GGUFWriter(out, plan_layout(list(meta.items()), list(f.tensors.values()))) as w:
+            w.write_header()
+            for name in f.tensors:
+                w.write_tensor(name, np.ascontiguousarray(f.data(name)))
+            w.finish()
+    return out
+
+
+def test_a_foreign_ds4_file_is_compared_under_llama_cpps_keys_and_ds4s_own(tmp_path, monkeypatch):
+    """ds4's keys have their own types and meanings (GLM's context_length UINT64, its key_length): compared as
+    they were, a faithful ds4 file failed; ds4's own keys (deepseek4.vocab_size) were never compared."""
+    import dataclasses
+
+    from quantkit.io.gguf import KV
+    from quantkit.testing import tiny_models
+
+    spec = tiny_models.ARCHS["glm5_next"]
+
+    def own_indexers(ids):          # ds4's GLM dialect has no shared indexers
+        config = spec.make_config(ids)
+        config.text_config.indexer_types = ["full"] * len(config.text_config.indexer_types)
+        return config
+
+    monkeypatch.setitem(tiny_models.ARCHS, "glm5_next", dataclasses.replace(spec, make_config=own_indexers))
+    for arch in ("glm5_next", "deepseek_v4"):
+        src = tmp_path / arch
+        tiny_models.save_tiny_checkpoint(arch, src)
+        made = convert(src, tmp_path / f"{arch}.gguf", "q8_0", "--dialect", "ds4")
+        bare = without_quantkit_keys(made, tmp_path / f"{arch}-bare.gguf")
+        result, report = validate(bare, "--source", src, json_path=tmp_path / f"{arch}.json")
+        # GLM's convolutions and A_log are stored in ds4's own layout: named unproven, not compared
+        assert failed(report) == ({"payload.proof"} if arch == "glm5_next" else set()), result.output
+        assert checks(report)["inventory.metadata"]["status"] == "passed"
+
+    def fewer_tokens(meta):
+        meta["deepseek4.vocab_size"] = KV(meta["deepseek4.vocab_size"].value - 1, meta["deepseek4.vocab_size"].type)
+
+    edited = without_quantkit_keys(made, tmp_path / "edited.gguf", fewer_tokens)
+    result, report = validate(edited, "--source", src, json_path=tmp_path / "edited.json")
+    assert result.exit_code == 1 and failed(report) == {"inventory.metadata"}, result.output
+    (item,) = checks(report)["inventory.metadata"]["items"]
+    assert item.startswith("deepseek4.vocab_size: UINT32 ")
+
+
 def test_invalid_utf8_in_a_recorded_string_is_reported_not_a_crash(tmp_path):
     """Found by bench/fuzz.py: a string value holding invalid UTF-8 reached the printed report unescaped."""
     import struct

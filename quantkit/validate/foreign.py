@@ -34,12 +34,12 @@ from pathlib import Path
 import numpy as np
 
 from ..arch import OutputTensor, get_arch
-from ..arch.dialects import dialect_of
+from ..arch.dialects import DS4, dialect_of, translate
 from ..arch.gguf_config import llama_cpp_view
 from ..convert.plan import inspect_sources
 from ..convert.source import ResolvedSource, provenance_files, resolve_source
 from ..convert.tensors import TensorJob, imatrix_shapes, load_model_imatrix
-from ..errors import SourceError, UnsupportedError
+from ..errors import QuantkitError, SourceError, UnsupportedError
 from ..formats.api import tensor_nbytes
 from ..formats.registry import GGMLType, ImatrixUse, get_format
 from ..io.checkpoint import open_checkpoint
@@ -73,6 +73,8 @@ class ForeignPlan(SourceFileHashes):
     imatrix_shapes: dict[str, tuple[int, int]]
     stored: dict[str, str] = field(default_factory=dict)
     """llama.cpp tensor name -> the name stored in the file (:func:`~quantkit.arch.gguf_config.llama_cpp_view`)."""
+    file_metadata: dict = field(default_factory=dict)
+    """The file's keys under llama.cpp's names (its dialect's keys translated), as ``expected_metadata``'s."""
     files: list[Path] = field(default_factory=list)
     computed_hashes: dict[str, str] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
@@ -176,7 +178,8 @@ def foreign_plan(f: GGUFFile, source: str, imatrix: str | None) -> tuple[Foreign
             jobs[name] = job
     problems += [f"missing {n} ({list(o.shape)}): the source maps a tensor the file lacks" for n, o in outputs.items()
                  if n not in by_name and n not in relaid]
-    plan = ForeignPlan(resolved, model_type, jobs, unproven, outputs, expected, imatrix, shape_table, stored)
+    plan = ForeignPlan(resolved, model_type, jobs, unproven, outputs, expected, imatrix, shape_table, stored,
+                       dict(metadata))
     plan.files = provenance_files(resolved, shards)
     plan.notes.append("not written by quantkit: the plan is the file's own tensor types (each tensor re-encoded "
                       "from the source to its stored type)")
@@ -199,12 +202,11 @@ def tensors_check(f: GGUFFile, plan: ForeignPlan, problems: list[str]) -> Check:
 
 
 def metadata_check(f: GGUFFile, plan: ForeignPlan) -> Check:
-    """Every hyperparameter the source config implies equals the file's, where the file has the key."""
+    """Every hyperparameter the source config implies equals the file's, where the file has the key: compared under
+    llama.cpp's names (a ds4-dialect file's keys translated, so its own types and meanings are not differences),
+    and a ds4 file's keys that llama.cpp has no name for against the source's translation to ds4's."""
     problems, compared, absent = [], 0, []
-    for key, kv in plan.expected_metadata.items():
-        if key.startswith(UNCOMPARED_KEY_PREFIXES):
-            continue
-        found = f.metadata.get(key)
+    for key, kv, found in _expected_pairs(f, plan):
         if found is None:
             absent.append(key)
             continue
@@ -216,6 +218,27 @@ def metadata_check(f: GGUFFile, plan: ForeignPlan) -> Check:
                           f"{', '.join(absent[:6])}")
     return check("inventory.metadata", problems,
                  passed=f"{compared} hyperparameter keys equal what the source config implies")
+
+
+def _expected_pairs(f: GGUFFile, plan: ForeignPlan):
+    """(key, expected value, the file's value or None) for each compared hyperparameter key."""
+    for key, kv in plan.expected_metadata.items():
+        if not key.startswith(UNCOMPARED_KEY_PREFIXES):
+            yield key, kv, plan.file_metadata.get(key)
+    if dialect_of(f.metadata) != DS4 or plan.file_metadata.get("general.architecture") is None:
+        return
+    # ds4's own keys (its vocab_size, say) have no llama.cpp name: the source's keys translated to ds4's give them
+    tokens = f.metadata.get("tokenizer.ggml.tokens")
+    source_keys = {**plan.expected_metadata, **({} if tokens is None else {"tokenizer.ggml.tokens": tokens})}
+    try:
+        ds4_keys = dict(translate(source_keys, [(n, o.shape, GGMLType.F32) for n, o in plan.outputs.items()],
+                                  to=DS4).metadata)
+    except QuantkitError as exc:
+        plan.notes.append(f"ds4's own keys not compared: the source's keys do not translate to ds4's ({exc})")
+        return
+    for key, kv in ds4_keys.items():
+        if key not in plan.expected_metadata and not key.startswith(UNCOMPARED_KEY_PREFIXES):
+            yield key, kv, f.metadata.get(key)
 
 
 def proof_check(total: int, results: list[dict], unproven: dict[str, str], mode: str) -> Check:
