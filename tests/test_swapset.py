@@ -160,6 +160,29 @@ def test_nvfp4_sidecar_files_and_manifest(model):
     assert validate_sidecar(d / "nvfp4-swapset-inproj.safetensors").ok
 
 
+def test_a_changed_scale_fails_the_default_validation_and_a_fused_group_shares_its_global_scale(model):
+    """A scale changed within the error bound passed validate's default payload mode (its SHA-256 was compared with
+    --payload full only); and q/k/v with different global scales passed, though engines run them as one matmul."""
+    d = model()
+    assert run("swapset", d, "--family", "inproj", "--format", "nvfp4", "--convention", "modelopt").exit_code == 0
+    st, js = d / "nvfp4-swapset-inproj.safetensors", d / "nvfp4-swapset-inproj.json"
+    with SafetensorsFile(st) as f:       # q's global scale 2% larger, in place (the size stays the manifest's)
+        (q_global,) = [n for n in f.names() if n.endswith("q_proj.weight_scale_2")]
+        at, larger = f.entries[q_global].begin, np.float32(f.array(q_global)) * np.float32(1.02)
+    with open(st, "r+b") as fh:
+        fh.seek(at)
+        fh.write(larger.tobytes())
+    out = run("validate", js)
+    assert out.exit_code == 1 and "SHA-256 differs from the manifest" in out.output, out.output
+    manifest = json.loads(js.read_text())           # the manifest rewritten to match: the scales check finds it
+    manifest["sidecar"].update(sha256=sha256_file(st), bytes=st.stat().st_size)
+    js.write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n")
+    report = validate_sidecar(js)
+    assert not report.ok
+    (scales,) = [c for c in report.checks if c["check"] == "scales"]
+    assert not scales["ok"] and "qkv_proj: its members' global scales differ" in scales["detail"]
+
+
 def test_fp8_native_tensors_are_copied_and_the_rest_self_quantized(model):
     d, source = model(), model(encoding="fp8-block", name="fp8")
     result = build_swapset(SwapsetRequest(d, families=("mla", "lmhead"), fmt="fp8-block128", source_dir=source,

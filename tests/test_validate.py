@@ -493,9 +493,14 @@ def test_a_foreign_ds4_file_is_compared_under_llama_cpps_keys_and_ds4s_own(tmp_p
         return config
 
     monkeypatch.setitem(tiny_models.ARCHS, "glm5_next", dataclasses.replace(spec, make_config=own_indexers))
+    tiny_models._cached_model.cache_clear()     # models are cached by name: neither take nor leave this variant
+    try:
+        tiny_models.save_tiny_checkpoint("glm5_next", tmp_path / "glm5_next")
+    finally:
+        tiny_models._cached_model.cache_clear()
+    tiny_models.save_tiny_checkpoint("deepseek_v4", tmp_path / "deepseek_v4")
     for arch in ("glm5_next", "deepseek_v4"):
         src = tmp_path / arch
-        tiny_models.save_tiny_checkpoint(arch, src)
         made = convert(src, tmp_path / f"{arch}.gguf", "q8_0", "--dialect", "ds4")
         bare = without_quantkit_keys(made, tmp_path / f"{arch}-bare.gguf")
         result, report = validate(bare, "--source", src, json_path=tmp_path / f"{arch}.json")

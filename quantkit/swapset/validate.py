@@ -13,7 +13,8 @@ Checks:
   shapes) are exactly the manifest's;
 - ``layout``: every module holds exactly its encoding's tensors (all scales present; no tensor of another
   convention) with the shapes the encoding gives for the module's weight shape;
-- ``scales``: every scale (block, global, per-tensor, activation) is finite and > 0;
+- ``scales``: every scale (block, global, per-tensor, activation) is finite and > 0, and the members of a fused
+  group (:data:`~quantkit.swapset.families.FUSED_GROUPS`: q/k/v, gate/up, ...) share one NVFP4 global scale;
 - ``token_ids`` (draft heads): int32, strictly increasing, inside the source head, one per row, and a multiple of
   128 rows unless the whole head is kept;
 - ``error``: native tensors are byte-identical to the source tensors; self-quantized weights decode within
@@ -31,6 +32,7 @@ saying it was not measured (the sidecar holds the copied tensors; nothing is wro
 from __future__ import annotations
 
 import os
+from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -42,10 +44,14 @@ from ..io.atomic import sha256_file
 from ..io.checkpoint import Checkpoint, open_checkpoint
 from . import draft
 from .encodings import FP8_BLOCK, Encoding
+from .families import fused_group
 from .inventory import sidecar_paths, verify
 from .manifest import read_manifest
 from .payload import check_layout, module_tensors, open_payload
 from .tensors import ROW_ROLES, tensor_sha256
+
+#: Roles of an NVFP4 module's global scale (ModelOpt's, compressed-tensors' divisor): one per fused group.
+GLOBAL_SCALE_ROLES = ("global_scale", "global_scale_divisor")
 
 NVFP4_REL_BOUND = 0.34
 NVFP4_ABS_BOUND = 2.0 ** -17
@@ -108,7 +114,8 @@ def _payload(report: ValidationReport, model_dir: Path, manifest: dict, st: Path
     size = st.stat().st_size
     if size != manifest["sidecar"]["bytes"]:
         return report.add("payload", False, f"{size} bytes, the manifest says {manifest['sidecar']['bytes']}")
-    if full and sha256_file(st) != manifest["sidecar"]["sha256"]:
+    # always: the error check below reads every tensor anyway, and a scale changed within its bounds only shows here
+    if sha256_file(st) != manifest["sidecar"]["sha256"]:
         return report.add("payload", False, "SHA-256 differs from the manifest")
     open_payload(model_dir, manifest).close()   # a header that cannot be parsed is unreadable input: it raises
     return report.add("payload", True)
@@ -133,6 +140,7 @@ def _tensors(report: ValidationReport, manifest: dict, payload, src: Checkpoint 
         return
     layout_problems, scale_problems, error_problems, token_problems = [], [], [], []
     worst = 0.0
+    global_scales: dict[str, dict[str, float]] = defaultdict(dict)   # fused group -> tensor -> its global scale
     for module in manifest["modules"]:
         entries = groups.get(module["output_module"], {})
         try:
@@ -149,6 +157,10 @@ def _tensors(report: ValidationReport, manifest: dict, payload, src: Checkpoint 
                 layout_problems.append(f"{entries[suffix]['name']}: {entries[suffix]['dtype']} "
                                        f"{entries[suffix]['shape']}, expected {dtype} {list(shape)}")
         scale_problems += _scale_problems(entries, arrays)
+        for suffix, t in entries.items():
+            if t["role"] in GLOBAL_SCALE_ROLES and module["origin"] == "self-quantized":
+                group = module.get("group") or fused_group(module["output_module"])
+                global_scales[group][t["name"]] = float(np.asarray(arrays[suffix]).flat[0])
         if rows is not None:
             token_problems += _token_problems(module, manifest, rows, arrays[enc.weight_suffix])
         if src is None or layout_problems or scale_problems or token_problems:
@@ -162,6 +174,10 @@ def _tensors(report: ValidationReport, manifest: dict, payload, src: Checkpoint 
             error_problems.append(f"{module['module']}: {error}")
         else:
             worst = max(worst, error)
+    for group, scales in global_scales.items():
+        if len(set(scales.values())) > 1:     # engines run a fused group as one matmul with one global scale
+            scale_problems.append(f"{group}: its members' global scales differ ("
+                                  + ", ".join(f"{n} {v!r}" for n, v in scales.items()) + ")")
     report.add("layout", not layout_problems, "; ".join(layout_problems[:4]))
     report.add("scales", not scale_problems, "; ".join(scale_problems[:4]))
     if manifest["kind"] == "draft-lm-head":
