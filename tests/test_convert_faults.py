@@ -591,6 +591,13 @@ def test_check_output_unit(tmp_path):
         check_output(tmp_path / "link", inputs=[source], overwrite=True)
     with pytest.raises(OutputPathError, match="is a directory"):
         check_output(tmp_path, overwrite=True)
+    fifo = tmp_path / "pipe.gguf"
+    os.mkfifo(fifo)
+    with pytest.raises(OutputPathError, match="not a regular file"):   # renaming over it would delete it
+        check_output(fifo, overwrite=True)
+    for special in ("/dev/null",):
+        with pytest.raises(OutputPathError, match="not a regular file"):
+            check_output(special, overwrite=True)
     assert check_output(tmp_path / "new.bin", inputs=[source]) == tmp_path / "new.bin"
     assert [p.name for p in tmp_path.iterdir() if p.name.endswith(".probe")] == []
 

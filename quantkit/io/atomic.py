@@ -58,9 +58,9 @@ def input_files(paths: Iterable[str | os.PathLike | None]) -> list[Path]:
 
 def check_output(path: str | os.PathLike, *, inputs: Iterable[str | os.PathLike] = (), overwrite: bool = False,
                  what: str = "output") -> Path:
-    """Refuse an output ``path`` that is (or links to) one of ``inputs``, is a directory, exists while
-    ``overwrite`` is false, or lies in a directory where no file can be created; checked before the work starts,
-    so a long run cannot fail at its last step.  Returns ``path``."""
+    """Refuse an output ``path`` that is (or links to) one of ``inputs``, is a directory, a device, pipe or socket,
+    exists while ``overwrite`` is false, or lies in a directory where no file can be created; checked before the
+    work starts, so a long run cannot fail at its last step.  Returns ``path``."""
     path = Path(path)
     for source in inputs:
         if same_file(path, source):
@@ -68,6 +68,9 @@ def check_output(path: str | os.PathLike, *, inputs: Iterable[str | os.PathLike]
                                   f"never written: choose another path", path=path)
     if path.is_dir():
         raise OutputPathError(f"the {what} is a directory; give a file path", path=path)
+    if path.exists() and not path.is_file():    # replaced whole by a rename: --force -o /dev/null would delete it
+        raise OutputPathError(f"the {what} is a device, pipe or socket, not a regular file: outputs are written "
+                              f"whole and renamed into place; give a file path", path=path)
     if path.exists() and not overwrite:
         raise OutputExistsError(f"{what} exists; refusing to replace it", path=path)
     directory = path.parent
