@@ -263,6 +263,28 @@ def converted(tmp_path_factory):
     return source, out, report, result.output
 
 
+def test_an_imatrix_no_tensor_takes_is_not_named(tmp_path):
+    """A Q8_0 recipe takes no importance: the file records calibration none, and the name convert suggested said
+    -imatrix, which validate's name.claims then refused."""
+    from quantkit.testing.synthetic_imatrix import write_synthetic_imatrix
+
+    source = TinyCheckpointCache(tmp_path / "cache").get("qwen3_moe", "per-expert", "bf16")
+    imatrix = tmp_path / "imatrix.gguf"
+    write_synthetic_imatrix(source, imatrix, seed=1)
+    out = tmp_path / "q.gguf"
+    result = CliRunner().invoke(main, ["convert", str(source), "-o", str(out), "--recipe", "q8_0", "--imatrix",
+                                       str(imatrix), "--allow-synthetic-imatrix",
+                                       "--pre-tokenizer", PRE, "--no-progress", "-j", "1"])
+    assert result.exit_code == 0, result.output
+    (line,) = [line for line in result.output.splitlines() if line.startswith("name        ")]
+    suggested = line.split()[1]
+    assert "imatrix" not in suggested
+    named = out.with_name(suggested)
+    out.rename(named)
+    result = CliRunner().invoke(main, ["validate", str(named), "--source", str(source)])
+    assert result.exit_code == 0, result.output
+
+
 def test_convert_suggests_the_name_and_writes_a_manifest_with_the_outputs_sha256(converted):
     source, out, report, output = converted
     suggested = f"{source.name}-IQ2XXS-w2Q2K-AProjQ8-OutQ8-0731.gguf"

@@ -151,11 +151,14 @@ def _interrupted_state(out: Path, recorded: bool) -> str:
 def _suggested_name(prepared, label: str | None) -> str | None:
     """The file name the artifact-name grammar gives this conversion (None: its tag is outside the grammar)."""
     from .. import names
+    from ..convert.provenance import overall_calibration
     from ..errors import FormatError
 
+    # as the file records it: an imatrix no tensor takes (a Q8_0 recipe) is no imatrix calibration
+    calibrated = overall_calibration(list(prepared.jobs.values()), prepared.imatrix is not None).startswith("imatrix")
     try:
         return names.suggest(names.model_name(prepared.source.repo_id, prepared.source.path), prepared.plan.name_tag,
-                             calibration="imatrix" if prepared.imatrix is not None else None, label=label,
+                             calibration="imatrix" if calibrated else None, label=label,
                              support=prepared.plan.support).render()
     except FormatError:
         return None
