@@ -88,7 +88,10 @@ _LABEL_OF = {classes: label for label, classes in reversed(list(LABEL_CLASSES.it
 
 def _type_spellings() -> dict[str, tuple[str, ...]]:
     """Spelling -> the GGML type names it can mean."""
-    out: dict[str, tuple[str, ...]] = {"Native": ("source",)}
+    from .recipes.resolve import LOSSLESS
+
+    # type = "source": whichever type holds the source without loss (BF16 as BF16, packed FP4 as MXFP4, ...)
+    out: dict[str, tuple[str, ...]] = {"Native": tuple(sorted({t.name for t, _ in LOSSLESS.values()}))}
     for t in GGMLType:
         out.setdefault(t.name, (t.name,))
         abbreviation = type_abbreviation(t.name)

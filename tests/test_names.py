@@ -285,6 +285,27 @@ def test_an_imatrix_no_tensor_takes_is_not_named(tmp_path):
     assert result.exit_code == 0, result.output
 
 
+@pytest.mark.parametrize("arch, encoding", [("qwen3_moe", "bf16"), ("deepseek_v4", "fp4-experts"),
+                                            ("qwen3_moe", "nvfp4-modelopt")])
+def test_native_experts_are_named_as_convert_suggests(tmp_path, arch, encoding):
+    """type = "source" is named Native: validate compared the claim with a type called "source" and refused the
+    name convert itself suggested (BF16 kept as BF16, packed FP4 as MXFP4, NVFP4 as NVFP4)."""
+    source = TinyCheckpointCache(tmp_path / "cache").get(arch, "per-expert", encoding)
+    recipe = tmp_path / "native.toml"
+    recipe.write_text(f'name = "native"\narchitectures = ["{arch}"]\n[defaults]\ntype = "Q8_0"\n[[rule]]\n'
+                      f'class = "routed_experts"\ntype = "source"\n')
+    out = tmp_path / "q.gguf"
+    result = CliRunner().invoke(main, ["convert", str(source), "-o", str(out), "--recipe", str(recipe),
+                                       "--pre-tokenizer", PRE, "--no-progress", "-j", "1"])
+    assert result.exit_code == 0, result.output
+    (line,) = [line for line in result.output.splitlines() if line.startswith("name        ")]
+    named = out.with_name(line.split()[1])
+    assert "Native" in named.name
+    out.rename(named)
+    result = CliRunner().invoke(main, ["validate", str(named), "--source", str(source)])
+    assert result.exit_code == 0, result.output
+
+
 def test_convert_suggests_the_name_and_writes_a_manifest_with_the_outputs_sha256(converted):
     source, out, report, output = converted
     suggested = f"{source.name}-IQ2XXS-w2Q2K-AProjQ8-OutQ8-0731.gguf"
