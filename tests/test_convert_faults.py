@@ -315,6 +315,30 @@ def interrupted_run(src: Path, out: Path, recipe: Path, monkeypatch, after: int)
     assert [list(r)[0] for r in journal_records(out)][:3] == ["journal", "source_sha256", "tensor"]
 
 
+def test_an_interrupted_forced_rerun_resumes_with_resume_force(qwen, recipe, reference, tmp_path, monkeypatch):
+    """convert --force over a finished output, interrupted: --resume refused (the output exists) and --resume
+    --force started over; now --resume --force continues the partial and then replaces the output."""
+    out = tmp_path / "q.gguf"
+    assert run(*args_for(qwen, out, recipe)).exit_code == 0
+    real = Journal.record
+
+    def interrupt(self, *a):
+        real(self, *a)
+        if journal_lines(out) > 4:
+            raise KeyboardInterrupt
+    monkeypatch.setattr(Journal, "record", interrupt)
+    assert run(*args_for(qwen, out, recipe), "--force").exit_code == 130
+    monkeypatch.undo()
+    kept = len([r for r in journal_records(out) if "tensor" in r])
+    assert kept >= 1 and out.exists()
+    line = one_line_error(run(*args_for(qwen, out, recipe), "--resume"))
+    assert "output exists" in line and "--resume --force" in line
+    result = run(*args_for(qwen, out, recipe), "--resume", "--force")
+    assert result.exit_code == 0, result.output
+    assert f"{kept} from the journal" in result.output
+    assert out.read_bytes() == reference.read_bytes() and leftovers(out) == {out.name}
+
+
 def edit_in_place(path: Path, tensor: str) -> None:
     """Change one value of ``tensor``, keeping the file's size and its access and modification times."""
     st = path.stat()

@@ -30,7 +30,8 @@ from .executors import TorchDevice, check_executor, default_jobs
               help="worker processes (1: encode in this process); lowered to the CPUs available and to what the "
                    "memory holds, with a note")
 @click.option("--resume", is_flag=True, help="continue an interrupted conversion of the same plan")
-@click.option("--force", is_flag=True, help="replace an existing output, report or unfinished conversion")
+@click.option("--force", is_flag=True, help="replace an existing output, report or unfinished conversion (with "
+                                             "--resume: continue the unfinished one, then replace the output)")
 @click.option("--label", help="checkpoint label recorded in the file (e.g. 0731)")
 @click.option("--dry-run", is_flag=True, help="print the plan and stop")
 @click.option("--pre-tokenizer", help="llama.cpp pre-tokenizer name, for tokenizers its hash table does not know")

@@ -236,10 +236,14 @@ def free_space_reserve(file_size: int) -> int:
 
 
 def _check_output(out: Path, partial: Path, journal: Path, request: ConvertRequest) -> bool:
-    """Whether to resume; refuses to touch an existing output or an unfinished run unless told."""
+    """Whether to resume; refuses to touch an existing output or an unfinished run unless told.  ``--force``
+    replaces the output; with ``--resume`` it continues the unfinished run (an interrupted ``--force`` re-run,
+    whose old output is still there), without it the unfinished run starts over."""
     if out.exists() and not request.force:
-        raise OutputExistsError("output exists; refusing to replace it", path=out)
-    if not request.resume or request.force:
+        raise OutputExistsError("output exists; refusing to replace it" + (
+            " (to continue the unfinished conversion and replace it, pass --resume --force)"
+            if request.resume and partial.exists() else ""), path=out)
+    if not request.resume:
         if partial.exists() and not request.force:
             raise OutputExistsError("an unfinished conversion exists (a partial output); pass --resume to continue "
                                     "it or --force to start over", path=partial)
