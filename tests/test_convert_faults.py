@@ -339,6 +339,18 @@ def test_an_interrupted_forced_rerun_resumes_with_resume_force(qwen, recipe, ref
     assert out.read_bytes() == reference.read_bytes() and leftovers(out) == {out.name}
 
 
+def test_an_interrupt_before_any_output_does_not_call_the_output_complete(tmp_path):
+    """A journal left before the partial existed (or a stale one) made the interrupt message say the output was
+    complete when there was none."""
+    from quantkit.cli.convert import _interrupted_state
+
+    out = tmp_path / "q.gguf"
+    journal_path(out).write_text("{}\n")
+    assert _interrupted_state(out, recorded=False) == "before any output was written; nothing is kept"
+    out.write_bytes(b"GGUF")
+    assert "q.gguf is complete" in _interrupted_state(out, recorded=False)
+
+
 def edit_in_place(path: Path, tensor: str) -> None:
     """Change one value of ``tensor``, keeping the file's size and its access and modification times."""
     st = path.stat()

@@ -142,7 +142,7 @@ def _interrupted_state(out: Path, recorded: bool) -> str:
 
     if out.with_name(out.name + PARTIAL_SUFFIX).exists():
         return "the partial output and its journal are kept; run again with --resume to continue"
-    if journal_path(out).exists():
+    if journal_path(out).exists() and out.exists():     # renamed into place, its records not written yet
         return f"{out.name} is complete; run again with --resume to finish its records (release manifest)"
     if recorded:
         return f"{out.name} and its release manifest were written"
