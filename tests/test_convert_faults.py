@@ -351,6 +351,23 @@ def test_an_interrupt_before_any_output_does_not_call_the_output_complete(tmp_pa
     assert "q.gguf is complete" in _interrupted_state(out, recorded=False)
 
 
+def test_an_output_larger_than_a_file_may_be_is_named_and_nothing_kept(qwen, recipe, tmp_path):
+    """EFBIG (FAT32's 4 GiB, ``ulimit -f``) printed "error: File too large" naming nothing and left the partial and
+    its journal, which no --resume on that filesystem could finish."""
+    import resource
+
+    out = tmp_path / "q.gguf"
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, hard))
+    try:
+        result = run(*args_for(qwen, out, recipe))
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    line = one_line_error(result)
+    assert result.exit_code == 2 and "larger than one file may be there" in line and "q.gguf.partial" in line, line
+    assert not leftovers(out)
+
+
 def edit_in_place(path: Path, tensor: str) -> None:
     """Change one value of ``tensor``, keeping the file's size and its access and modification times."""
     st = path.stat()

@@ -48,6 +48,7 @@ size, mtime or SHA-256: a resume that would keep tensors is refused, naming the 
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import os
 import shutil
@@ -399,8 +400,15 @@ def execute(prepared: Prepared, request: ConvertRequest,
                 clock.lap("device")
                 return _execute(prepared, request, out, clock, pool, stats, hashing, completed)
         except OSError as exc:
+            partial = out.with_name(out.name + PARTIAL_SUFFIX)
             if is_out_of_space(exc):
-                raise out_of_space(exc.filename or out.with_name(out.name + PARTIAL_SUFFIX)) from None
+                raise out_of_space(exc.filename or partial) from None
+            if exc.errno == errno.EFBIG:   # the filesystem's (FAT32: 4 GiB) or ``ulimit -f``'s: no resume gets past it
+                partial.unlink(missing_ok=True)
+                journal_path(out).unlink(missing_ok=True)
+                raise OutputPathError("the output is larger than one file may be there (the filesystem's or the "
+                                      "process's file size limit); nothing is kept: write it to another filesystem",
+                                      path=exc.filename or partial) from None
             raise
         finally:
             hashing.cancel()
