@@ -6,6 +6,7 @@ uninterrupted run (the reference, made once per module)."""
 from __future__ import annotations
 
 import errno
+import hashlib
 import json
 import os
 import random
@@ -333,10 +334,18 @@ def test_an_interrupted_forced_rerun_resumes_with_resume_force(qwen, recipe, ref
     assert kept >= 1 and out.exists()
     line = one_line_error(run(*args_for(qwen, out, recipe), "--resume"))
     assert "output exists" in line and "--resume --force" in line
-    result = run(*args_for(qwen, out, recipe), "--resume", "--force")
+    result = run(*args_for(qwen, out, recipe), "--resume", "--force", "--report", tmp_path / "r.json")
     assert result.exit_code == 0, result.output
     assert f"{kept} from the journal" in result.output
     assert out.read_bytes() == reference.read_bytes() and leftovers(out) == {out.name}
+    # the report lists every tensor: those made now and those the journal kept (it listed the first alone)
+    report = json.loads((tmp_path / "r.json").read_text())
+    listed = report["produced"] + report["from_journal"]
+    assert len(report["from_journal"]) == kept == report["resumed"]
+    with GGUFFile(out) as f:
+        assert sorted(d["name"] for d in listed) == sorted(f.tensors)
+        assert all(hashlib.sha256(f.data(d["name"]).tobytes()).hexdigest() == d["sha256"]
+                   and d["nbytes"] == f.tensors[d["name"]].nbytes for d in report["from_journal"])
 
 
 def test_an_interrupt_before_any_output_does_not_call_the_output_complete(tmp_path):

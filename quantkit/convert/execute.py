@@ -169,6 +169,8 @@ class ConvertResult:
     stream_wall_seconds: dict[str, float] = field(default_factory=dict)
     """The same steps' wall-clock seconds, threads overlapping counted once
     (:data:`quantkit.convert.gpu_stream.STEP_WALL_SECONDS`)."""
+    from_journal: list[tuple[str, str, int]] = field(default_factory=list)
+    """(name, SHA-256, bytes) of each tensor taken from the journal (``resumed`` of them), read back before use."""
 
     def report(self) -> dict:
         busy = sum(d.seconds for d in self.produced)
@@ -177,7 +179,9 @@ class ConvertResult:
                 "tensor_seconds": busy, "phases": self.phases, "stream_seconds": self.stream_seconds,
                 "stream_wall_seconds": self.stream_wall_seconds,
                 "produced": [{"name": d.name, "sha256": d.sha256, "nbytes": d.nbytes, "seconds": d.seconds}
-                             for d in self.produced]}
+                             for d in self.produced],
+                "from_journal": [{"name": name, "sha256": sha256, "nbytes": nbytes}
+                                 for name, sha256, nbytes in self.from_journal]}
 
 
 # -- preparing ----------------------------------------------------------------------------------------------------
@@ -566,7 +570,8 @@ def _execute(prepared: Prepared, request: ConvertRequest, out: Path, clock: _Clo
                     for counter, before in ((STEP_SECONDS, steps_before), (STEP_WALL_SECONDS, walls_before)))
     result = ConvertResult(out, layout.file_size, len(jobs), len(jobs) - len(todo), produced, clock.total(),
                            prepared.workers, clock.phases, sha256=sha256, stream_seconds=steps,
-                           stream_wall_seconds=walls)
+                           stream_wall_seconds=walls,
+                           from_journal=[(n, h, jobs[n].nbytes) for n, h in journaled.done.items() if n in jobs])
     return _complete(result, completed, jpath)
 
 
