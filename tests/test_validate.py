@@ -518,6 +518,16 @@ def test_a_foreign_ds4_file_is_compared_under_llama_cpps_keys_and_ds4s_own(tmp_p
     assert item.startswith("deepseek4.vocab_size: UINT32 ")
 
 
+def test_a_whole_file_named_like_a_shard_is_validated_as_a_file(artifact, tmp_path):
+    """The name alone made a shard: a whole GGUF called X-00001-of-00001.gguf (no split keys) was INVALID (split.no
+    None) and could not be compared with its source."""
+    src, gguf = artifact("qwen3_moe")
+    named = copy(gguf, tmp_path, "model-00001-of-00001.gguf")
+    result, report = validate(named, "--source", src, json_path=tmp_path / "r.json")
+    assert result.exit_code == 0, result.output
+    assert report["kind"] == "gguf" and checks(report)["payload.bytes"]["status"] == "passed"
+
+
 def test_invalid_utf8_in_a_recorded_string_is_reported_not_a_crash(tmp_path):
     """Found by bench/fuzz.py: a string value holding invalid UTF-8 reached the printed report unescaped."""
     import struct

@@ -50,7 +50,7 @@ from .payload import PAYLOAD_MODES, audit
 from .replan import describe_inputs, inventory_checks, replan, source_check, tampered_recipe
 from .report import FAILED, PASSED, Check, Report, skipped
 from ..transport.manifest import is_manifest
-from .transport import is_shard_name, validate_manifest, validate_shards
+from .transport import is_shard, validate_manifest, validate_shards
 from .structure import (ArtifactReader, ScaleScan, header_check, layout_checks, metadata_check, padding_check,
                         provenance_check, scan_tensor, shapes_check)
 
@@ -71,7 +71,7 @@ def validate(artifact: str | os.PathLike, *, source: str | None = None, recipe: 
     path = Path(artifact)
     if is_manifest(path):
         return validate_manifest(path, payload)
-    if is_shard_name(path):
+    if is_shard(path):
         asked = {"--source": source, "--recipe": recipe, "--imatrix": imatrix, "--target": target,
                  "--payload full": payload == "full" or None}
         return validate_shards(path, [option for option, value in asked.items() if value is not None])

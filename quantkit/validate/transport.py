@@ -5,7 +5,7 @@ named as such); the whole file's SHA-256, computed in the same pass from the par
 the merged header and the shards' data sections), so the file is proven without being written.  ``--payload
 none`` stops after the sizes.
 
-A shard (``<stem>-00001-of-00003.gguf``, any of the set): every shard of the set present and readable, each
+A shard (``<stem>-00001-of-00003.gguf``, any of the set, holding ``split.count``): every shard of the set present and readable, each
 saying it is shard ``k`` of ``N`` (``split.no``, ``split.count``), the first holding the file's metadata and the
 others only the split keys, and the tensors of all shards adding up to ``split.tensors.count`` with no name twice.
 That is structure only, and the verdict says so: no shard's bytes are compared with anything; options that ask
@@ -17,7 +17,7 @@ import hashlib
 import re
 from pathlib import Path
 
-from ..errors import CorruptDataError, FormatError, MissingSourceError, ValidationError
+from ..errors import CorruptDataError, FormatError, MissingSourceError, QuantkitError, ValidationError
 from ..io.gguf_reader import GGUFFile
 from ..transport.assemble import check_part_file, mismatch_error, plan_assembly
 from ..transport.manifest import load_manifest
@@ -28,8 +28,16 @@ from .report import Check, Report, check, skipped
 SHARD_NAME = re.compile(r"^(?P<stem>.+)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
 
 
-def is_shard_name(path: Path) -> bool:
-    return SHARD_NAME.match(path.name) is not None
+def is_shard(path: Path) -> bool:
+    """A shard of a set: named as one, and holding the split keys or unreadable (the set's checks name why).  A
+    whole GGUF that only bears such a name (no ``split.count``) is a file like any other."""
+    if SHARD_NAME.match(path.name) is None:
+        return False
+    try:
+        with GGUFFile(path) as f:
+            return SPLIT_COUNT in f.metadata
+    except (QuantkitError, OSError):
+        return True
 
 
 def validate_manifest(path: Path, payload: str) -> Report:
