@@ -78,15 +78,16 @@ def test_verdict_rules(delta, low, high, expected):
 FIXTURE = {"content_sha256": "cd" * 32, "label": "0731", "cases": 0, "path": "fx"}
 
 
-def _table(tmp_path, name, nll, tokens, first=None, lcp=None, fixture=FIXTURE, top1=None):
+def _table(tmp_path, name, nll, tokens, first=None, lcp=None, fixture=FIXTURE, top1=None, prompt_tokens=10,
+           cross_checkpoint=()):
     n = len(nll)
     first = first if first is not None else [1] * n
     lcp = lcp if lcp is not None else [1] * n
-    scores = [CaseScore(f"case_{i:03d}", 10, int(tokens[i]), float(nll[i]), first[i], lcp[i], int(tokens[i]),
+    scores = [CaseScore(f"case_{i:03d}", prompt_tokens, int(tokens[i]), float(nll[i]), first[i], lcp[i], int(tokens[i]),
                         ApiCounts(top1_count=int(tokens[i]), top1_match=int(top1[i] if top1 else tokens[i])))
               for i in range(n)]
     header = {"version": 1, "fixture": dict(fixture, cases=n), "model": ModelIdentity().to_json(), "ctx": 4096,
-              "cross_checkpoint": []}
+              "cross_checkpoint": list(cross_checkpoint)}
     path = tmp_path / f"{name}.tsv"
     write_table(path, header, scores, [Totals.of(scores).summary_line()])
     return path
@@ -161,6 +162,17 @@ def test_refuses_tables_that_are_not_paired(tmp_path):
     retokenized[2] += 1
     with pytest.raises(FixtureError, match="case case_002: .* tokenized differently"):
         compare_tables(a, read_table(_table(tmp_path, "d", new, retokenized)))
+    # the same fixture rendered otherwise (chat template against raw): the targets follow another prompt
+    with pytest.raises(FixtureError, match="case case_000: a prompt of 10 tokens .* but 13 .* rendered"):
+        compare_tables(a, read_table(_table(tmp_path, "e", new, tokens, prompt_tokens=13)))
+
+
+def test_a_table_scored_against_another_checkpoints_fixture_is_noted(tmp_path):
+    old, new, tokens = _pair(n=5)
+    crossed = ["fixture label '0731', model label '0802'"]
+    result = compare_tables(read_table(_table(tmp_path, "a", old, tokens)),
+                            read_table(_table(tmp_path, "b", new, tokens, cross_checkpoint=crossed)))
+    assert any("another checkpoint" in note and "0802" in note for note in result.notes)
 
 
 def test_compare_cli(tmp_path):

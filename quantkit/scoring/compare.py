@@ -363,6 +363,15 @@ def _check_pairing(old: ScoreTable, new: ScoreTable) -> list[str]:
         if a.target_tokens != b.target_tokens:
             raise FixtureError(f"case {a.id}: {a.target_tokens} target tokens in {old.path} but {b.target_tokens} "
                                f"in {new.path}: the fixture was tokenized differently, so NLLs are not paired")
+        if a.prompt_tokens != b.prompt_tokens:   # the same targets after another prompt: another conditional
+            raise FixtureError(f"case {a.id}: a prompt of {a.prompt_tokens} tokens in {old.path} but "
+                               f"{b.prompt_tokens} in {new.path}: the prompts were rendered (raw or chat template) "
+                               f"or tokenized differently, so NLLs are not paired")
+    for t in (old, new):
+        crossed = (t.header or {}).get("cross_checkpoint")
+        if crossed:
+            notes.append(f"{t.path} was scored against a fixture of another checkpoint (--allow-cross-checkpoint): "
+                         + "; ".join(map(str, crossed)))
     return notes
 
 
