@@ -83,7 +83,14 @@ def _edits():
     yield "nan logprob", replace("responses/case_0001.json", "-1.5", "NaN"), \
         r"case case_0001 response case_0001.json: logprobs.content\[1\]: logprob is nan"
     yield "positive logprob", replace("responses/case_0001.json", "-1.5", "0.5"), \
-        r"case case_0001 response case_0001.json: logprobs.content\[1\]: logprob is 0.5, expected a finite number <= 0"
+        r"case case_0001 response case_0001.json: logprobs.content\[1\]: logprob is 0.5, expected a finite number in "
+    # finite, but the case's sums overflow float64: the table held inf (score exited 0, compare refused it)
+    yield "huge logprob", replace("responses/case_0001.json", "-1.5", "-1.5e308"), \
+        r"logprobs.content\[1\]: logprob is -1.5e\+308, expected a finite number in \[-1e\+06, 0\]"
+    yield "huge integer logprob", replace("responses/case_0001.json", "-1.5", "-1" + "0" * 400), \
+        r"logprobs.content\[1\]: logprob is -10000000000... \(402 digits\)"
+    yield "empty response", lambda root: (root / "responses/case_0001.json").write_text(""), \
+        "case case_0001 response case_0001.json: not valid JSON"
     yield "string logprob", replace("responses/case_0002.json", "-0.5", '"low"'), \
         r"case case_0002 .*top_logprobs\[0\]: logprob must be a number"
     yield "bad json", replace("responses/case_0000.json", "{", "[", ), "case case_0000 response .*not valid JSON"
