@@ -28,7 +28,7 @@ from quantkit.convert.journal import Journal, journal_path
 from quantkit.convert.pool import WORKER_BASE_BYTES, bound_jobs
 from quantkit.convert.source import Hashing
 from quantkit.errors import ConcurrentWriteError, OutputPathError
-from quantkit.io.atomic import check_output, output_lock, sha256_file
+from quantkit.io.atomic import check_output, input_files, output_lock, sha256_file
 from quantkit.io.gguf import align
 from quantkit.io.gguf_reader import GGUFFile
 from quantkit.io.gguf_writer import GGUFWriter, plan_layout
@@ -653,6 +653,12 @@ def test_check_output_unit(tmp_path):
         check_output(tmp_path / "link", inputs=[source], overwrite=True)
     with pytest.raises(OutputPathError, match="is a directory"):
         check_output(tmp_path, overwrite=True)
+    # a fixture's prompts/ are inputs too: score -o FIXTURE/prompts/x.txt --force overwrote one
+    fixture = tmp_path / "fixture"
+    (fixture / "prompts").mkdir(parents=True)
+    (fixture / "prompts" / "case.txt").write_text("a prompt")
+    with pytest.raises(OutputPathError, match="would overwrite an input"):
+        check_output(fixture / "prompts" / "case.txt", inputs=input_files([fixture]), overwrite=True)
     fifo = tmp_path / "pipe.gguf"
     os.mkfifo(fifo)
     with pytest.raises(OutputPathError, match="not a regular file"):   # renaming over it would delete it

@@ -42,15 +42,20 @@ def same_file(a: str | os.PathLike, b: str | os.PathLike) -> bool:
 
 
 def input_files(paths: Iterable[str | os.PathLike | None]) -> list[Path]:
-    """The files a command reads, for :func:`check_output`: each existing file, and every file directly inside
-    each existing directory (a checkpoint's shards, config and index; a fixture's files)."""
+    """The files a command reads, for :func:`check_output`: each existing file, and every file inside each existing
+    directory and its folders one level down (a checkpoint's shards, config and index; a fixture's manifest and
+    its prompts/, continuations/ and responses/)."""
     found = []
     for given in paths:
         if given is None:
             continue
         path = Path(given)
         if path.is_dir():
-            found.extend(p for p in path.iterdir() if p.is_file())
+            for p in path.iterdir():
+                if p.is_dir():
+                    found.extend(q for q in p.iterdir() if q.is_file())
+                elif p.is_file():
+                    found.append(p)
         elif path.exists():
             found.append(path)
     return found
