@@ -103,6 +103,8 @@ def _edits():
     yield "short row", replace("manifest.tsv", "\tcontinuations/case_0000.txt\tresponses/case_0000.json", ""), \
         "line 1: expected 3 or 4"
     yield "case count", replace("fixture.json", '"cases": 3', '"cases": 4'), "records 4 cases but"
+    yield "template kwargs not an object", replace("fixture.json", '"template_kwargs": {}', '"template_kwargs": [1, 2]'), \
+        "rendering.template_kwargs must be an object"
     yield "unknown key", replace("fixture.json", '"cases"', '"extra": 1, "cases"'), "expected exactly"
     yield "bad version", replace("fixture.json", '"version": 1', '"version": 9'), "version 9 is not one of"
     yield "not a fixture", remove("manifest.tsv"), "manifest.tsv is missing"

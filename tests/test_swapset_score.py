@@ -9,6 +9,7 @@ pairs them, and ``quantkit swapset record`` keeps the comparison in the manifest
 import json
 import shutil
 import warnings
+from pathlib import Path
 
 import ml_dtypes
 import numpy as np
@@ -251,6 +252,15 @@ def test_record_keeps_the_comparison_in_the_manifest(scored):
     one_line_error(run("swapset", "record", d, NV, tables[NV], tables["both"]), 2, "already scored with sidecar")
     one_line_error(run("swapset", "record", d, NV, tables["plain"], tables["both"]), 2, "expected the baseline's plus")
     assert (d / f"{NV}.json").read_bytes() == before
+
+
+def test_record_refuses_a_table_that_does_not_identify_its_model(scored, tmp_path):
+    """A ds4 table without its .json sidecar has no identity record: record crashed reading its model."""
+    d, fx, tables = scored
+    plain = tmp_path / "plain.tsv"
+    assert run("score", d, fx, plain, "--ctx", CTX, "--format", "ds4").exit_code == 0
+    Path(f"{plain}.json").unlink()
+    one_line_error(run("swapset", "record", d, NV, plain, tables[NV]), 2, "does not identify the model")
 
 
 def _with_first_matches(table, out):

@@ -83,6 +83,10 @@ def record_comparison(model_dir: str | Path, name: str, baseline_path: str | Pat
     if after != expected:
         raise FixtureError(f"the table was scored with sidecars {_listed(after)}, expected the baseline's plus "
                            f"{name!r} at its current payload: {_listed(expected)}", path=with_sidecar.path)
+    for table in (baseline, with_sidecar):
+        if table.header is None:   # a ds4 table without its .json sidecar
+            raise FixtureError("the table does not identify the model it scored (a ds4 table without its .json "
+                               "sidecar): score with quantkit's table format or keep the sidecar", path=table.path)
     models = baseline.header["model"].get("source"), with_sidecar.header["model"].get("source")
     if models[0] is None or models[0] != models[1]:
         raise SourceError(f"the tables scored different or unidentified checkpoints (model source "
