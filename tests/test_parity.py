@@ -189,6 +189,15 @@ def test_ds4_logprob_dump(tiny, tmp_path, prompt_file):
     code, output = run(path, "--logits", tmp_path / "ds4.json", "--tokens",
                        write_json(tmp_path / "short.json", PROMPT[:-1]))
     assert code == 2 and "prompt renders to 23 tokens, the ds4 dump's to 24" in output
+    # nothing listed compares nothing (it passed every gate); a logprob past float64 is no number
+    empty = dump(continuation)
+    empty["steps"][1]["top_logprobs"] = []
+    code, output = run(path, "--logits", write_json(tmp_path / "empty.json", empty), "--tokens", prompt_file)
+    assert code == 2 and "steps[1]: no top_logprobs listed" in output
+    huge = dump(continuation)
+    huge["steps"][0]["top_logprobs"][0]["logprob"] = -10 ** 400
+    code, output = run(path, "--logits", write_json(tmp_path / "huge.json", huge), "--tokens", prompt_file)
+    assert code == 2 and "steps[0].top_logprobs[0]: expected" in output
 
 
 # -- (b) sampled streams -----------------------------------------------------------------------------------------
