@@ -525,7 +525,10 @@ def test_malformed_logits_files_are_refused(tmp_path):
              ("trailing", good + b"\0\0", FormatError, "implies"),
              ("short header", good[:10], TruncatedFileError, "header"),
              ("zero ctx", good[:8] + struct.pack("<I", 0) + good[12:], FormatError, "n_ctx"),
-             ("token outside", good[:20] + struct.pack("<i", 9) + good[24:], FormatError, "outside the vocab")]
+             ("token outside", good[:20] + struct.pack("<i", 9) + good[24:], FormatError, "outside the vocab"),
+             # a NaN head: its row dropped out of the KLD as if it agreed (KLD 0), its NLL made the PPL NaN
+             ("nan head", good[:52] + struct.pack("<f", float("nan")) + good[56:], FormatError,
+              "chunk 0, scored position 0: the record's scale")]
     for name, data, error, message in cases:
         path.write_bytes(data)
         with pytest.raises(error, match=message):

@@ -167,6 +167,15 @@ class LogitsFile:
                               f"vocabulary of {n_vocab}", path=self.path, offset=_HEADER.size + 4 * int(bad[0]))
         self.records = np.memmap(self.path, dtype="<u2", mode="r", offset=_HEADER.size + tokens_bytes,
                                  shape=(n_chunk, self.scored, self.width))
+        # each record's (scale, min_log_prob): a NaN made its row drop out of the KLD as if it agreed (KLD 0)
+        heads = np.ascontiguousarray(self.records[:, :, :4]).view("<f4")
+        bad = np.argwhere(~np.isfinite(heads).all(axis=2) | (heads[:, :, 0] < 0))
+        if len(bad):
+            chunk, row = (int(v) for v in bad[0])
+            raise FormatError(f"chunk {chunk}, scored position {row}: the record's scale or log-probability floor "
+                              f"is {heads[chunk, row].tolist()} (finite, scale >= 0 expected): a damaged file",
+                              path=self.path, offset=_HEADER.size + tokens_bytes + 2 * self.width * (
+                                  chunk * self.scored + row))
 
 
 def _percentile(values: np.ndarray, fraction: float) -> np.float32:
