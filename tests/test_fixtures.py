@@ -193,6 +193,10 @@ def test_read_prompts(tmp_path):
     (tmp_path / "bad.jsonl").write_text('{"text": "c"}\n')
     with pytest.raises(FixtureError, match="line 1: expected a JSON string"):
         read_prompts(tmp_path / "bad.jsonl")
+    # the line number is the file's: blank lines before it count (they were numbered away)
+    (tmp_path / "blank.jsonl").write_text('"a"\n\n\n"b"\n\n{bad}\n')
+    with pytest.raises(FixtureError, match="line 6: not JSON"):
+        read_prompts(tmp_path / "blank.jsonl")
     # a byte-order mark (and CRLF) as a Windows editor writes them: not part of the first prompt, in either format
     (tmp_path / "bom.txt").write_bytes("\ufefffirst prompt\r\nsecond prompt\r\n".encode())
     assert read_prompts(tmp_path / "bom.txt") == [("case_0001", "first prompt"), ("case_0002", "second prompt")]
