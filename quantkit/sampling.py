@@ -66,6 +66,7 @@ from typing import Callable, Iterable, Sequence
 import numpy as np
 
 from .errors import ValidationError
+from .io import jsontext
 from .scoring.kld import expf
 
 #: OpenAI's (and MTPLX's) range of presence and frequency penalties.
@@ -86,7 +87,7 @@ class SamplingParams:
 
     def __post_init__(self):
         for name in ("temperature", "top_p", "presence_penalty", "frequency_penalty", "min_p"):
-            if not np.isfinite(getattr(self, name)):
+            if jsontext.finite(getattr(self, name)) is None:
                 raise ValidationError(f"sampling {name} must be finite, got {getattr(self, name)}")
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, (int, np.integer)) or self.top_k < 0:
             raise ValidationError(f"sampling top_k must be a whole number >= 0 (0 = off), got {self.top_k}")

@@ -130,6 +130,9 @@ def test_unusable_input_exits_2(tmp_path):
 @pytest.mark.parametrize("edit, key, message", [
     (lambda t: t.replace("tolerance = 0.02", "tolerance = -1"), "rules.first_token.tolerance", "number >= 0"),
     (lambda t: t.replace("tolerance = 0.02", "tolerance = \"x\""), "rules.first_token.tolerance", "number >= 0"),
+    # an integer past float64 (an internal error through math.isfinite)
+    (lambda t: t.replace("tolerance = 0.02", "tolerance = 1" + "0" * 400), "rules.first_token.tolerance",
+     "number >= 0"),
     (lambda t: t.replace("[rules.api_topn]\n", "[rules.api_topn]\ncolour = 1\n"), "rules.api_topn.colour",
      "unknown key"),
     (lambda t: t.replace("tolerance = 0.005\n", ""), "rules.nll.tolerance", "missing"),

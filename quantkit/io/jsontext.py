@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import math
+import numbers
 from typing import Any
 
 
@@ -41,3 +42,15 @@ def dumps(obj: Any, **kwargs: Any) -> str:
         default = kwargs.pop("default", None)
         plain = json.loads(json.dumps(obj, default=default))   # numpy scalars and other defaults resolved first
         return json.dumps(_finite(plain), allow_nan=False, **kwargs)
+
+
+def finite(value: Any) -> float | None:
+    """A JSON number as a finite float; None for anything else (a bool, a string, NaN, an integer past float64,
+    which ``math.isfinite`` and numpy would raise on)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):   # numpy's scalars are Real too
+        return None
+    try:
+        number = float(value)
+    except OverflowError:
+        return None
+    return number if math.isfinite(number) else None

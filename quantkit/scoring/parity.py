@@ -50,7 +50,6 @@ Verdict: ``passed`` is false on any failure above (``quantkit parity`` exits 1);
 """
 from __future__ import annotations
 
-import math
 import os
 import re
 from dataclasses import dataclass, field
@@ -227,17 +226,6 @@ class Ds4Dump:
     listed: list[list[tuple[int, float]]]
 
 
-def _finite(value: Any) -> float | None:
-    """``value`` as a finite float; None for anything else (a bool, a string, an integer past float64)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        return None
-    try:
-        number = float(value)
-    except OverflowError:
-        return None
-    return number if math.isfinite(number) else None
-
-
 def _read_ds4(data: Any, path: Path) -> Ds4Dump:
     if not isinstance(data.get("steps"), list) or not data["steps"]:
         raise FormatError("ds4 logprob dump: expected a non-empty list 'steps'", path=path)
@@ -252,7 +240,7 @@ def _read_ds4(data: Any, path: Path) -> Ds4Dump:
         for j, alt in enumerate(step["top_logprobs"]):
             token = alt.get("token") if isinstance(alt, dict) else None
             logprob = alt.get("logprob") if isinstance(alt, dict) else None
-            value = _finite(logprob)
+            value = jsontext.finite(logprob)
             if not isinstance(token, dict) or value is None:
                 raise FormatError(f"{where}.top_logprobs[{j}]: expected {{'token': {{'id': ...}}, 'logprob': "
                                   "finite number}", path=path)

@@ -14,7 +14,6 @@ Errors name the file and the key (:class:`~quantkit.errors.FormatError`, exit 2)
 """
 from __future__ import annotations
 
-import math
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -110,7 +109,7 @@ def _bool(value: Any, path: Path, key: str) -> bool:
 
 def _number(value: Any, path: Path, key: str, *, whole: bool = False) -> float:
     ok = isinstance(value, int) if whole else isinstance(value, (int, float))
-    if isinstance(value, bool) or not ok or not math.isfinite(value) or value < 0:
+    if not ok or jsontext.finite(value) is None or value < 0:
         raise FormatError(f"expected a {'whole ' if whole else ''}number >= 0, found {value!r}", path=path, field=key)
     return value
 
