@@ -528,6 +528,30 @@ def test_a_whole_file_named_like_a_shard_is_validated_as_a_file(artifact, tmp_pa
     assert report["kind"] == "gguf" and checks(report)["payload.bytes"]["status"] == "passed"
 
 
+def test_a_hyperparameter_key_the_source_does_not_imply_fails_a_foreign_file(artifact, tmp_path):
+    """RoPE scaling added to a llama.cpp-dialect file changes every logit llama.cpp computes; only keys the source
+    implies were compared, so the file was proven valid."""
+    from gguf.constants import GGUFValueType
+
+    from quantkit.io.gguf import KV
+
+    src, made = artifact("qwen3_moe", "q8_0")
+
+    def scaled(meta):
+        meta["qwen3moe.rope.scaling.type"] = KV("linear", GGUFValueType.STRING)
+        meta["qwen3moe.rope.scaling.factor"] = KV(8.0, GGUFValueType.FLOAT32)
+
+    bare = without_quantkit_keys(made, tmp_path / "bare.gguf")
+    result, report = validate(bare, "--source", src, json_path=tmp_path / "bare.json")
+    assert result.exit_code == 0, result.output
+    edited = without_quantkit_keys(made, tmp_path / "scaled.gguf", scaled)
+    result, report = validate(edited, "--source", src, json_path=tmp_path / "scaled.json")
+    assert result.exit_code == 1 and failed(report) == {"inventory.metadata"}, result.output
+    assert checks(report)["inventory.metadata"]["items"] == [
+        "qwen3moe.rope.scaling.type: STRING 'linear', which the source config does not imply",
+        "qwen3moe.rope.scaling.factor: FLOAT32 8.0, which the source config does not imply"]
+
+
 def test_invalid_utf8_in_a_recorded_string_is_reported_not_a_crash(tmp_path):
     """Found by bench/fuzz.py: a string value holding invalid UTF-8 reached the printed report unescaped."""
     import struct

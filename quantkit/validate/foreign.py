@@ -204,7 +204,8 @@ def tensors_check(f: GGUFFile, plan: ForeignPlan, problems: list[str]) -> Check:
 def metadata_check(f: GGUFFile, plan: ForeignPlan) -> Check:
     """Every hyperparameter the source config implies equals the file's, where the file has the key: compared under
     llama.cpp's names (a ds4-dialect file's keys translated, so its own types and meanings are not differences),
-    and a ds4 file's keys that llama.cpp has no name for against the source's translation to ds4's."""
+    and a ds4 file's keys that llama.cpp has no name for against the source's translation to ds4's; a llama.cpp
+    file's hyperparameter key the source does not imply (RoPE scaling added) is a difference too."""
     problems, compared, absent = [], 0, []
     for key, kv, found in _expected_pairs(f, plan):
         if found is None:
@@ -216,6 +217,11 @@ def metadata_check(f: GGUFFile, plan: ForeignPlan) -> Check:
     if absent:
         plan.notes.append(f"{len(absent)} hyperparameter keys the source implies are not in the file: "
                           f"{', '.join(absent[:6])}")
+    arch = f.metadata.get("general.architecture")
+    if arch is not None and dialect_of(f.metadata) != DS4:   # ds4's keys seen as llama.cpp's add some by design
+        for key, kv in f.metadata.items():   # one the source does not imply changes what llama.cpp computes (RoPE)
+            if key.startswith(f"{arch.value}.") and key not in plan.expected_metadata:
+                problems.append(f"{key}: {_show(kv)}, which the source config does not imply")
     return check("inventory.metadata", problems,
                  passed=f"{compared} hyperparameter keys equal what the source config implies")
 
