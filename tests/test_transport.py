@@ -402,6 +402,11 @@ def test_validate_proves_a_manifest_without_assembling(byte_parts, shards, tmp_p
         result = cli("validate", m.path)
         assert result.exit_code == 0 and "transport.file_hash" in result.output and m.file.sha256 in result.output, \
             result.output
+        # the report carries its evidence record as every other validation does (it was null)
+        evidence = json.loads(cli("validate", m.path, "--json").output)["evidence"]
+        assert evidence["artifact"]["path"] == str(m.path) and evidence["command"]
+    evidence = json.loads(cli("validate", shards.part_path(0), "--json").output)["evidence"]
+    assert evidence["artifact"]["path"] == str(shards.part_path(0))
     _flip(shards.part_path(1), 1000)
     shards.part_path(3).unlink()
     result = cli("validate", shards.path)

@@ -70,12 +70,12 @@ def validate(artifact: str | os.PathLike, *, source: str | None = None, recipe: 
         raise UnsupportedError(f"payload mode {payload!r} is not one of {PAYLOAD_MODES}")
     path = Path(artifact)
     if is_manifest(path):
-        return validate_manifest(path, payload)
-    if is_shard(path):
+        report = validate_manifest(path, payload)
+    elif is_shard(path):
         asked = {"--source": source, "--recipe": recipe, "--imatrix": imatrix, "--target": target,
                  "--payload full": payload == "full" or None}
-        return validate_shards(path, [option for option, value in asked.items() if value is not None])
-    if path.suffix in SIDECAR_SUFFIXES:
+        report = validate_shards(path, [option for option, value in asked.items() if value is not None])
+    elif path.suffix in SIDECAR_SUFFIXES:
         report = _sidecar(path, payload, seed)
     else:
         sequential = structure_only or payload != "sample"
