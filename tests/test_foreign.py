@@ -227,6 +227,27 @@ def test_llama_quantize_q4_k_m_is_proven_byte_for_byte(q4_k_m, arch, tmp_path):
     assert sampled.exit_code == 0, sampled.output
 
 
+def test_a_quantkit_file_re_quantized_by_llama_quantize_is_proven_as_a_foreign_one(tiny_checkpoints, tmp_path):
+    """llama-quantize keeps the keys it finds: a quantkit F32 conversion quantized to Q4_K_M still recorded
+    quantkit's F32 recipe, was re-planned as it, and failed (28 differences) with no way to prove it."""
+    source = tiny_checkpoints.get("qwen3_moe", *CONVERTER_SOURCES["qwen3_moe"])
+    recipe = tmp_path / "f32.toml"
+    recipe.write_text('name = "f32"\narchitectures = ["qwen3_moe"]\n[defaults]\ntype = "F32"\n')
+    f32 = tmp_path / "f32.gguf"
+    made = CliRunner().invoke(main, ["convert", str(source), "-o", str(f32), "--recipe", str(recipe), "--no-progress",
+                                     "--pre-tokenizer", PRE_TOKENIZER["qwen3_moe"]])
+    assert made.exit_code == 0, made.output
+    q4 = quantize(f32, tmp_path / "q4.gguf")
+    with GGUFFile(q4) as f:
+        assert "quantkit.recipe.text" in f.metadata        # the case: quantkit's provenance copied
+    result = validate(q4, "--source", source, "--payload", "full")
+    assert result.exit_code == 0, result.output
+    assert "re-quantized by another tool" in result.output and "tensors proven" in result.output
+    # quantkit's own file is still re-planned from its recipe
+    own = validate(f32, "--source", source)
+    assert own.exit_code == 0 and "re-quantized" not in own.output
+
+
 def test_llama_quantize_drops_trailing_unit_dimensions_and_the_tensor_is_still_proven(converted, tmp_path):
     """llama-quantize writes ggml_n_dims dimensions: GLM-5.3's KDA convolutions [1, 256, 1, 4] are stored as
     [256, 1, 4], the same ggml tensor. Validate compares shapes as ggml sees them (they were "shape differs", and

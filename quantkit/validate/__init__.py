@@ -39,6 +39,7 @@ from typing import Sequence
 
 from ..errors import UnsupportedError
 from ..evidence import evidence
+from ..io.gguf import ggml_dims
 from ..io.gguf_reader import GGUFFile
 from .foreign import foreign_plan, is_foreign, proof_check, source_hash_check, unverified_checks
 from .foreign import metadata_check as foreign_metadata_check
@@ -97,6 +98,13 @@ def _gguf(f: GGUFFile, reader: ArtifactReader, *, source, recipe, imatrix, paylo
     report = Report(str(f.path), "gguf", mode, seed)
     not_replanned = "--structure-only" if structure_only else tampered_recipe(f, recipe)
     plan = None if not_replanned else replan(f, source=source, recipe=recipe, imatrix=imatrix)
+    if plan is not None and recipe is None and requantized(f, plan):
+        report = _foreign(f, reader, source=source or str(plan.prepared.source.path), imatrix=imatrix, mode=mode,
+                          seed=seed)
+        report.notes.insert(0, "re-quantized by another tool (llama-quantize keeps the keys it finds): the tensor "
+                               "types and general.file_type are not those of the recorded quantkit recipe, which "
+                               "describes the file it was made from; proven as a file quantkit did not write")
+        return report
     scan = ScaleScan(row_stores(f))
     if plan is None:
         payload_checks = [skipped(name, not_replanned) for name in ("payload.bytes", "payload.error")]
@@ -121,6 +129,19 @@ def _gguf(f: GGUFFile, reader: ArtifactReader, *, source, recipe, imatrix, paylo
                  "artifact_bytes_read": reader.bytes_read,
                  "source_files_hashed_bytes": 0 if plan is None else plan.hashed_bytes}
     return report
+
+
+def requantized(f: GGUFFile, plan) -> bool:
+    """Whether ``f`` is a quantkit artifact another tool re-quantized: the planned tensors by name and shape, some
+    in other types, and a ``general.file_type`` the plan's types do not give (an edited tensor type alone keeps
+    quantkit's file type, and fails the inventory)."""
+    planned = plan.layout.tensors
+    if set(planned) != set(f.tensors) or any(ggml_dims(planned[n].shape) != ggml_dims(t.shape)
+                                             for n, t in f.tensors.items()):
+        return False
+    recorded, expected = f.metadata.get("general.file_type"), plan.layout.metadata.get("general.file_type")
+    return (any(planned[n].type != t.type for n, t in f.tensors.items()) and recorded is not None
+            and expected is not None and recorded.value != expected.value)
 
 
 def _scan_rest(f: GGUFFile, reader: ArtifactReader, scan: ScaleScan, tensors: list[dict], mode: str) -> None:
