@@ -68,6 +68,9 @@ def ray_session(address: str | None, workers: int, what: str) -> Iterator[object
                 "(~/.ray/auth_token or RAY_AUTH_TOKEN) in this environment" if address else "")
         raise ClusterError(f"cannot {'connect to' if address else 'start'} {where}: "
                            f"{' '.join(str(exc).split())[:300]}{hint}") from None
+    except BaseException:   # Ctrl-C while the local cluster starts: its processes must not outlive the run
+        ray.shutdown()
+        raise
     try:
         yield ray
     finally:

@@ -303,3 +303,22 @@ def test_an_address_where_nothing_answers_is_refused_at_once(tmp_path):
         lines = result.stderr.strip().splitlines()
         assert result.exit_code == 2 and len(lines) == 1 and expected in lines[0], result.stderr
         assert time.monotonic() - start < 60 and not (tmp_path / "o.gguf").exists()
+
+
+def test_an_interrupt_while_the_local_cluster_starts_stops_it(monkeypatch):
+    """Ctrl-C inside ray.init skipped ray.shutdown: the cluster's agents outlived the run (parent PID 1)."""
+    import types
+
+    from quantkit import cluster
+
+    calls = []
+
+    def init(**kwargs):
+        calls.append("init")
+        raise KeyboardInterrupt
+    fake = types.SimpleNamespace(is_initialized=lambda: False, init=init, shutdown=lambda: calls.append("shutdown"))
+    monkeypatch.setattr(cluster, "require_ray", lambda what: fake)
+    with pytest.raises(KeyboardInterrupt):
+        with cluster.ray_session(None, 2, "test"):
+            pass
+    assert calls == ["init", "shutdown"]
