@@ -438,6 +438,24 @@ def test_an_expert_count_the_tensors_contradict_fails_structure_shapes(artifact,
     assert "llama.cpp refuses to load it" in result.output
 
 
+@pytest.mark.parametrize("count, message", [(1, "qwen3moe.block_count is 1 but block 1 has tensors"),
+                                            (5, "qwen3moe.block_count is 5 but block 2 (and 2 more) has no tensors")])
+def test_a_block_count_the_tensors_contradict_fails_structure_shapes(artifact, tmp_path, count, message):
+    """llama.cpp creates each block's tensors from block_count: an edited count passed --structure-only."""
+    import gguf as gguf_py
+
+    _, made = artifact("qwen3_moe")
+    edited = copy(made, tmp_path)
+    reader = gguf_py.GGUFReader(edited, "r+")
+    field = reader.fields["qwen3moe.block_count"]
+    assert int(field.parts[field.data[0]][0]) == 2
+    field.parts[field.data[0]][0] = count
+    del reader
+    result, report = validate(edited, "--structure-only", json_path=tmp_path / "r.json")
+    assert result.exit_code == 1 and failed(report) == {"structure.shapes"}, result.output
+    assert any(message in item for item in checks(report)["structure.shapes"]["items"])
+
+
 def test_a_vocabulary_only_file_as_gguf_py_writes_it_is_well_formed(tmp_path):
     """gguf-py (llama.cpp's converter with --vocab-only, its models/ggml-vocab-*.gguf) ends a file without tensors at
     the header, unpadded, and llama.cpp loads it: not a missing padding."""

@@ -19,7 +19,8 @@ file the reader accepted:
   llama.cpp reads have the types gguf-py writes (:data:`KEY_TYPES`); tokenizer arrays agree in length and token ids
   lie inside the vocabulary; keys printable without whitespace; string values valid UTF-8 (token and merge lists
   may hold raw bytes); float values finite (token scores excepted);
-- ``structure.shapes``: the tensors the hyperparameters size (embeddings and output by the embedding length and
+- ``structure.shapes``: ``blk.N`` tensors for exactly ``block_count`` blocks, and the tensors the hyperparameters
+  size (embeddings and output by the embedding length and
   vocabulary, routed experts by their count and width, attention projections by the heads) have those sizes
   (:func:`quantkit.convert.consistency.disagreements`, the checks convert makes of a source): llama.cpp creates
   each tensor from the keys and refuses a file they contradict.  A ds4-dialect file is seen under llama.cpp's
@@ -376,8 +377,36 @@ def shapes_check(f: GGUFFile) -> Check:
     shapes = {name: tuple(f.tensors[stored].shape) for name, stored in view.stored.items() if name not in view.relaid}
     problems = [f"the metadata gives {found.detail}: llama.cpp refuses to load it"
                 for found in disagreements(view.metadata.items(), shapes)]
-    return check("structure.shapes", problems, passed="the tensors sized by the hyperparameters (embeddings, experts, "
-                                                     "attention heads) have their sizes")
+    # a support file (an MTP drafter) holds its own blocks alone, the target's count kept
+    problems += _block_problems(view.metadata, shapes, whole="quantkit.support.kind" not in f.metadata)
+    return check("structure.shapes", problems, passed="the blocks and the tensors sized by the hyperparameters "
+                                                     "(embeddings, experts, attention heads) agree with them")
+
+
+_BLOCK_TENSOR = re.compile(r"blk\.(\d+)\.")
+
+
+def _and_more(blocks: list[int]) -> str:
+    return str(blocks[0]) + (f" (and {len(blocks) - 1} more)" if len(blocks) > 1 else "")
+
+
+def _block_problems(metadata, shapes, *, whole: bool) -> list[str]:
+    """``blk.N`` tensors for exactly the blocks ``<arch>.block_count`` gives (llama.cpp creates each block's tensors
+    from it: one past it is "wrong number of tensors", a block without them "not found"; ``whole``: a model, not a
+    support file, which holds some blocks alone)."""
+    arch = metadata.get("general.architecture")
+    count = metadata.get(f"{arch.value}.block_count") if arch is not None else None
+    blocks = {int(m.group(1)) for name in shapes if (m := _BLOCK_TENSOR.match(name))}
+    if count is None or not isinstance(count.value, int) or not blocks:   # no blk.N names: another layout
+        return []
+    problems = []
+    if beyond := sorted(b for b in blocks if b >= count.value):
+        problems.append(f"{arch.value}.block_count is {count.value} but block {_and_more(beyond)} has tensors: "
+                        f"llama.cpp refuses to load it")
+    if whole and (missing := sorted(set(range(count.value)) - blocks)):
+        problems.append(f"{arch.value}.block_count is {count.value} but block {_and_more(missing)} has no tensors: "
+                        f"llama.cpp refuses to load it")
+    return problems
 
 
 def header_check(f: GGUFFile) -> Check:
