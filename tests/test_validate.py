@@ -414,7 +414,7 @@ def test_a_file_without_provenance(tmp_path):
 
 
 @pytest.mark.parametrize("arch, dialect", [("qwen3_moe", "llama.cpp"), ("deepseek_v4", "ds4"),
-                                           ("glm5_next", "llama.cpp")])
+                                           ("glm5_next", "llama.cpp"), ("qwen4_exp", "ds4")])
 def test_an_expert_count_the_tensors_contradict_fails_structure_shapes(artifact, tmp_path, arch, dialect):
     """llama.cpp sizes each tensor from the keys and refuses a file they contradict; without a source, validate said
     nothing of it (a hand-edited or mis-merged header)."""

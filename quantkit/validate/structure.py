@@ -375,10 +375,12 @@ def shapes_check(f: GGUFFile) -> Check:
     except QuantkitError as exc:
         return skipped("structure.shapes", f"the file cannot be seen under llama.cpp's names: {exc}")
     shapes = {name: tuple(f.tensors[stored].shape) for name, stored in view.stored.items() if name not in view.relaid}
+    # an architecture ds4 lays out otherwise (qwen38-next) keeps its own keys and names: checked under them
+    metadata = f.metadata if view.relaid_table is not None else view.metadata
     problems = [f"the metadata gives {found.detail}: llama.cpp refuses to load it"
-                for found in disagreements(view.metadata.items(), shapes)]
+                for found in disagreements(metadata.items(), shapes)]
     # a support file (an MTP drafter) holds its own blocks alone, the target's count kept
-    problems += _block_problems(view.metadata, shapes, whole="quantkit.support.kind" not in f.metadata)
+    problems += _block_problems(metadata, shapes, whole="quantkit.support.kind" not in f.metadata)
     return check("structure.shapes", problems, passed="the blocks and the tensors sized by the hyperparameters "
                                                      "(embeddings, experts, attention heads) agree with them")
 
