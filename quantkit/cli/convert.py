@@ -126,6 +126,10 @@ def convert(source, out, recipe, imatrix, bootstrap, allow_synthetic_imatrix, jo
         click.echo(f"interrupted: {_interrupted_state(out, recorded=bool(written))}", err=True)
         sys.exit(EXIT_INTERRUPTED)
     sha256 = written["sha256"]
+    if result.remade:
+        click.echo(f"note: {len(result.remade)} journaled tensor{'s' if len(result.remade) > 1 else ''} whose bytes "
+                   f"in the partial were not what the journal says (a write lost in a crash) made again: "
+                   f"{', '.join(result.remade[:3])}{', ...' if len(result.remade) > 3 else ''}", err=True)
     if result.finished_earlier:
         click.echo(f"{result.path} was already complete (an earlier run finished it)")
     else:

@@ -169,6 +169,8 @@ class ConvertResult:
     stream_wall_seconds: dict[str, float] = field(default_factory=dict)
     """The same steps' wall-clock seconds, threads overlapping counted once
     (:data:`quantkit.convert.gpu_stream.STEP_WALL_SECONDS`)."""
+    remade: list[str] = field(default_factory=list)
+    """Journaled tensors whose bytes in the partial were not what the journal says (made again)."""
     from_journal: list[tuple[str, str, int]] = field(default_factory=list)
     """(name, SHA-256, bytes) of each tensor taken from the journal (``resumed`` of them), read back before use."""
 
@@ -181,7 +183,7 @@ class ConvertResult:
                 "produced": [{"name": d.name, "sha256": d.sha256, "nbytes": d.nbytes, "seconds": d.seconds}
                              for d in self.produced],
                 "from_journal": [{"name": name, "sha256": sha256, "nbytes": nbytes}
-                                 for name, sha256, nbytes in self.from_journal]}
+                                 for name, sha256, nbytes in self.from_journal], "remade": list(self.remade)}
 
 
 # -- preparing ----------------------------------------------------------------------------------------------------
@@ -485,10 +487,14 @@ def _execute(prepared: Prepared, request: ConvertRequest, out: Path, clock: _Clo
     _check_space(out, layout, partial, resuming, request.reserve_bytes)
 
     writer = GGUFWriter(out, layout, overwrite=True)   # output and partial: checked by _check_output
+    redone: list[str] = []
     if resuming:
         _check_source_hashes(source.path, journaled, hashing.result())
         _write_header(partial, layout.header)   # back to pending hashes, had a run died while finishing
-        writer.resume(journaled.done, verify=True, threads=helpers)
+        # a payload that is not what its journal line says (a page lost in a crash) is made again
+        redone = writer.resume(journaled.done, verify=True, threads=helpers, redo_damaged=True)
+        for name in redone:
+            del journaled.done[name]
         journal = Journal.reopen(jpath)
     else:   # the journal first: a partial never exists without the journal that says what it holds
         journal = Journal.create(jpath, fingerprint, stats)
@@ -571,7 +577,8 @@ def _execute(prepared: Prepared, request: ConvertRequest, out: Path, clock: _Clo
     result = ConvertResult(out, layout.file_size, len(jobs), len(jobs) - len(todo), produced, clock.total(),
                            prepared.workers, clock.phases, sha256=sha256, stream_seconds=steps,
                            stream_wall_seconds=walls,
-                           from_journal=[(n, h, jobs[n].nbytes) for n, h in journaled.done.items() if n in jobs])
+                           from_journal=[(n, h, jobs[n].nbytes) for n, h in journaled.done.items() if n in jobs],
+                           remade=redone)
     return _complete(result, completed, jpath)
 
 

@@ -347,11 +347,14 @@ class GGUFWriter:
         os.ftruncate(self._fd, self.layout.file_size)
         self.state = WriterState.HEADER
 
-    def resume(self, done: Mapping[str, str] | None = None, *, verify: bool = True, threads: int = 1) -> None:
+    def resume(self, done: Mapping[str, str] | None = None, *, verify: bool = True, threads: int = 1,
+               redo_damaged: bool = False) -> list[str]:
         """Reopen the partial an earlier writer of the same layout left.
 
         ``done``: tensor name → SHA-256 hex of payloads already written (the journal).  With ``verify`` their
-        bytes are re-read and hashed (in ``threads`` threads); a mismatch is a :class:`ValidationError`.
+        bytes are re-read and hashed (in ``threads`` threads); a mismatch is a :class:`ValidationError`, or with
+        ``redo_damaged`` that tensor is left to be written again (a page lost in a crash after its journal line):
+        the names so left are returned.
         """
         self._expect("resume", WriterState.LAYOUT)
         self._refuse_existing_output()
@@ -360,16 +363,18 @@ class GGUFWriter:
         except FileNotFoundError:
             raise MissingSourceError("no partial output to resume", path=self.partial) from None
         try:
-            self._check_partial(fd, done or {}, verify, threads)
+            damaged = self._check_partial(fd, done or {}, verify, threads, redo_damaged)
         except BaseException:
             os.close(fd)
             raise
         self._fd = fd
         self._owns_partial = True
-        self._written = dict(done or {})
+        self._written = {name: sha for name, sha in (done or {}).items() if name not in damaged}
         self.state = WriterState.PAYLOADS if self._written else WriterState.HEADER
+        return damaged
 
-    def _check_partial(self, fd: int, done: Mapping[str, str], verify: bool, threads: int) -> None:
+    def _check_partial(self, fd: int, done: Mapping[str, str], verify: bool, threads: int, redo_damaged: bool
+                       ) -> list[str]:
         size = os.fstat(fd).st_size
         if size != self.layout.file_size:
             raise FormatError(f"partial is {size} bytes, the layout needs {self.layout.file_size}: it was written "
@@ -381,13 +386,17 @@ class GGUFWriter:
             raise FormatError("partial's header differs from the planned layout: it was written for another "
                               "layout", path=self.partial, offset=at)
         tensors = [self.layout.tensor(name) for name in done]
+        damaged: list[str] = []
         if not verify:
-            return
+            return damaged
         with ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="quantkit-verify") as pool:
             for t, found in zip(tensors, pool.map(lambda t: self._hash_payload(fd, t), tensors)):
                 if found != done[t.name]:
-                    raise ValidationError(f"payload does not match its journal hash {done[t.name]}",
-                                          path=self.partial, tensor=t.name)
+                    if not redo_damaged:
+                        raise ValidationError(f"payload does not match its journal hash {done[t.name]}",
+                                              path=self.partial, tensor=t.name)
+                    damaged.append(t.name)
+        return damaged
 
     def _hash_payload(self, fd: int, t: GGUFTensor) -> str:
         digest = hashlib.sha256()
