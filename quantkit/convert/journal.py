@@ -96,7 +96,8 @@ def read_journal(path: Path, layout_sha256: str, sources: Iterable[FileHash]) ->
     head = records[0]
     if head.get("layout_sha256") != layout_sha256:
         raise ValidationError("the journal was written for another plan (recipe, source, imatrix or options "
-                              "changed); start over with --force", path=path)
+                              "changed; the file records the imatrix path as given, so spell it as the first run "
+                              "did); start over with --force", path=path)
     then = {entry[0]: entry for entry in head.get("sources", [])}
     for h in sources:
         if then.get(h.name) != _stat(h):
