@@ -4,6 +4,7 @@ downloads resume with ``Range`` requests."""
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import re
 import subprocess
@@ -313,3 +314,19 @@ def test_a_body_longer_than_the_file_is_refused_by_name(release, hub, tmp_path, 
     assert result.exit_code == 1, result.output
     assert f"{REPO}/{name}" in result.output and "refused" in result.output and "Traceback" not in result.output
     assert not (out / name).exists() and not list(out.glob("*.partial"))
+
+
+def test_a_revision_asked_for_fetches_its_manifest_again(release, hub, tmp_path, monkeypatch):
+    """The manifest an earlier run saved was reused for --revision v2: every old part "matched" it, exit 0, the
+    old release kept.  With a revision the manifest is fetched again and the old parts are refused."""
+    m, files = release
+    monkeypatch.chdir(tmp_path)   # the manifest's repository path is not also a local file
+    name, out = m.parts[0].name, tmp_path / "down"
+    assert fetch(name, "-o", out, "--manifest", m.path.name).exit_code == 0
+    raw = json.loads(files[m.path.name])
+    raw["parts"][0]["sha256"] = "0" * 64                 # the next release: another first part
+    hub.files[m.path.name] = json.dumps(raw).encode()
+    kept = fetch(name, "-o", out, "--manifest", m.path.name)   # no revision: the saved manifest, as before
+    assert kept.exit_code == 0 and "already there" in kept.output, kept.output
+    result = fetch(name, "-o", out, "--manifest", m.path.name, "--revision", "v2")
+    assert result.exit_code == 2 and "not the manifest's" in result.output, result.output

@@ -223,7 +223,8 @@ def fetch(repo_id: str, filenames: list[str], out_dir: str | os.PathLike, *, man
           revision: str | None = None, token: str | bool | None = None, force: bool = False,
           progress: bool = False, on_fetched: Callable[[Fetched], None] | None = None) -> list[Fetched]:
     """Download ``filenames``; with ``manifest`` (a local transport manifest, or the name of one in the
-    repository, downloaded first, or found where an earlier run downloaded it) each is verified against its entry,
+    repository, downloaded first, or found where an earlier run downloaded it unless ``revision`` names one:
+    then it is downloaded again, as that revision's may differ) each is verified against its entry,
     and a name it does not list is refused before anything is downloaded.  ``on_fetched`` is called with each file
     as it is done (a later file may still fail)."""
     out_dir = Path(out_dir)
@@ -233,9 +234,10 @@ def fetch(repo_id: str, filenames: list[str], out_dir: str | os.PathLike, *, man
         local = Path(manifest)
         if not local.is_file():
             local = local_path(out_dir, manifest)
-            if not local.is_file() or force:
-                local = fetch_file(repo_id, manifest, out_dir, revision=revision, token=token, force=force,
-                                   progress=progress).path
+            # one an earlier run saved is that run's revision's: a revision asked for is fetched again
+            if not local.is_file() or force or revision is not None:
+                local = fetch_file(repo_id, manifest, out_dir, revision=revision, token=token,
+                                   force=force or local.is_file(), progress=progress).path
         entries = manifest_entries(load_manifest(local))
         unlisted = [f for f in filenames if PurePosixPath(f).name not in entries]
         if unlisted:
