@@ -129,6 +129,8 @@ def test_payloads_and_provenance(qwen, tmp_path):
                  "--label", "0731", "--pre-tokenizer", PRE)
     assert result.exit_code == 0, result.output
     assert leftovers(out) == {"q.gguf"}   # no partial, no journal left
+    # the plan says which experts take bootstrap importance (its importance line counts whole tensors: imatrix)
+    assert "bootstrap   4 matrices of 2 imatrix tensors the imatrix never observed" in result.stdout
 
     amap, outputs, load = decoded_outputs(qwen)
     f = GGUFFile(out)

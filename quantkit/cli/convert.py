@@ -88,6 +88,10 @@ def convert(source, out, recipe, imatrix, bootstrap, allow_synthetic_imatrix, jo
     prepared = prepare(request)
     planned = time.perf_counter() - started
     click.echo(prepared.plan.summary())
+    unobserved = {name: len(job.bootstrap) for name, job in prepared.jobs.items() if job.bootstrap}
+    if unobserved:   # decided per matrix against the imatrix, after the plan: its importance line counts tensors
+        click.echo(f"bootstrap   {sum(unobserved.values())} matrices of {len(unobserved)} imatrix tensors the imatrix "
+                   f"never observed (experts no token was routed to) take bootstrap importance")
     suggested = _suggested_name(prepared, label)
     if suggested is not None:
         click.echo(f"name        {suggested}" + ("" if suggested == out.name else f"  (suggested; writing {out.name})"))
