@@ -306,6 +306,16 @@ def test_native_experts_are_named_as_convert_suggests(tmp_path, arch, encoding):
     assert result.exit_code == 0, result.output
 
 
+def test_a_label_the_name_cannot_carry_is_noted(tmp_path):
+    """A label outside the name grammar is recorded in the file and left out of the name: it was left out silently."""
+    source = TinyCheckpointCache(tmp_path / "cache").get("qwen3_moe", "per-expert", "bf16")
+    for label, noted in (("v2 beta", True), ("0731", False)):
+        result = CliRunner().invoke(main, ["convert", str(source), "-o", str(tmp_path / "q.gguf"), "--recipe", "q8_0",
+                                           "--label", label, "--pre-tokenizer", PRE, "--dry-run"])
+        assert result.exit_code == 0, result.output
+        assert (f"label {label!r} is recorded in the file" in result.stderr) == noted, result.output
+
+
 def test_convert_suggests_the_name_and_writes_a_manifest_with_the_outputs_sha256(converted):
     source, out, report, output = converted
     suggested = f"{source.name}-IQ2XXS-w2Q2K-AProjQ8-OutQ8-0731.gguf"
