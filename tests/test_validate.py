@@ -570,6 +570,26 @@ def test_a_hyperparameter_key_the_source_does_not_imply_fails_a_foreign_file(art
         "qwen3moe.rope.scaling.factor: FLOAT32 8.0, which the source config does not imply"]
 
 
+def test_a_flipped_bit_in_a_table_of_few_values_is_not_called_a_move(artifact, tmp_path):
+    """V4's token -> expert table holds small integers: one flipped bit can spell another row, and the difference
+    was reported as rows reordered or duplicated."""
+    src, made = artifact("deepseek_v4", "q8_0")
+    with GGUFFile(made) as f:
+        t = f.tensors["blk.0.ffn_gate_tid2eid.weight"]
+        at = f.data_offset + t.offset + 100
+    edited = copy(made, tmp_path)
+    with open(edited, "r+b") as fh:
+        fh.seek(at)
+        byte = fh.read(1)[0]
+        fh.seek(at)
+        fh.write(bytes([byte ^ 1]))
+    result, report = validate(edited, "--source", src, "--payload", "full", json_path=tmp_path / "r.json")
+    assert result.exit_code == 1 and "payload.bytes" in failed(report), result.output
+    items = checks(report)["payload.bytes"]["items"]
+    assert any("blk.0.ffn_gate_tid2eid.weight" in item for item in items)
+    assert not any("reordered" in item for item in items), items
+
+
 def test_invalid_utf8_in_a_recorded_string_is_reported_not_a_crash(tmp_path):
     """Found by bench/fuzz.py: a string value holding invalid UTF-8 reached the printed report unescaped."""
     import struct
