@@ -212,6 +212,12 @@ def test_dry_run_writes_nothing(qwen, tmp_path):
     result = run(qwen, "-o", out, "--recipe", RECIPE, "--pre-tokenizer", PRE, "--dry-run")
     assert result.exit_code == 0 and "name tag" in result.stdout and "routed_gate" in result.stdout
     assert not leftovers(out)
+    # options for what a conversion writes are refused, not ignored
+    for option in (["--report", tmp_path / "r.json"], ["--release-manifest", tmp_path / "m.json"],
+                   ["--address", "127.0.0.1:6379"]):
+        result = run(qwen, "-o", out, "--recipe", RECIPE, "--pre-tokenizer", PRE, "--dry-run", *option)
+        assert result.exit_code == 2 and option[0] in result.output, result.output
+    assert not leftovers(out) and not list(tmp_path.glob("*.json"))
 
 
 def test_hugging_face_repo_id_from_the_local_cache(qwen, tmp_path, monkeypatch):

@@ -75,6 +75,11 @@ def convert(source, out, recipe, imatrix, bootstrap, allow_synthetic_imatrix, jo
 
     if not dry_run:
         check_executor("quantkit convert", executor, address)
+    elif address is not None and executor != "ray":
+        raise click.UsageError("--address needs --executor ray")
+    for given, option in ((report, "--report"), (manifest, "--release-manifest")):
+        if dry_run and given is not None:   # nothing would be written: said, not ignored
+            raise click.UsageError(f"{option} is written by a conversion; --dry-run writes nothing")
     if transfer != "auto" and executor != "ray":
         raise click.UsageError("--ray-transfer needs --executor ray")
     if jobs is None:    # one process feeds a GPU best: each more worker imports torch and holds a context of its own
