@@ -672,3 +672,28 @@ def test_a_shard_is_not_run_as_a_whole_model(shards, tmp_path):
             result = cli(*args)
             assert result.exit_code == 3 and f"shard {i + 1} of 6" in result.output and "merge them first" in \
                 result.output, result.output
+
+
+def test_parts_waiting_for_their_sync_are_bounded(blob, tmp_path, monkeypatch):
+    """Tiny parts outran their syncs and each kept its descriptor open: ~35,000 parts ran out of them ("Too many
+    open files"), leaving parts behind.  The copying waits once MAX_UNCOMMITTED_PARTS are pending."""
+    import time as time_module
+
+    from quantkit.transport import split
+
+    monkeypatch.setattr(split, "MAX_UNCOMMITTED_PARTS", 3)
+    slow, create, most = split._Parts._commit, split._Parts.create, []
+
+    def slow_commit(self, *args):
+        time_module.sleep(0.02)      # a slow disk: the syncs fall behind the copying
+        slow(self, *args)
+
+    def counting_create(self, name):
+        most.append(len(self._fds))
+        return create(self, name)
+    monkeypatch.setattr(split._Parts, "_commit", slow_commit)
+    monkeypatch.setattr(split._Parts, "create", counting_create)
+    out = tmp_path / "parts"
+    result = cli("transport", "split", blob, "--bytes", "--part-size", "50kB", "-o", out, "--no-progress")
+    assert result.exit_code == 0, result.output
+    assert len(most) == 21 and max(most) <= 4

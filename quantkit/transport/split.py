@@ -65,6 +65,11 @@ def _check_space(out_dir: Path, need: int) -> None:
         raise OutOfSpaceError(f"needs {need:,} bytes free for the parts, {free:,} available", path=out_dir)
 
 
+#: Parts handed to the syncer and not yet renamed before the copying waits for them (each holds a file descriptor:
+#: thousands of tiny parts ran out of them).
+MAX_UNCOMMITTED_PARTS = 64
+
+
 class _Parts:
     """The parts of one split being written: :meth:`create` opens ``<part>.partial``; :meth:`commit` hands a
     written part to the syncer's thread, which syncs its data, renames it to its name and fsyncs the directory while
@@ -101,6 +106,8 @@ class _Parts:
     def commit(self, fd: int, index: int, name: str) -> None:
         self.syncer.forget(fd)
         self.syncer.then(self._commit, fd, index, self.out_dir / name)
+        if len(self._fds) > MAX_UNCOMMITTED_PARTS:   # tiny parts outrun their syncs: each holds a descriptor
+            self.syncer.drain()
         self.syncer.check()
 
     def _commit(self, fd: int, index: int, final: Path) -> None:
