@@ -31,6 +31,7 @@ from quantkit.cli import main
 from quantkit.errors import UnsupportedError
 from quantkit.io.gguf_reader import GGUFFile
 from quantkit.runtime import SOURCE_CONFIG_KEY, load_model, logits
+from quantkit.testing.foreign_files import without_quantkit_keys
 from quantkit.testing.tiny_models import build_tiny_model
 import llama_cpu
 from test_arch import PRE_TOKENIZER, run_converter
@@ -176,21 +177,6 @@ def test_qwen4_exp_llama_cpp_conversion_is_refused_naming_the_ratios(converted):
         load_model(path)
 
 
-def strip_quantkit_keys(src: Path, out: Path) -> Path:
-    """``src`` rewritten without any ``quantkit.*`` key: a file as another writer would leave it."""
-    from quantkit.io.gguf_writer import GGUFWriter, plan_layout
-
-    with GGUFFile(src) as f:
-        meta = [(k, v) for k, v in f.metadata.items() if not k.startswith(("quantkit.", "GGUF."))]
-        layout = plan_layout(meta, list(f.tensors.values()))
-        with GGUFWriter(out, layout) as writer:
-            writer.write_header()
-            for name in f.tensors:
-                writer.write_tensor(name, np.ascontiguousarray(f.data(name)))
-            writer.finish()
-    return out
-
-
 def test_qwen4_exp_config_is_rebuilt_from_keys(tiny_checkpoints, tmp_path):
     """quantkit's own qwen4_exp conversion (correct ratios) without its recorded config runs the same."""
     source = tiny_checkpoints.get("qwen4_exp", "per-expert", "f32")
@@ -201,7 +187,7 @@ def test_qwen4_exp_config_is_rebuilt_from_keys(tiny_checkpoints, tmp_path):
     result = CliRunner().invoke(main, ["convert", str(source), "-o", str(ours), "--recipe", str(recipe),
                                        "--pre-tokenizer", PRE_TOKENIZER["qwen4_exp"], "--no-progress"])
     assert result.exit_code == 0, result.output
-    bare = strip_quantkit_keys(ours, tmp_path / "qwen4-bare.gguf")
+    bare = without_quantkit_keys(ours, tmp_path / "qwen4-bare.gguf")
     ids = token_ids("qwen4_exp")
     assert np.array_equal(logits(load_model(bare), ids), logits(load_model(ours), ids))
 
@@ -364,7 +350,7 @@ def test_imatrix_types_without_the_imatrix_are_unproven(tiny_checkpoints, tmp_pa
     result = CliRunner().invoke(main, ["convert", str(source), "-o", str(ours), "--recipe", str(recipe),
                                        "--bootstrap-importance", "--pre-tokenizer", "qwen2", "--no-progress"])
     assert result.exit_code == 0, result.output
-    bare = strip_quantkit_keys(ours, tmp_path / "iq2-bare.gguf")
+    bare = without_quantkit_keys(ours, tmp_path / "iq2-bare.gguf")
     with GGUFFile(bare) as f:
         total = len(f.tensors)
         iq2 = sum(t.type.name == "IQ2_XXS" for t in f.tensors.values())

@@ -256,11 +256,11 @@ def test_shipped_v4_q2_recipes_give_the_mtp_experts_q4_k_in_both_dialects(v4, tm
 
 @pytest.mark.parametrize("dialect", ["llama.cpp", "ds4"])
 def test_a_main_file_with_the_mtp_block_not_written_by_quantkit_is_proven_with_it(v4, tmp_path, dialect):
-    from test_foreign import strip_quantkit_keys
+    from quantkit.testing.foreign_files import without_quantkit_keys
 
     src, root, _ = v4
     ours = convert(src, tmp_path / "ours.gguf", "q8_0", "--dialect", dialect)
-    bare = strip_quantkit_keys(ours, tmp_path / "bare.gguf")
+    bare = without_quantkit_keys(ours, tmp_path / "bare.gguf")
     result = run("validate", str(bare), "--source", str(src), "--payload", "full", "--report", str(tmp_path / "r.json"))
     report = json.loads((tmp_path / "r.json").read_text())
     checks = {c["check"]: c for c in report["checks"]}
@@ -277,7 +277,7 @@ def test_the_runtime_runs_a_main_file_with_the_mtp_block_as_the_trunk_alone(v4, 
     against the config, and the logits equal those of the same conversion without the block (with the recorded
     config, the source config, and the config rebuilt from the keys of a file without quantkit's keys)."""
     from quantkit.runtime import load_model, logits
-    from test_foreign import strip_quantkit_keys
+    from quantkit.testing.foreign_files import without_quantkit_keys
 
     src, root, _ = v4
     recipe = tmp_path / "skip.toml"
@@ -289,7 +289,7 @@ def test_the_runtime_runs_a_main_file_with_the_mtp_block_as_the_trunk_alone(v4, 
     expected = logits(load_model(trunk), ids)
     for dialect in ("llama.cpp", "ds4"):
         out = convert(src, tmp_path / f"{dialect}.gguf", "q8_0", "--dialect", dialect)
-        bare = strip_quantkit_keys(out, tmp_path / f"{dialect}-bare.gguf")   # config from the keys alone
+        bare = without_quantkit_keys(out, tmp_path / f"{dialect}-bare.gguf")   # config from the keys alone
         for path, kwargs in ((out, {}), (out, {"config": config}), (bare, {})):
             got = logits(load_model(path, **kwargs), ids)
             assert np.array_equal(got, expected), (dialect, path.name, kwargs)

@@ -25,6 +25,7 @@ from quantkit.formats.registry import GGMLType, layout
 from quantkit.imatrix import Entry, make_imatrix, save_imatrix
 from quantkit.io.atomic import sha256_file
 from quantkit.io.gguf_reader import GGUFFile
+from quantkit.testing.foreign_files import without_quantkit_keys
 from quantkit.validate.payload import RANDOM_ROWS, sample_experts, sample_rng, sample_rows
 from quantkit.convert.tensors import pieces, tensor_rows
 from quantkit.testing.recipe_texts import PRE_TOKENIZER as PRE, Q2_RECIPE, SOURCE_RECIPE
@@ -477,22 +478,6 @@ def test_a_vocabulary_only_file_as_gguf_py_writes_it_is_well_formed(tmp_path):
         fh.write(b"\x01")
     result, report = validate(path, "--structure-only", json_path=tmp_path / "r2.json")
     assert checks(report)["structure.file_size"]["status"] == "failed"
-
-
-def without_quantkit_keys(path: Path, out: Path, edit=None) -> Path:
-    """``path`` as another writer leaves it: no quantkit.* keys (a foreign file); ``edit(metadata)`` changes keys."""
-    from quantkit.io.gguf_writer import GGUFWriter, plan_layout
-
-    with GGUFFile(path) as f:
-        meta = {k: v for k, v in f.metadata.items() if not k.startswith(("quantkit.", "GGUF."))}
-        if edit is not None:
-            edit(meta)
-        with GGUFWriter(out, plan_layout(list(meta.items()), list(f.tensors.values()))) as w:
-            w.write_header()
-            for name in f.tensors:
-                w.write_tensor(name, np.ascontiguousarray(f.data(name)))
-            w.finish()
-    return out
 
 
 def test_a_foreign_ds4_file_is_compared_under_llama_cpps_keys_and_ds4s_own(tmp_path, monkeypatch):
