@@ -114,6 +114,14 @@ _TYPE = f"(?:{_alternation(TYPE_SPELLINGS)})"
 _OWN_LABEL = rf"(?!{_TYPE})[A-Z][A-Za-z]*"
 _LABEL = f"(?:{_alternation(LABEL_CLASSES)}|{_OWN_LABEL})"
 _LAYERS = r"\d+(?:-\d+)?(?:\+\d+(?:-\d+)?)*"
+_BODY = (rf"(?:(?P<label>{_LABEL})(?P<type>{_TYPE})|(?P<type2>{_TYPE})(?P<label2>{_LABEL})?)")
+_DS4_FRAGMENT = re.compile(rf"(?:Layers(?P<layers>{_LAYERS}))?(?P<other>OtherExpertLayers)?{_BODY}(?=-|$)")
+_UD_FRAGMENT = re.compile(rf"(?:blk(?P<layers>{_LAYERS}))?{_BODY}")
+_UD = re.compile(r"(?P<model>.+?)-UD-(?P<mix>[A-Z0-9]+(?:_[A-Z0-9]+)*?)(?P<fragments>(?:_(?:[A-Z][a-z]|blk\d|w2).*?)?)"
+                 r"(?P<suffix>(?:-[a-z0-9.]+)*)")
+_SWAPSET = re.compile(r"(?P<encoding>[a-z0-9]+)-swapset(?P<family>(?:-[a-z0-9]+)*)")
+_LABEL_TOKEN = re.compile(r"\d{4}")
+_SHARD = re.compile(r"(?P<stem>.+)-(?P<shard>\d{5}-of-\d{5})")
 
 
 def tag_problem(tag: str, class_name: str) -> str | None:
@@ -128,14 +136,6 @@ def tag_problem(tag: str, class_name: str) -> str | None:
         return (f"tag {tag!r} is not a word file names read as a label (a capital letter, then letters, not "
                 f"starting with a type spelling such as Q4K; e.g. 'FFNDown'); the conversion could suggest no name")
     return None
-_BODY = (rf"(?:(?P<label>{_LABEL})(?P<type>{_TYPE})|(?P<type2>{_TYPE})(?P<label2>{_LABEL})?)")
-_DS4_FRAGMENT = re.compile(rf"(?:Layers(?P<layers>{_LAYERS}))?(?P<other>OtherExpertLayers)?{_BODY}(?=-|$)")
-_UD_FRAGMENT = re.compile(rf"(?:blk(?P<layers>{_LAYERS}))?{_BODY}")
-_UD = re.compile(r"(?P<model>.+?)-UD-(?P<mix>[A-Z0-9]+(?:_[A-Z0-9]+)*?)(?P<fragments>(?:_(?:[A-Z][a-z]|blk\d|w2).*?)?)"
-                 r"(?P<suffix>(?:-[a-z0-9.]+)*)")
-_SWAPSET = re.compile(r"(?P<encoding>[a-z0-9]+)-swapset(?P<family>(?:-[a-z0-9]+)*)")
-_LABEL_TOKEN = re.compile(r"\d{4}")
-_SHARD = re.compile(r"(?P<stem>.+)-(?P<shard>\d{5}-of-\d{5})")
 
 
 def _parse_layers(text: str | None) -> Layers | None:

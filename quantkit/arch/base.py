@@ -28,7 +28,6 @@ keeps its first position and takes the last value, as gguf-py's writer does.
 """
 from __future__ import annotations
 
-import math
 import re
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -38,16 +37,17 @@ import numpy as np
 from gguf.constants import GGUFValueType
 
 from ..errors import QuantkitError, SourceError
+from ..io import jsontext
 from ..io.gguf import KV, ArrayOf
 from . import transforms
 
 Shape = tuple[int, ...]
 Hparams = dict[str, Any]
 
-#: Every tensor class a rule may name, with what it covers.  Recipes select tensors by these names.
 #: Support (drafter) files ``convert --support`` writes (a recipe's ``support``).
 SUPPORT_KINDS = ("mtp", "dspark")
 
+#: Every tensor class a rule may name, with what it covers.  Recipes select tensors by these names.
 TENSOR_CLASSES: Mapping[str, str] = {
     "token_embd": "input token embedding table",
     "output": "output head (lm_head)",
@@ -382,10 +382,10 @@ def _as_int(value: Any, key: str) -> int:
 
 def _as_real(value: Any, key: str) -> float:
     """A config value written as FLOAT32: a finite number (a NaN or a string in a config.json is not one)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)) \
-            or not math.isfinite(value):
+    number = jsontext.finite(value)
+    if number is None:
         raise SourceError(f"expected a finite number, found {value!r}", field=key)
-    return float(value)
+    return number
 
 
 class ArchMap:

@@ -100,7 +100,7 @@ def convert(source, out, recipe, imatrix, bootstrap, allow_synthetic_imatrix, jo
     suggested = _suggested_name(prepared, label)
     if suggested is not None:
         click.echo(f"name        {suggested}" + ("" if suggested == out.name else f"  (suggested; writing {out.name})"))
-        if label is not None and f"-{label}." not in suggested and f"-{label}-" not in suggested:
+        if label is not None and names.parse(suggested).label != label:
             click.echo(f"note: label {label!r} is recorded in the file; names carry a 4-digit label (0731) alone",
                        err=True)
     if prepared.workers_note:

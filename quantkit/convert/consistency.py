@@ -15,7 +15,7 @@ GGUF key (config key)                       tensors                             
 (moe_intermediate_size)
 ==========================================  =============================================  ========================
 
-and the attention heads (:func:`_check_heads`), where llama.cpp sizes the projections from them: ``attn_q`` rows
+and the attention heads (:func:`_head_disagreements`), where llama.cpp sizes the projections from them: ``attn_q`` rows
 = heads x key length (x 2 where the query carries its gate: :data:`QUERY_FACTOR`), ``attn_k`` / ``attn_v`` rows =
 the layer's key-value heads x key / value length, ``attn_q_b`` rows = heads x the MLA key length, ``attn_k_b``
 one slice per head.  Key and value lengths default to the embedding length / heads, as llama.cpp's do.

@@ -22,12 +22,12 @@ Nested ``text_config`` objects (vision-language checkpoints) are checked the sam
 """
 from __future__ import annotations
 
-import math
 import re
 from pathlib import Path
 from typing import Any, Mapping
 
 from ..errors import SourceError
+from . import jsontext
 
 #: Most transformer blocks (MTP blocks included) a config may declare.
 MAX_LAYERS = 1024
@@ -161,7 +161,7 @@ def _check_real_fields(config: Mapping[str, Any], path, prefix: str) -> None:
         value = config.get(key)
         if value is None:
             continue
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        if jsontext.finite(value) is None:
             raise SourceError(f"expected a finite number, found {value!r}", path=path, field=prefix + key)
         if value < low or (value == low and not low_allowed):
             raise SourceError(f"{value!r} is {'below' if low_allowed else 'not above'} {low:g}", path=path,

@@ -44,7 +44,6 @@ from ..io.atomic import sha256_file
 from ..io.checkpoint import Checkpoint, open_checkpoint
 from . import draft
 from .encodings import FP8_BLOCK, Encoding
-from .families import fused_group
 from .inventory import sidecar_paths, verify
 from .manifest import read_manifest
 from .payload import check_layout, module_tensors, open_payload
@@ -159,8 +158,7 @@ def _tensors(report: ValidationReport, manifest: dict, payload, src: Checkpoint 
         scale_problems += _scale_problems(entries, arrays)
         for suffix, t in entries.items():
             if t["role"] in GLOBAL_SCALE_ROLES and module["origin"] == "self-quantized":
-                group = module.get("group") or fused_group(module["output_module"])
-                global_scales[group][t["name"]] = float(np.asarray(arrays[suffix]).flat[0])
+                global_scales[module["group"]][t["name"]] = float(np.asarray(arrays[suffix]).flat[0])
         if rows is not None:
             token_problems += _token_problems(module, manifest, rows, arrays[enc.weight_suffix])
         if src is None or layout_problems or scale_problems or token_problems:

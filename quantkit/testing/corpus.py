@@ -232,6 +232,7 @@ MALFORMED_CONFIGS: tuple[tuple[str, object], ...] = (
     ("num_key_value_heads", 3),           # does not divide the 4 heads
     ("num_attention_heads", 2),           # divisible by the 2 key-value heads, but not the projections' rows
     ("rms_norm_eps", float("nan")),
+    ("rms_norm_eps", 10 ** 400),          # past float64: an internal error through math.isfinite
     ("rms_norm_eps", -1.0),
     ("rms_norm_eps", "x"),
 )

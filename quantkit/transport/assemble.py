@@ -26,8 +26,8 @@ completely as an uninterrupted one.
 Byte parts: the whole file's SHA-256 is implied by the part hashes in order (the manifest's per-part hashes were
 taken from the same bytes), so it is not computed a second time: a second digest of every byte costs a third of the
 throughput on two cores.  A manifest whose ``file.sha256`` disagrees with its parts (edited by hand) is what
-``quantkit validate MANIFEST`` finds: it hashes every part and the whole.  GGUF shards: the merged file's bytes are not the
-shards' bytes (the header is made from the first shard's), so the whole file's SHA-256 is computed while copying
+``quantkit validate MANIFEST`` finds: it hashes every part and the whole.  GGUF shards: the merged file's bytes are
+not the shards' bytes (the header is made from the first shard's), so the whole file's SHA-256 is computed while copying
 and compared with the manifest's.
 """
 from __future__ import annotations

@@ -19,12 +19,12 @@ file the reader accepted:
   llama.cpp reads have the types gguf-py writes (:data:`KEY_TYPES`); tokenizer arrays agree in length and token ids
   lie inside the vocabulary; keys printable without whitespace; string values valid UTF-8 (token and merge lists
   may hold raw bytes); float values finite (token scores excepted);
-- ``structure.shapes``: ``blk.N`` tensors for exactly ``block_count`` blocks, and the tensors the hyperparameters
-  size (embeddings and output by the embedding length and
-  vocabulary, routed experts by their count and width, attention projections by the heads) have those sizes
+- ``structure.shapes``: ``blk.N`` tensors for exactly ``block_count`` blocks (a support file's own blocks alone),
+  and the tensors the hyperparameters size (embeddings and output by the embedding length and vocabulary, routed
+  experts by their count and width, attention projections by the heads) have those sizes
   (:func:`quantkit.convert.consistency.disagreements`, the checks convert makes of a source): llama.cpp creates
   each tensor from the keys and refuses a file they contradict.  A ds4-dialect file is seen under llama.cpp's
-  names (:func:`quantkit.arch.gguf_config.llama_cpp_view`);
+  names (:func:`quantkit.arch.gguf_config.llama_cpp_view`), qwen38-next under its own keys;
 - ``structure.provenance``: the keys ``quantkit convert`` writes (:mod:`quantkit.convert.provenance`) are present
   with their types, the recipe text hashes to the recorded SHA-256, file and hash lists pair up, hashes are
   64 hex digits, calibration values are known, and imatrix keys are present exactly when an imatrix was used.

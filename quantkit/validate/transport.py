@@ -5,8 +5,8 @@ named as such); the whole file's SHA-256, computed in the same pass from the par
 the merged header and the shards' data sections), so the file is proven without being written.  ``--payload
 none`` stops after the sizes.
 
-A shard (``<stem>-00001-of-00003.gguf``, any of the set, holding ``split.count``): every shard of the set present and readable, each
-saying it is shard ``k`` of ``N`` (``split.no``, ``split.count``), the first holding the file's metadata and the
+A shard (``<stem>-00001-of-00003.gguf``, any of the set, holding ``split.count``): every shard of the set present
+and readable, each saying it is shard ``k`` of ``N`` (``split.no``, ``split.count``), the first holding the file's metadata and the
 others only the split keys, and the tensors of all shards adding up to ``split.tensors.count`` with no name twice.
 That is structure only, and the verdict says so: no shard's bytes are compared with anything; options that ask
 for a comparison (``--source`` ...) are refused, not ignored.
