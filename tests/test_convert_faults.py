@@ -360,7 +360,7 @@ def test_an_interrupt_before_any_output_does_not_call_the_output_complete(tmp_pa
     assert "q.gguf is complete" in _interrupted_state(out, recorded=False)
 
 
-def test_an_output_larger_than_a_file_may_be_is_named_and_nothing_kept(qwen, recipe, tmp_path):
+def test_an_output_larger_than_a_file_may_be_is_named_and_nothing_kept(qwen, recipe, tmp_path, monkeypatch):
     """EFBIG (FAT32's 4 GiB, ``ulimit -f``) printed "error: File too large" naming nothing and left the partial and
     its journal, which no --resume on that filesystem could finish."""
     import resource
@@ -375,6 +375,15 @@ def test_an_output_larger_than_a_file_may_be_is_named_and_nothing_kept(qwen, rec
     line = one_line_error(result)
     assert result.exit_code == 2 and "larger than one file may be there" in line and "q.gguf.partial" in line, line
     assert not leftovers(out)
+    # a resume meeting the limit keeps the earlier run's work, for a resume where the limit is lifted
+    interrupted_run(qwen, out, recipe, monkeypatch, after=3)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, hard))
+    try:
+        result = run(*args_for(qwen, out, recipe), "--resume")
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    assert result.exit_code == 2 and "the partial and its journal are kept" in one_line_error(result)
+    assert {"q.gguf.partial", "q.gguf.journal"} <= leftovers(out)
 
 
 def test_a_journaled_payload_lost_in_a_crash_is_made_again(qwen, recipe, reference, tmp_path, monkeypatch):

@@ -410,10 +410,12 @@ def execute(prepared: Prepared, request: ConvertRequest,
             if is_out_of_space(exc):
                 raise out_of_space(exc.filename or partial) from None
             if exc.errno == errno.EFBIG:   # the filesystem's (FAT32: 4 GiB) or ``ulimit -f``'s: no resume gets past it
-                partial.unlink(missing_ok=True)
-                journal_path(out).unlink(missing_ok=True)
-                raise OutputPathError("the output is larger than one file may be there (the filesystem's or the "
-                                      "process's file size limit); nothing is kept: write it to another filesystem",
+                if not request.resume:     # an earlier run's work stays, for a resume where the limit is lifted
+                    partial.unlink(missing_ok=True)
+                    journal_path(out).unlink(missing_ok=True)
+                kept = "the partial and its journal are kept" if request.resume else "nothing is kept"
+                raise OutputPathError(f"the output is larger than one file may be there (the filesystem's or the "
+                                      f"process's file size limit); {kept}: write it to another filesystem",
                                       path=exc.filename or partial) from None
             raise
         finally:
